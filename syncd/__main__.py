@@ -1,0 +1,3 @@
+from syncd.cli import main
+
+raise SystemExit(main())
