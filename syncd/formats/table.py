@@ -1,0 +1,59 @@
+"""The tensor table both formats read into and write from: names, dtypes, shapes, where the bytes are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as stored in a source file; `offset` is absolute within that file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    param_id: int | None = None
+    # the dtype exactly as the file spelled it (QFloat scheme, Bool spelling), for byte-exact re-emission
+    raw_dtype: Any = None
+
+
+@dataclass
+class TensorSpec:
+    """One tensor to write. `chunks` yields its bytes in order when the writer reaches it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: Callable[[], Iterable[Buffer]]
+    param_id: int | None = None
+    raw_dtype: Any = None
+
+
+@dataclass
+class CheckpointHeader:
+    """What a reader learned from a file's header, besides the tensors."""
+
+    format: str  # "burnpack" | "safetensors"
+    path: str
+    file_size: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)  # format-specific, for `syncd inspect`
+
+
+class CheckpointReader(Protocol):
+    header: CheckpointHeader
+    tensors: list[TensorInfo]  # in data order (ascending offset)
+
+    def tensor(self, name: str) -> TensorInfo: ...
+    def read(self, name: str) -> bytes: ...
+    def iter_chunks(self, name: str, chunk_size: int = ...) -> Iterable[bytes]: ...
+    def readinto(self, name: str, offset: int, buf: bytearray | memoryview) -> int: ...
+    def close(self) -> None: ...
