@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,13 +25,14 @@ class TensorInfo:
 
 @dataclass
 class TensorSpec:
-    """One tensor to write. `chunks` yields its bytes in order when the writer reaches it."""
+    """One tensor to write. The writer calls `fill(sink)` when it reaches the tensor's place in the file;
+    `fill` delivers exactly `nbytes` through `sink.write` (in order) or `sink.pwrite` (by position)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    chunks: Callable[[], Iterable[Buffer]]
+    fill: Callable[[Any], None]
     param_id: int | None = None
     raw_dtype: Any = None
 
@@ -54,6 +55,6 @@ class CheckpointReader(Protocol):
 
     def tensor(self, name: str) -> TensorInfo: ...
     def read(self, name: str) -> bytes: ...
-    def iter_chunks(self, name: str, chunk_size: int = ...) -> Iterable[bytes]: ...
-    def readinto(self, name: str, offset: int, buf: bytearray | memoryview) -> int: ...
+    def iter_chunks(self, name: str, chunk_size: int = ...) -> Iterator[memoryview]: ...
+    def readinto(self, name: str, offset: int, buf: memoryview) -> None: ...
     def close(self) -> None: ...

@@ -1,0 +1,506 @@
+"""Burn's burnpack (`.bpk`) container: a byte-exact reader and writer. Knows nothing of modules.
+
+Layout (burn-compat.md §1.1): 10-byte header (magic u32 LE, version u16 LE, metadata size u32 LE), CBOR
+metadata, zero padding up to the data section, then each tensor's raw little-endian bytes at
+`data_start + data_offsets[0]`. Burn >= 0.20 aligns the data section and every tensor to 256 bytes;
+Burn 0.19 packs tensors right after the metadata with the same version number (§1.9).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+import numpy as np
+
+from syncd.errors import FormatError
+from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE, byte_length
+from syncd.formats.fileio import TensorFileReader, TensorSink, pread_exact, pwrite_all, write_zeros
+from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
+
+MAGIC = 0x4255524E
+FORMAT_VERSION = 1
+HEADER_SIZE = 10
+TENSOR_ALIGNMENT = 256
+# Burn's reader limits (burn-compat.md §1.8); our writer enforces them too (§1.7, §6).
+MAX_METADATA_SIZE = 104_857_600
+MAX_TENSOR_SIZE = 10_737_418_240
+MAX_TENSOR_COUNT = 100_000
+MAX_CBOR_DEPTH = 128
+MAX_FILE_SIZE = 107_374_182_400
+U64_LIMIT = 1 << 64
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+
+UNIT_DTYPES = frozenset(
+    ["F64", "F32", "Flex32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "Bool"]
+)
+BOOL_STORES = {"Native": "Bool(Native)", "U8": "Bool(U8)", "U32": "Bool(U32)"}
+QUANT_VALUES = frozenset(["Q8F", "E5M2", "E4M3", "Q4F", "E2M1", "Q2F", "Q8S", "Q4S", "Q2S"])
+SCALAR_KINDS = ("Int", "UInt", "Float", "Bool")
+
+LAYOUT_ALIGNED = "aligned"  # Burn >= 0.20
+LAYOUT_PACKED = "packed"  # Burn 0.19
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A burnpack scalar (§1.6): kind is Int, UInt, Float or Bool."""
+
+    kind: str
+    value: int | float | bool
+
+
+def align_up(value: int, alignment: int = TENSOR_ALIGNMENT) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class BurnpackReader(TensorFileReader):
+    """Parses and validates a burnpack file's header; tensor bytes are read only when asked for."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, message: str, tensor: str | None = None) -> FormatError:
+        return FormatError(message, self.path, tensor)
+
+    def _parse(self) -> None:
+        if self.file_size > MAX_FILE_SIZE:
+            raise self._fail(
+                f"File size {self.file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes"
+            )
+        if self.file_size < HEADER_SIZE:
+            raise self._fail(f"Invalid header: insufficient bytes ({self.file_size} of {HEADER_SIZE})")
+        magic, version, meta_size = struct.unpack("<IHI", pread_exact(self.fd, HEADER_SIZE, 0, self.path, "header"))
+        if magic != MAGIC:
+            raise self._fail(f"Invalid magic number 0x{magic:08x}: not a burnpack file")
+        if version > FORMAT_VERSION:
+            raise self._fail(f"Unsupported version {version} (this reader knows version {FORMAT_VERSION})")
+        if meta_size > MAX_METADATA_SIZE:
+            raise self._fail(
+                f"Metadata size {meta_size} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes"
+            )
+        if self.file_size < HEADER_SIZE + meta_size:
+            raise self._fail(
+                f"Invalid header: metadata needs {meta_size} bytes but the file has "
+                f"{self.file_size - HEADER_SIZE} after the header (truncated)"
+            )
+        raw = pread_exact(self.fd, meta_size, HEADER_SIZE, self.path, "metadata")
+        document = decode_cbor(raw, self.path)
+        tensors_doc, metadata, scalars, extra_keys = split_document(document, self.path)
+        if len(tensors_doc) > MAX_TENSOR_COUNT:
+            raise self._fail(f"File contains {len(tensors_doc)} tensors, exceeding maximum of {MAX_TENSOR_COUNT}")
+        descriptors = [parse_descriptor(name, desc, self.path) for name, desc in tensors_doc.items()]
+        layout, data_start = self._detect_layout(meta_size, descriptors)
+        tensors = [
+            TensorInfo(d.name, d.dtype, d.shape, data_start + d.start, d.end - d.start, d.param_id, d.raw_dtype)
+            for d in descriptors
+        ]
+        check_ranges(descriptors, self.path)
+        self._index(tensors)
+        top_keys = [k for k in document if isinstance(k, str)]
+        self.header = CheckpointHeader(
+            format="burnpack",
+            path=self.path,
+            file_size=self.file_size,
+            metadata=metadata,
+            scalars=scalars,
+            facts={
+                "version": version,
+                "metadata_size": meta_size,
+                "data_start": data_start,
+                "layout": layout,
+                "top_level_keys": top_keys,
+                "unknown_keys": extra_keys,
+                "tensor_key_order": [d.name for d in descriptors],
+            },
+        )
+
+    def _detect_layout(self, meta_size: int, descriptors: list[_Descriptor]) -> tuple[str, int]:
+        """Aligned (Burn >= 0.20) or packed (Burn 0.19) data section, told apart by file size (§1.9)."""
+        unaligned = HEADER_SIZE + meta_size
+        aligned = align_up(unaligned)
+        max_end = max((d.end for d in descriptors), default=0)
+        if aligned + max_end <= self.file_size:
+            return LAYOUT_ALIGNED, aligned
+        if unaligned != aligned and unaligned + max_end == self.file_size:
+            return LAYOUT_PACKED, unaligned
+        raise self._fail(
+            f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class _Descriptor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    param_id: int | None
+    raw_dtype: Any
+
+
+def _reject_tag(decoder: Any, tag: Any) -> Any:
+    raise ValueError(f"CBOR tag {tag.tag} is not allowed in burnpack metadata")
+
+
+def decode_cbor(raw: bytes, path: str) -> Any:
+    """Decode burnpack metadata with Burn's depth limit, refusing tags (bignums) and duplicate keys."""
+    try:
+        return cbor2.loads(
+            raw, max_depth=MAX_CBOR_DEPTH, tag_hook=_reject_tag, allow_duplicate_keys=False, str_errors="strict"
+        )
+    except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError, MemoryError, OverflowError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FormatError(f"Metadata deserialization error: {message}", path) from None
+
+
+def split_document(document: Any, path: str) -> tuple[dict, dict[str, str], dict[str, Scalar], list[str]]:
+    if not isinstance(document, dict):
+        raise FormatError("Metadata deserialization error: top level is not a map", path)
+    if "tensors" not in document:
+        raise FormatError("Metadata deserialization error: missing field `tensors`", path)
+    tensors = document["tensors"]
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) for k in tensors):
+        raise FormatError("Metadata deserialization error: `tensors` is not a map of names", path)
+    metadata = document.get("metadata", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise FormatError("Metadata deserialization error: `metadata` is not a map of text to text", path)
+    scalars = {name: parse_scalar(name, value, path) for name, value in _scalar_map(document, path).items()}
+    extra = [str(k) for k in document if k not in ("tensors", "metadata", "scalars")]
+    return tensors, dict(metadata), scalars, extra
+
+
+def _scalar_map(document: dict, path: str) -> dict:
+    scalars = document.get("scalars", {})
+    if not isinstance(scalars, dict) or not all(isinstance(k, str) for k in scalars):
+        raise FormatError("Metadata deserialization error: `scalars` is not a map of names", path)
+    return scalars
+
+
+def parse_scalar(name: str, value: Any, path: str) -> Scalar:
+    if isinstance(value, dict) and len(value) == 1:
+        kind, inner = next(iter(value.items()))
+        if kind == "Bool" and isinstance(inner, bool):
+            return Scalar(kind, inner)
+        if kind == "Float" and isinstance(inner, float | int) and not isinstance(inner, bool):
+            return Scalar(kind, float(inner))
+        if kind == "Int" and _is_int(inner) and I64_MIN <= inner <= I64_MAX:
+            return Scalar(kind, inner)
+        if kind == "UInt" and _is_int(inner) and 0 <= inner < U64_LIMIT:
+            return Scalar(kind, inner)
+    raise FormatError(f"Metadata deserialization error: scalar '{name}' is not a valid Scalar: {value!r:.80}", path)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_dtype(raw: Any) -> str | None:
+    """Map a CBOR DType (§1.4) to our dtype name, or None if it is not one Burn defines."""
+    if isinstance(raw, str):
+        return raw if raw in UNIT_DTYPES else None
+    if isinstance(raw, dict) and len(raw) == 1:
+        variant, inner = next(iter(raw.items()))
+        if variant == "Bool" and isinstance(inner, str):
+            return BOOL_STORES.get(inner)
+        if variant == "QFloat" and isinstance(inner, dict) and inner.get("value") in QUANT_VALUES:
+            return "QFloat"
+    return None
+
+
+def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
+    def fail(message: str) -> FormatError:
+        return FormatError(message, path, name)
+
+    check_name(name, path)
+    if not isinstance(desc, dict):
+        raise fail("descriptor is not a map")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in desc:
+            raise fail(f"descriptor lacks `{key}`")
+    dtype = parse_dtype(desc["dtype"])
+    if dtype is None:
+        raise fail(f"unknown dtype {desc['dtype']!r:.80}")
+    shape = desc["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < U64_LIMIT for d in shape):
+        raise fail("has corrupted shape data: shape must be a list of unsigned integers")
+    offsets = desc["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and 0 <= o < U64_LIMIT for o in offsets)):
+        raise fail("has corrupted offset data: data_offsets must be two unsigned integers")
+    start, end = offsets
+    if end < start:
+        raise fail(f"has corrupted offset data: end {end} < start {start}")
+    if end - start > MAX_TENSOR_SIZE:
+        raise fail(f"size {end - start} exceeds maximum allowed size of {MAX_TENSOR_SIZE} bytes")
+    param_id = desc.get("param_id")
+    if param_id is not None and not (_is_int(param_id) and 0 <= param_id < U64_LIMIT):
+        raise fail("param_id must be an unsigned 64-bit integer")
+    shape_t = tuple(shape)
+    expected = byte_length(dtype, shape_t)
+    if expected is not None and expected != end - start:
+        raise fail(f"declares {end - start} bytes but its shape {list(shape_t)} and dtype {dtype} need {expected}")
+    return _Descriptor(name, dtype, shape_t, start, end, param_id, desc["dtype"])
+
+
+def check_name(name: str, path: str | None) -> None:
+    """Burn splits names on '.' into path segments (§6): an empty name or segment has no module path."""
+    if name == "" or "" in name.split("."):
+        raise FormatError(f"tensor name {name!r} has an empty path segment", path)
+
+
+def check_ranges(descriptors: Sequence[_Descriptor], path: str) -> None:
+    """Refuse overlapping data ranges; Burn does not check this (§1.8), but two tensors sharing bytes
+    are never what a writer meant."""
+    ordered = sorted((d for d in descriptors if d.end > d.start), key=lambda d: d.start)
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        if after.start < before.end:
+            raise FormatError(
+                f"data range {after.start}..{after.end} overlaps tensor '{before.name}' "
+                f"({before.start}..{before.end})",
+                path,
+                after.name,
+            )
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def encode_dtype(dtype: str, raw_dtype: Any = None) -> Any:
+    """Our dtype name -> Burn's CBOR DType; QFloat needs its original scheme."""
+    if dtype == "QFloat":
+        if not (isinstance(raw_dtype, dict) and "QFloat" in raw_dtype):
+            raise FormatError("QFloat tensor has no quantization scheme to write")
+        return raw_dtype
+    if dtype in UNIT_DTYPES:
+        return dtype
+    for store, name in BOOL_STORES.items():
+        if name == dtype:
+            return {"Bool": store}
+    raise FormatError(f"dtype {dtype} has no burnpack form")
+
+
+def cbor_encode(value: Any, out: bytearray) -> None:
+    """CBOR as ciborium writes it (§1.3): definite lengths, minimal ints, shortest exact float, dicts in
+    insertion order. cbor2 always widens floats to f64, so Burn's bytes need our own encoder."""
+    if isinstance(value, bool):
+        out.append(0xF5 if value else 0xF4)
+    elif value is None:
+        out.append(0xF6)
+    elif isinstance(value, int):
+        if value >= 0:
+            _cbor_head(0, value, out)
+        else:
+            _cbor_head(1, -1 - value, out)
+    elif isinstance(value, float):
+        out += _shortest_float(value)
+    elif isinstance(value, str):
+        data = value.encode("utf-8")
+        _cbor_head(3, len(data), out)
+        out += data
+    elif isinstance(value, list | tuple):
+        _cbor_head(4, len(value), out)
+        for item in value:
+            cbor_encode(item, out)
+    elif isinstance(value, dict):
+        _cbor_head(5, len(value), out)
+        for key, item in value.items():
+            cbor_encode(key, out)
+            cbor_encode(item, out)
+    else:
+        raise FormatError(f"cannot encode {type(value).__name__} in burnpack metadata")
+
+
+def _cbor_head(major: int, arg: int, out: bytearray) -> None:
+    if arg >= U64_LIMIT:
+        raise FormatError(f"integer {arg} does not fit in 64 bits")
+    if arg < 24:
+        out.append(major << 5 | arg)
+    elif arg < 1 << 8:
+        out += struct.pack(">BB", major << 5 | 24, arg)
+    elif arg < 1 << 16:
+        out += struct.pack(">BH", major << 5 | 25, arg)
+    elif arg < 1 << 32:
+        out += struct.pack(">BI", major << 5 | 26, arg)
+    else:
+        out += struct.pack(">BQ", major << 5 | 27, arg)
+
+
+def _shortest_float(value: float) -> bytes:
+    wide = struct.pack(">d", value)
+    for code, fmt in ((0xF9, ">e"), (0xFA, ">f")):
+        try:
+            narrow = struct.pack(fmt, value)
+        except OverflowError:
+            continue
+        if struct.pack(">d", struct.unpack(fmt, narrow)[0]) == wide:
+            return bytes([code]) + narrow
+    return b"\xfb" + wide
+
+
+def encode_scalar(scalar: Scalar) -> dict:
+    if scalar.kind not in SCALAR_KINDS:
+        raise FormatError(f"unknown scalar kind {scalar.kind}")
+    if scalar.kind == "Float":
+        return {"Float": float(scalar.value)}
+    if scalar.kind == "Int" and not I64_MIN <= int(scalar.value) <= I64_MAX:
+        raise FormatError(f"Int scalar {scalar.value} does not fit in 64 bits")
+    if scalar.kind == "UInt" and not 0 <= int(scalar.value) < U64_LIMIT:
+        raise FormatError(f"UInt scalar {scalar.value} does not fit in 64 bits")
+    return {scalar.kind: scalar.value}
+
+
+@dataclass
+class BurnpackPlan:
+    """Everything about the output decided before a byte is written (§2.2 step 1)."""
+
+    header: bytes
+    data_start: int
+    starts: list[int]  # relative to data_start, one per spec in write order
+    file_size: int
+
+
+def plan_burnpack(
+    specs: Sequence[TensorSpec],
+    metadata: dict[str, str] | None = None,
+    scalars: dict[str, Scalar] | None = None,
+    layout: str = LAYOUT_ALIGNED,
+) -> BurnpackPlan:
+    """Assign offsets in the given (data) order and encode the metadata as Burn does (§1.1-§1.3, §6)."""
+    validate_specs(specs)
+    starts, cursor = [], 0
+    for spec in specs:
+        start = align_up(cursor) if layout == LAYOUT_ALIGNED else cursor
+        starts.append(start)
+        cursor = start + spec.nbytes
+    order = sorted(range(len(specs)), key=lambda i: specs[i].name.encode("utf-8"))
+    tensors = {specs[i].name: _descriptor_doc(specs[i], starts[i]) for i in order}
+    document: dict[str, Any] = {"tensors": tensors}
+    if metadata:
+        _check_text_map(metadata)
+        document["metadata"] = {k: metadata[k] for k in sorted(metadata, key=lambda k: k.encode("utf-8"))}
+    if scalars:
+        document["scalars"] = {k: encode_scalar(scalars[k]) for k in sorted(scalars, key=lambda k: k.encode("utf-8"))}
+    body = bytearray()
+    cbor_encode(document, body)
+    if len(body) > MAX_METADATA_SIZE:
+        raise FormatError(f"Metadata size {len(body)} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes")
+    unaligned = HEADER_SIZE + len(body)
+    data_start = align_up(unaligned) if layout == LAYOUT_ALIGNED else unaligned
+    file_size = data_start + max((s + spec.nbytes for s, spec in zip(starts, specs, strict=True)), default=0)
+    if file_size > MAX_FILE_SIZE:
+        raise FormatError(f"File size {file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes")
+    header = struct.pack("<IHI", MAGIC, FORMAT_VERSION, len(body)) + bytes(body)
+    return BurnpackPlan(header, data_start, starts, file_size)
+
+
+def _descriptor_doc(spec: TensorSpec, start: int) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "dtype": encode_dtype(spec.dtype, spec.raw_dtype),
+        "shape": list(spec.shape),
+        "data_offsets": [start, start + spec.nbytes],
+    }
+    if spec.param_id is not None:
+        doc["param_id"] = spec.param_id
+    return doc
+
+
+def _check_text_map(metadata: dict[str, str]) -> None:
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise FormatError(f"metadata entry {key!r} is not text to text")
+
+
+def validate_specs(specs: Sequence[TensorSpec]) -> None:
+    """Refuse anything Burn's reader would refuse (§1.7, §1.8, §6)."""
+    if len(specs) > MAX_TENSOR_COUNT:
+        raise FormatError(f"{len(specs)} tensors exceed Burn's maximum of {MAX_TENSOR_COUNT}")
+    seen: set[str] = set()
+    for spec in specs:
+        check_name(spec.name, None)
+        if spec.name in seen:
+            raise FormatError(f"Duplicate tensor name '{spec.name}'")
+        seen.add(spec.name)
+        encode_dtype(spec.dtype, spec.raw_dtype)
+        if not all(isinstance(d, int) and 0 <= d < U64_LIMIT for d in spec.shape):
+            raise FormatError(f"shape {list(spec.shape)} is not a list of unsigned integers", tensor=spec.name)
+        expected = byte_length(spec.dtype, tuple(spec.shape))
+        if expected is not None and expected != spec.nbytes:
+            raise FormatError(
+                f"declares {spec.nbytes} bytes but its shape {list(spec.shape)} and dtype {spec.dtype} need {expected}",
+                tensor=spec.name,
+            )
+        if spec.nbytes > MAX_TENSOR_SIZE:
+            raise FormatError(f"size {spec.nbytes} exceeds maximum allowed size of {MAX_TENSOR_SIZE} bytes",
+                              tensor=spec.name)
+        if spec.param_id is not None and not (isinstance(spec.param_id, int) and 0 <= spec.param_id < U64_LIMIT):
+            raise FormatError(f"param_id {spec.param_id} is not an unsigned 64-bit integer", tensor=spec.name)
+
+
+def bool_checker(dtype: str, name: str) -> Any:
+    """Bool bytes must be exactly 0 or 1 (§6): a writer must not emit 0xFF for true."""
+    if dtype not in BOOL_DTYPES:
+        return None
+    element = np.uint32 if dtype == "Bool(U32)" else np.uint8
+
+    def check(data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        if len(view) % ITEMSIZE[dtype]:
+            raise FormatError("bool data is not a whole number of elements", tensor=name)
+        values = np.frombuffer(view, dtype=np.dtype(element).newbyteorder("<"))
+        if values.size and values.max() > 1:
+            raise FormatError("bool tensor holds a byte other than 0 or 1", tensor=name)
+
+    return check
+
+
+def write_tensors(fd: int, plan_starts: Iterable[tuple[TensorSpec, int]]) -> None:
+    """Fill each tensor's window, zero-filling the gaps between them."""
+    cursor = None
+    for spec, absolute in plan_starts:
+        if cursor is not None and absolute > cursor:
+            write_zeros(fd, cursor, absolute - cursor)
+        sink = TensorSink(fd, absolute, spec.nbytes, spec.name, bool_checker(spec.dtype, spec.name))
+        spec.fill(sink)
+        sink.finish()
+        cursor = absolute + spec.nbytes if cursor is None else max(cursor, absolute + spec.nbytes)
+
+
+def write_burnpack(
+    fd: int,
+    specs: Sequence[TensorSpec],
+    metadata: dict[str, str] | None = None,
+    scalars: dict[str, Scalar] | None = None,
+    layout: str = LAYOUT_ALIGNED,
+) -> BurnpackPlan:
+    """Write a whole burnpack file to `fd` (from offset 0), one tensor at a time, in `specs` order."""
+    plan = plan_burnpack(specs, metadata, scalars, layout)
+    pwrite_all(fd, plan.header, 0)
+    write_zeros(fd, len(plan.header), plan.data_start - len(plan.header))
+    write_tensors(fd, ((spec, plan.data_start + start) for spec, start in zip(specs, plan.starts, strict=True)))
+    os.ftruncate(fd, plan.file_size)
+    return plan
+
+
+def bytes_spec(name: str, dtype: str, shape: Sequence[int], data: Buffer, param_id: int | None = None,
+               raw_dtype: Any = None) -> TensorSpec:
+    """A spec for bytes already in memory (tests, small tensors)."""
+    view = memoryview(data).cast("B")
+    return TensorSpec(name, dtype, tuple(shape), len(view), lambda sink: sink.write(view), param_id, raw_dtype)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)

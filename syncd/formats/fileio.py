@@ -1,0 +1,184 @@
+"""Low-level file access shared by both format readers and writers.
+
+Readers use `pread` rather than a memory map: a file that a training job truncates while we read it would
+deliver SIGBUS through a mapping, which Python cannot turn into an error, and a daemon must survive that.
+`pread` into buffers also keeps the process RSS independent of the file size.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+
+from syncd.errors import FormatError
+from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo
+
+READ_CHUNK = 8 << 20
+
+
+def open_regular_file(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Open `path` read-only and return (fd, size); refuse anything that is not a regular file.
+
+    O_NONBLOCK keeps a FIFO named like a checkpoint from blocking the caller; it has no effect on the
+    regular files we go on to read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise FormatError("no such file", str(path)) from None
+    except IsADirectoryError:
+        raise FormatError("is a directory, not a checkpoint file", str(path)) from None
+    except OSError as exc:
+        raise FormatError(f"cannot open: {exc.strerror}", str(path)) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FormatError("not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def pread_exact(fd: int, size: int, offset: int, path: str, what: str) -> bytes:
+    """Read exactly `size` bytes at `offset`, or fail naming what was being read."""
+    parts: list[bytes] = []
+    got = 0
+    while got < size:
+        try:
+            chunk = os.pread(fd, min(size - got, READ_CHUNK), offset + got)
+        except OSError as exc:
+            raise FormatError(f"cannot read {what}: {exc.strerror}", path) from None
+        if not chunk:
+            raise FormatError(f"file truncated while reading {what} (got {got} of {size} bytes)", path)
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def preadinto_exact(fd: int, buf: memoryview, offset: int, path: str, what: str) -> None:
+    """Fill `buf` from `offset`, or fail naming what was being read."""
+    done = 0
+    while done < len(buf):
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError as exc:
+            raise FormatError(f"cannot read {what}: {exc.strerror}", path) from None
+        if n == 0:
+            raise FormatError(f"file truncated while reading {what}", path)
+        done += n
+
+
+def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    """Write all of `data` at `offset` (pwrite may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+class TensorSink:
+    """Where a tensor's bytes go: a fixed window of the output file, filled sequentially or by position.
+
+    The writer checks afterwards that exactly the declared number of bytes arrived, so a producer that
+    yields too few or too many bytes fails the write instead of corrupting the layout.
+    """
+
+    def __init__(self, fd: int, base: int, nbytes: int, name: str, check: Callable[[Buffer], None] | None):
+        self.fd = fd
+        self.base = base
+        self.nbytes = nbytes
+        self.name = name
+        self.written = 0
+        self._cursor = 0
+        self._check = check
+
+    def write(self, data: Buffer) -> None:
+        self.pwrite(data, self._cursor)
+        self._cursor += memoryview(data).nbytes
+
+    def pwrite(self, data: Buffer, rel_offset: int) -> None:
+        size = memoryview(data).nbytes
+        if rel_offset < 0 or rel_offset + size > self.nbytes:
+            raise FormatError(
+                f"deferred source has inconsistent length (expected {self.nbytes}, "
+                f"got a write reaching {rel_offset + size})",
+                tensor=self.name,
+            )
+        if self._check is not None:
+            self._check(data)
+        pwrite_all(self.fd, data, self.base + rel_offset)
+        self.written += size
+
+    def finish(self) -> None:
+        if self.written != self.nbytes:
+            raise FormatError(
+                f"deferred source has inconsistent length (expected {self.nbytes}, got {self.written})",
+                tensor=self.name,
+            )
+
+
+def write_zeros(fd: int, offset: int, count: int) -> None:
+    """Zero-fill explicitly: padding must be zero bytes on disk, not a hole we hope reads as zero."""
+    block = bytes(min(count, 1 << 20))
+    while count > 0:
+        n = min(count, len(block))
+        pwrite_all(fd, memoryview(block)[:n], offset)
+        offset += n
+        count -= n
+
+
+class TensorFileReader:
+    """Shared reading side of both formats: a validated table of tensors and lazy, bounded access to
+    their bytes. Subclasses parse the header in `__init__` and fill `header` and `tensors`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.fd, self.file_size = open_regular_file(path)
+        self.tensors: list[TensorInfo] = []
+        self._by_name: dict[str, TensorInfo] = {}
+        self.header: CheckpointHeader
+
+    def _index(self, tensors: list[TensorInfo]) -> None:
+        self.tensors = sorted(tensors, key=lambda t: (t.offset, t.offset + t.nbytes))
+        self._by_name = {t.name: t for t in tensors}
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise FormatError(f"Tensor not found: {name}", self.path) from None
+
+    def read(self, name: str) -> bytes:
+        info = self.tensor(name)
+        return pread_exact(self.fd, info.nbytes, info.offset, self.path, f"tensor '{name}'")
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        info = self.tensor(name)
+        if offset < 0 or offset + len(buf) > info.nbytes:
+            raise FormatError(f"read past the end of tensor '{name}'", self.path)
+        preadinto_exact(self.fd, buf, info.offset + offset, self.path, f"tensor '{name}'")
+
+    def iter_chunks(self, name: str, chunk_size: int = READ_CHUNK) -> Iterator[memoryview]:
+        """Yield the tensor's bytes in pieces through one reused buffer (valid until the next piece)."""
+        info = self.tensor(name)
+        buf = memoryview(bytearray(min(chunk_size, info.nbytes)))
+        done = 0
+        while done < info.nbytes:
+            piece = buf[: min(len(buf), info.nbytes - done)]
+            preadinto_exact(self.fd, piece, info.offset + done, self.path, f"tensor '{name}'")
+            yield piece
+            done += len(piece)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> TensorFileReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
