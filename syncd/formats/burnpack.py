@@ -11,16 +11,15 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import cbor2
-import numpy as np
 
 from syncd.errors import FormatError
-from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE, byte_length
-from syncd.formats.fileio import TensorFileReader, TensorSink, pread_exact, pwrite_all, write_zeros
+from syncd.formats.dtypes import byte_length
+from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, write_tensors, write_zeros
 from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 
 MAGIC = 0x4255524E
@@ -78,9 +77,7 @@ class BurnpackReader(TensorFileReader):
 
     def _parse(self) -> None:
         if self.file_size > MAX_FILE_SIZE:
-            raise self._fail(
-                f"File size {self.file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes"
-            )
+            raise self._fail(f"File size {self.file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes")
         if self.file_size < HEADER_SIZE:
             raise self._fail(f"Invalid header: insufficient bytes ({self.file_size} of {HEADER_SIZE})")
         magic, version, meta_size = struct.unpack("<IHI", pread_exact(self.fd, HEADER_SIZE, 0, self.path, "header"))
@@ -89,9 +86,7 @@ class BurnpackReader(TensorFileReader):
         if version > FORMAT_VERSION:
             raise self._fail(f"Unsupported version {version} (this reader knows version {FORMAT_VERSION})")
         if meta_size > MAX_METADATA_SIZE:
-            raise self._fail(
-                f"Metadata size {meta_size} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes"
-            )
+            raise self._fail(f"Metadata size {meta_size} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes")
         if self.file_size < HEADER_SIZE + meta_size:
             raise self._fail(
                 f"Invalid header: metadata needs {meta_size} bytes but the file has "
@@ -137,9 +132,7 @@ class BurnpackReader(TensorFileReader):
             return LAYOUT_ALIGNED, aligned
         if unaligned != aligned and unaligned + max_end == self.file_size:
             return LAYOUT_PACKED, unaligned
-        raise self._fail(
-            f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes"
-        )
+        raise self._fail(f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes")
 
 
 @dataclass(frozen=True)
@@ -177,7 +170,9 @@ def split_document(document: Any, path: str) -> tuple[dict, dict[str, str], dict
     if not isinstance(tensors, dict) or not all(isinstance(k, str) for k in tensors):
         raise FormatError("Metadata deserialization error: `tensors` is not a map of names", path)
     metadata = document.get("metadata", {})
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise FormatError("Metadata deserialization error: `metadata` is not a map of text to text", path)
     scalars = {name: parse_scalar(name, value, path) for name, value in _scalar_map(document, path).items()}
     extra = [str(k) for k in document if k not in ("tensors", "metadata", "scalars")]
@@ -239,7 +234,9 @@ def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
     if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < U64_LIMIT for d in shape):
         raise fail("has corrupted shape data: shape must be a list of unsigned integers")
     offsets = desc["data_offsets"]
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and 0 <= o < U64_LIMIT for o in offsets)):
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and 0 <= o < U64_LIMIT for o in offsets)
+    ):
         raise fail("has corrupted offset data: data_offsets must be two unsigned integers")
     start, end = offsets
     if end < start:
@@ -269,8 +266,7 @@ def check_ranges(descriptors: Sequence[_Descriptor], path: str) -> None:
     for before, after in zip(ordered, ordered[1:], strict=False):
         if after.start < before.end:
             raise FormatError(
-                f"data range {after.start}..{after.end} overlaps tensor '{before.name}' "
-                f"({before.start}..{before.end})",
+                f"data range {after.start}..{after.end} overlaps tensor '{before.name}' ({before.start}..{before.end})",
                 path,
                 after.name,
             )
@@ -444,39 +440,11 @@ def validate_specs(specs: Sequence[TensorSpec]) -> None:
                 tensor=spec.name,
             )
         if spec.nbytes > MAX_TENSOR_SIZE:
-            raise FormatError(f"size {spec.nbytes} exceeds maximum allowed size of {MAX_TENSOR_SIZE} bytes",
-                              tensor=spec.name)
+            raise FormatError(
+                f"size {spec.nbytes} exceeds maximum allowed size of {MAX_TENSOR_SIZE} bytes", tensor=spec.name
+            )
         if spec.param_id is not None and not (isinstance(spec.param_id, int) and 0 <= spec.param_id < U64_LIMIT):
             raise FormatError(f"param_id {spec.param_id} is not an unsigned 64-bit integer", tensor=spec.name)
-
-
-def bool_checker(dtype: str, name: str) -> Any:
-    """Bool bytes must be exactly 0 or 1 (§6): a writer must not emit 0xFF for true."""
-    if dtype not in BOOL_DTYPES:
-        return None
-    element = np.uint32 if dtype == "Bool(U32)" else np.uint8
-
-    def check(data: Buffer) -> None:
-        view = memoryview(data).cast("B")
-        if len(view) % ITEMSIZE[dtype]:
-            raise FormatError("bool data is not a whole number of elements", tensor=name)
-        values = np.frombuffer(view, dtype=np.dtype(element).newbyteorder("<"))
-        if values.size and values.max() > 1:
-            raise FormatError("bool tensor holds a byte other than 0 or 1", tensor=name)
-
-    return check
-
-
-def write_tensors(fd: int, plan_starts: Iterable[tuple[TensorSpec, int]]) -> None:
-    """Fill each tensor's window, zero-filling the gaps between them."""
-    cursor = None
-    for spec, absolute in plan_starts:
-        if cursor is not None and absolute > cursor:
-            write_zeros(fd, cursor, absolute - cursor)
-        sink = TensorSink(fd, absolute, spec.nbytes, spec.name, bool_checker(spec.dtype, spec.name))
-        spec.fill(sink)
-        sink.finish()
-        cursor = absolute + spec.nbytes if cursor is None else max(cursor, absolute + spec.nbytes)
 
 
 def write_burnpack(
@@ -495,8 +463,9 @@ def write_burnpack(
     return plan
 
 
-def bytes_spec(name: str, dtype: str, shape: Sequence[int], data: Buffer, param_id: int | None = None,
-               raw_dtype: Any = None) -> TensorSpec:
+def bytes_spec(
+    name: str, dtype: str, shape: Sequence[int], data: Buffer, param_id: int | None = None, raw_dtype: Any = None
+) -> TensorSpec:
     """A spec for bytes already in memory (tests, small tensors)."""
     view = memoryview(data).cast("B")
     return TensorSpec(name, dtype, tuple(shape), len(view), lambda sink: sink.write(view), param_id, raw_dtype)

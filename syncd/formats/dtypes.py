@@ -9,44 +9,118 @@ from __future__ import annotations
 
 # bytes per element; QFloat has none (its payload length comes from its scheme).
 ITEMSIZE: dict[str, int] = {
-    "F64": 8, "F32": 4, "Flex32": 4, "F16": 2, "BF16": 2,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-    "U64": 8, "U32": 4, "U16": 2, "U8": 1,
-    "Bool": 1, "Bool(Native)": 1, "Bool(U8)": 1, "Bool(U32)": 4,
-    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8,
+    "F64": 8,
+    "F32": 4,
+    "Flex32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "Bool": 1,
+    "Bool(Native)": 1,
+    "Bool(U8)": 1,
+    "Bool(U32)": 4,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
 }
 
 # element bit widths of the sub-byte safetensors types
 SUBBYTE_BITS: dict[str, int] = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 BURNPACK_DTYPES = frozenset(
-    ["F64", "F32", "Flex32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8",
-     "Bool", "Bool(Native)", "Bool(U8)", "Bool(U32)", "QFloat"]
+    [
+        "F64",
+        "F32",
+        "Flex32",
+        "F16",
+        "BF16",
+        "I64",
+        "I32",
+        "I16",
+        "I8",
+        "U64",
+        "U32",
+        "U16",
+        "U8",
+        "Bool",
+        "Bool(Native)",
+        "Bool(U8)",
+        "Bool(U32)",
+        "QFloat",
+    ]
 )
 BOOL_DTYPES = frozenset(["Bool", "Bool(Native)", "Bool(U8)", "Bool(U32)"])
 FLOAT_DTYPES = frozenset(["F64", "F32", "Flex32", "F16", "BF16"])
 
 # safetensors dtype name -> our name (BOOL is a native 1-byte bool)
 SAFETENSORS_TO_DTYPE: dict[str, str] = {
-    "F64": "F64", "F32": "F32", "F16": "F16", "BF16": "BF16",
-    "I64": "I64", "I32": "I32", "I16": "I16", "I8": "I8",
-    "U64": "U64", "U32": "U32", "U16": "U16", "U8": "U8", "BOOL": "Bool(Native)",
-    "F8_E4M3": "F8_E4M3", "F8_E5M2": "F8_E5M2", "F8_E8M0": "F8_E8M0",
-    "F4": "F4", "F6_E2M3": "F6_E2M3", "F6_E3M2": "F6_E3M2", "C64": "C64",
+    "F64": "F64",
+    "F32": "F32",
+    "F16": "F16",
+    "BF16": "BF16",
+    "I64": "I64",
+    "I32": "I32",
+    "I16": "I16",
+    "I8": "I8",
+    "U64": "U64",
+    "U32": "U32",
+    "U16": "U16",
+    "U8": "U8",
+    "BOOL": "Bool(Native)",
+    "F8_E4M3": "F8_E4M3",
+    "F8_E5M2": "F8_E5M2",
+    "F8_E8M0": "F8_E8M0",
+    "F4": "F4",
+    "F6_E2M3": "F6_E2M3",
+    "F6_E3M2": "F6_E3M2",
+    "C64": "C64",
 }
 
 # our name -> the safetensors dtype that holds the same bytes (burn-compat.md §2.4: Flex32 is stored as F32,
 # Bool(U8)/Bool(U32) as U8/U32; the bool-ness is carried in syncd metadata by the converter).
 DTYPE_TO_SAFETENSORS: dict[str, str] = {
     **{v: k for k, v in SAFETENSORS_TO_DTYPE.items()},
-    "Flex32": "F32", "Bool": "BOOL", "Bool(Native)": "BOOL", "Bool(U8)": "U8", "Bool(U32)": "U32",
+    "Flex32": "F32",
+    "Bool": "BOOL",
+    "Bool(Native)": "BOOL",
+    "Bool(U8)": "U8",
+    "Bool(U32)": "U32",
 }
 
 # The order the safetensors library lays tensors out in: dtype descending in this enum order, then name.
 SAFETENSORS_DTYPE_RANK: dict[str, int] = {
-    name: rank for rank, name in enumerate(
-        ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
-         "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
+    name: rank
+    for rank, name in enumerate(
+        [
+            "BOOL",
+            "F4",
+            "F6_E2M3",
+            "F6_E3M2",
+            "U8",
+            "I8",
+            "F8_E5M2",
+            "F8_E4M3",
+            "F8_E8M0",
+            "I16",
+            "U16",
+            "F16",
+            "BF16",
+            "I32",
+            "U32",
+            "F32",
+            "C64",
+            "F64",
+            "I64",
+            "U64",
+        ]
     )
 }
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
 
 from syncd.errors import FormatError
-from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo
+from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
+from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 
 READ_CHUNK = 8 << 20
 
@@ -182,3 +186,32 @@ class TensorFileReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def bool_checker(dtype: str, name: str) -> Any:
+    """Bool bytes must be exactly 0 or 1 (§6): a writer must not emit 0xFF for true."""
+    if dtype not in BOOL_DTYPES:
+        return None
+    element = np.uint32 if dtype == "Bool(U32)" else np.uint8
+
+    def check(data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        if len(view) % ITEMSIZE[dtype]:
+            raise FormatError("bool data is not a whole number of elements", tensor=name)
+        values = np.frombuffer(view, dtype=np.dtype(element).newbyteorder("<"))
+        if values.size and values.max() > 1:
+            raise FormatError("bool tensor holds a byte other than 0 or 1", tensor=name)
+
+    return check
+
+
+def write_tensors(fd: int, plan_starts: Iterable[tuple[TensorSpec, int]]) -> None:
+    """Fill each tensor's window, zero-filling the gaps between them."""
+    cursor = None
+    for spec, absolute in plan_starts:
+        if cursor is not None and absolute > cursor:
+            write_zeros(fd, cursor, absolute - cursor)
+        sink = TensorSink(fd, absolute, spec.nbytes, spec.name, bool_checker(spec.dtype, spec.name))
+        spec.fill(sink)
+        sink.finish()
+        cursor = absolute + spec.nbytes if cursor is None else max(cursor, absolute + spec.nbytes)

@@ -1,0 +1,210 @@
+"""The safetensors container: a reader and a streaming writer with the same interface as burnpack's.
+
+Layout (burn-compat.md §2.4): u64 LE header length, JSON header (`__metadata__` first, padded with spaces
+to a multiple of 8), then the tensors back to back with no alignment. We parse the header ourselves, with
+the checks of the `safetensors` library (whose output our writer reproduces byte for byte), because the
+converter needs each tensor's offsets and must move raw bytes: BF16 and the F8 types have no numpy dtype, and
+a streaming writer cannot hand the library a whole model in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from syncd.errors import FormatError
+from syncd.formats.dtypes import (
+    DTYPE_TO_SAFETENSORS,
+    SAFETENSORS_DTYPE_RANK,
+    SAFETENSORS_TO_DTYPE,
+    byte_length,
+)
+from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, write_tensors
+from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
+
+# the safetensors library's limit on the JSON header
+MAX_HEADER_SIZE = 100_000_000
+U64_LIMIT = 1 << 64
+
+
+class SafetensorsReader(TensorFileReader):
+    """Parses and validates a safetensors header; tensor bytes are read only when asked for."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self) -> None:
+        if self.file_size < 8:
+            raise FormatError(f"header too small: file has {self.file_size} bytes, needs at least 8", self.path)
+        (size,) = struct.unpack("<Q", pread_exact(self.fd, 8, 0, self.path, "header length"))
+        if size > MAX_HEADER_SIZE:
+            raise FormatError(f"header length {size} exceeds the limit of {MAX_HEADER_SIZE} bytes", self.path)
+        if 8 + size > self.file_size:
+            raise FormatError(
+                f"header length {size} runs past the end of the file ({self.file_size} bytes): truncated?", self.path
+            )
+        document = parse_header_json(pread_exact(self.fd, size, 8, self.path, "header"), self.path)
+        metadata = parse_metadata(document.pop("__metadata__", None), self.path)
+        data_start = 8 + size
+        tensors = [parse_entry(name, entry, data_start, self.path) for name, entry in document.items()]
+        check_coverage(tensors, self.file_size - data_start, data_start, self.path)
+        self._index(tensors)
+        self.header = CheckpointHeader(
+            format="safetensors",
+            path=self.path,
+            file_size=self.file_size,
+            metadata=metadata,
+            facts={"header_size": size, "data_start": data_start, "key_order": list(document)},
+        )
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def parse_header_json(raw: bytes, path: str) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError("header is not valid UTF-8", path) from None
+    if not text.startswith("{"):
+        raise FormatError("header is not a JSON object", path)
+    try:
+        document = json.loads(text, object_pairs_hook=_unique_pairs)
+    except RecursionError:
+        raise FormatError("header JSON is nested too deeply", path) from None
+    except ValueError as exc:
+        raise FormatError(f"header is not valid JSON: {str(exc).splitlines()[0]}", path) from None
+    if not isinstance(document, dict):
+        raise FormatError("header is not a JSON object", path)
+    return document
+
+
+def parse_metadata(raw: Any, path: str) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+        raise FormatError("__metadata__ must map text to text", path)
+    return dict(raw)
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < U64_LIMIT
+
+
+def parse_entry(name: str, entry: Any, data_start: int, path: str) -> TensorInfo:
+    def fail(message: str) -> FormatError:
+        return FormatError(message, path, name)
+
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise fail("entry must have dtype, shape and data_offsets")
+    if set(entry) - {"dtype", "shape", "data_offsets"}:
+        raise fail(f"unknown fields {sorted(set(entry) - {'dtype', 'shape', 'data_offsets'})}")
+    dtype = SAFETENSORS_TO_DTYPE.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise fail(f"unknown dtype {entry['dtype']!r:.40}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise fail("shape must be a list of unsigned integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+        raise fail("data_offsets must be two unsigned integers")
+    start, end = offsets
+    if end < start:
+        raise fail(f"data_offsets end {end} < start {start}")
+    expected = byte_length(dtype, tuple(shape))
+    if expected != end - start:
+        raise fail(f"declares {end - start} bytes but its shape {shape} and dtype {entry['dtype']} need {expected}")
+    return TensorInfo(name, dtype, tuple(shape), data_start + start, end - start, None, entry["dtype"])
+
+
+def check_coverage(tensors: list[TensorInfo], buffer_len: int, data_start: int, path: str) -> None:
+    """As the library requires: the tensors tile the data buffer exactly, without gaps or overlaps."""
+    cursor = 0
+    for info in sorted(tensors, key=lambda t: (t.offset, t.nbytes)):
+        start = info.offset - data_start
+        if start != cursor:
+            what = "overlaps the previous tensor" if start < cursor else f"leaves a gap before it (at {cursor})"
+            raise FormatError(f"data range {start}..{start + info.nbytes} {what}", path, info.name)
+        cursor = start + info.nbytes
+    if cursor != buffer_len:
+        raise FormatError(f"tensor data covers {cursor} bytes but the file holds {buffer_len} after the header", path)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+@dataclass
+class SafetensorsPlan:
+    header: bytes
+    order: list[int]  # indexes into specs, in data order
+    starts: list[int]  # absolute offsets, one per spec (by spec index)
+    file_size: int
+
+
+def safetensors_dtype(dtype: str, name: str) -> str:
+    try:
+        return DTYPE_TO_SAFETENSORS[dtype]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} has no safetensors form", tensor=name) from None
+
+
+def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> SafetensorsPlan:
+    """Lay tensors out as the library does (dtype descending, then name) so our files match its own."""
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise FormatError(f"Duplicate tensor name '{spec.name}'")
+        if spec.name == "__metadata__":
+            raise FormatError("a tensor cannot be named __metadata__")
+        seen.add(spec.name)
+        expected = byte_length(spec.dtype, tuple(spec.shape))
+        if expected != spec.nbytes:
+            raise FormatError(
+                f"declares {spec.nbytes} bytes but its shape {list(spec.shape)} and dtype {spec.dtype} need {expected}",
+                tensor=spec.name,
+            )
+    st_dtypes = [safetensors_dtype(spec.dtype, spec.name) for spec in specs]
+    order = sorted(range(len(specs)), key=lambda i: (-SAFETENSORS_DTYPE_RANK[st_dtypes[i]], specs[i].name))
+    document: dict[str, Any] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise FormatError("safetensors metadata must map text to text")
+        document["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    rel_starts = [0] * len(specs)
+    cursor = 0
+    for i in order:
+        rel_starts[i] = cursor
+        document[specs[i].name] = {
+            "dtype": st_dtypes[i],
+            "shape": list(specs[i].shape),
+            "data_offsets": [cursor, cursor + specs[i].nbytes],
+        }
+        cursor += specs[i].nbytes
+    text = json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    header = struct.pack("<Q", len(text)) + text
+    starts = [len(header) + s for s in rel_starts]
+    return SafetensorsPlan(header, order, starts, len(header) + cursor)
+
+
+def write_safetensors(fd: int, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> SafetensorsPlan:
+    """Write a whole safetensors file to `fd`, filling tensors in data order, one at a time."""
+    plan = plan_safetensors(specs, metadata)
+    pwrite_all(fd, plan.header, 0)
+    write_tensors(fd, ((specs[i], plan.starts[i]) for i in plan.order))
+    os.ftruncate(fd, plan.file_size)
+    return plan

@@ -1,0 +1,397 @@
+"""Publishing an output file atomically, without replacing anyone's file unless asked (issue 4).
+
+Copies Burn's atomic write (burn-compat.md §2.2) and its v0.22.0 no-replace publish (§8): the output is
+built in a scratch file beside the destination and only then put in place, so a reader never sees a
+partial file and a failed or interrupted write never damages the previous destination.
+
+API::
+
+    ensure_destination_free(dest: Path) -> None      # early AlreadyExistsError, before any work
+    open_scratch(dest: Path, mode: int = 0o644) -> Scratch
+    publish(scratch: Scratch, *, replace: bool = False, source: Path | None = None) -> PublishResult
+    remove_stale_scratch(directory: Path) -> list[Path]
+    is_scratch_name(name: str) -> bool
+
+    with open_scratch(dest, mode=src_mode & 0o777) as scratch:
+        scratch.write(data)                # or scratch.pwrite(data, offset) / scratch.truncate(size)
+        result = publish(scratch, source=src)   # result.status: "published" | "in_sync" | "replaced"
+
+* The scratch file is ``.<name>.syncd-<pid>-<n>.tmp`` in the destination's directory, created with
+  O_EXCL|O_NOFOLLOW (a symlink planted at that name is never followed; the next ``n`` is tried) and mode
+  0600, then fchmod-ed to ``mode & 0o777`` -- exactly the requested bits, whatever the umask.
+* Without ``replace`` the scratch is hard-linked to the destination: the link is the only guard, so a file
+  that appeared while we worked is never replaced. If the destination is a regular file with exactly our
+  bytes the result is "in_sync"; otherwise AlreadyExistsError (ConflictError when it is a regular file
+  with other content). ``ensure_destination_free`` only fails early; it guards nothing.
+* Where hard links are unavailable (EPERM, ENOTSUP, EXDEV, EMLINK) renameat2(RENAME_NOREPLACE) is used;
+  if that is unsupported too we refuse with a SyncdError rather than fall back to a replacing rename.
+* With ``replace`` the scratch is renamed over the destination; a symlink there is replaced, not followed.
+* Anything that fails or is interrupted (KeyboardInterrupt included) before the file is in place removes
+  the scratch. A SIGKILL cannot be caught: ``remove_stale_scratch`` later deletes scratch files of dead
+  processes. The file and then its directory are fsync-ed so a publish survives power loss.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import os
+import platform
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
+
+__all__ = [
+    "PublishResult",
+    "Scratch",
+    "ensure_destination_free",
+    "is_scratch_name",
+    "open_scratch",
+    "publish",
+    "remove_stale_scratch",
+]
+
+_SCRATCH_RE = re.compile(r"\.(?P<name>.+)\.syncd-(?P<pid>[0-9]+)-(?P<n>[0-9]+)\.tmp", re.DOTALL)
+_NAME_MAX = 255  # bytes in one path component on Linux file systems
+_SCRATCH_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_COMPARE_CHUNK = 1 << 20
+_OVERWRITE_HINT = "To replace it, use --overwrite (on_exists: overwrite)."
+
+# Errors from link(2) that mean "this file system cannot hard-link here", not "the destination is taken".
+_NO_HARDLINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK})
+# Errors from renameat2(2) that mean RENAME_NOREPLACE is unsupported by this kernel or file system.
+_NO_RENAMEAT2 = frozenset({errno.EINVAL, errno.ENOSYS})
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAMEAT2_SYSCALL = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
+
+# Process-wide, like Burn's: two scratch files of one process never share a name, even across threads.
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What publish did. "in_sync": the destination already held exactly these bytes; nothing changed."""
+
+    status: Literal["published", "in_sync", "replaced"]
+    path: Path
+
+
+class Scratch:
+    """An open scratch file for `dest`. Use as a context manager: leaving it unpublished removes the file."""
+
+    def __init__(self, path: Path, fd: int, dest: Path) -> None:
+        self.path = path
+        self.fd = fd
+        self.dest = dest
+        self.published = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append all of `data` (os.write may write less than asked, so loop)."""
+        view = memoryview(data).cast("B")
+        while view:
+            written = self._io("write", os.write, self.fd, view)
+            view = view[written:]
+
+    def pwrite(self, data: bytes | bytearray | memoryview, offset: int) -> None:
+        """Write all of `data` at `offset`, leaving the file position alone."""
+        view = memoryview(data).cast("B")
+        while view:
+            written = self._io("write", os.pwrite, self.fd, view, offset)
+            view = view[written:]
+            offset += written
+
+    def truncate(self, size: int) -> None:
+        """Set the file size, e.g. to reserve the full length before pwrite-ing parts."""
+        self._io("resize", os.ftruncate, self.fd, size)
+
+    def discard(self) -> None:
+        """Close and delete the scratch file (best effort: it may already be gone)."""
+        self.close()
+        if not self.published:
+            _unlink_quietly(self.path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def _io(self, what: str, func, *args):  # type: ignore[no-untyped-def]
+        try:
+            return func(*args)
+        except OSError as e:
+            raise SyncdError(f"cannot {what} the output being built ({e.strerror})", str(self.dest)) from e
+
+    def __enter__(self) -> Scratch:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.discard()
+
+
+def is_scratch_name(name: str) -> bool:
+    """True for the names of syncd's scratch files, which a watcher must ignore."""
+    return _SCRATCH_RE.fullmatch(name) is not None
+
+
+def ensure_destination_free(dest: Path) -> None:
+    """Fail before any work when `dest` exists (even as a dangling symlink). Not a guard: publish is."""
+    try:
+        os.lstat(dest)
+    except FileNotFoundError:
+        return
+    raise _already_exists(dest)
+
+
+def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
+    """Create a fresh scratch file beside `dest` whose permission bits are exactly `mode & 0o777`."""
+    dest = Path(dest)
+    while True:
+        path = dest.parent / _scratch_name(dest.name, os.getpid(), next(_counter))
+        try:
+            fd = os.open(path, _SCRATCH_FLAGS, 0o600)
+        except FileExistsError:
+            continue  # a leftover or a planted file/symlink: never touch it, take the next name
+        except OSError as e:
+            raise SyncdError(f"cannot create a scratch file beside it ({e.strerror})", str(dest)) from e
+        scratch = Scratch(path, fd, dest)
+        try:
+            os.fchmod(fd, mode & 0o777)  # fchmod is not filtered by the umask
+        except BaseException:
+            scratch.discard()
+            raise
+        return scratch
+
+
+def publish(scratch: Scratch, *, replace: bool = False, source: Path | None = None) -> PublishResult:
+    """Make the finished scratch file `scratch.dest`; `source` names the input in a ConflictError.
+
+    Without `replace` an existing destination is never changed: "in_sync" if it holds our bytes,
+    else AlreadyExistsError/ConflictError. The scratch file is gone afterwards in every case.
+    """
+    try:
+        _fsync_file(scratch)
+        if replace:
+            result = _publish_replacing(scratch)
+        else:
+            result = _publish_new(scratch, source)
+    finally:
+        scratch.discard()
+    if result.status != "in_sync":
+        _fsync_directory(scratch.dest)
+    return result
+
+
+def remove_stale_scratch(directory: Path) -> list[Path]:
+    """Delete our scratch files left by processes that died (SIGKILL, power loss); return what went.
+
+    Only regular files named like our scratch files, owned by this user, whose pid is not alive.
+    """
+    removed = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = _SCRATCH_RE.fullmatch(entry.name)
+            if match is None or _pid_alive(int(match["pid"])):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and _unlink_quietly(entry.path):
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _scratch_name(name: str, pid: int, n: int) -> str:
+    """`.<name>.syncd-<pid>-<n>.tmp`, with `name` shortened if the whole would exceed NAME_MAX."""
+    suffix = f".syncd-{pid}-{n}.tmp"
+    room = _NAME_MAX - 1 - len(suffix)
+    encoded = os.fsencode(name)
+    if len(encoded) > room:
+        # surrogateescape keeps a UTF-8 sequence cut in half representable (and still a valid file name).
+        name = encoded[:room].decode("utf-8", "surrogateescape")
+    return f".{name}{suffix}"
+
+
+def _publish_replacing(scratch: Scratch) -> PublishResult:
+    existed = _exists(scratch.dest)  # only for the reported status; the rename replaces regardless
+    try:
+        os.rename(scratch.path, scratch.dest)
+    except OSError as e:
+        raise SyncdError(f"cannot move the finished output into place ({e.strerror})", str(scratch.dest)) from e
+    scratch.published = True
+    return PublishResult("replaced" if existed else "published", scratch.dest)
+
+
+def _publish_new(scratch: Scratch, source: Path | None) -> PublishResult:
+    if _place_new(scratch):
+        return PublishResult("published", scratch.dest)
+    verdict = _compare_with_destination(scratch)
+    if verdict == "same":
+        return PublishResult("in_sync", scratch.dest)
+    if verdict == "different":
+        what = f"the output of {source}" if source is not None else "the new output"
+        raise ConflictError(
+            f"file already exists with content different from {what}; nothing was replaced. "
+            + _OVERWRITE_HINT,
+            str(scratch.dest),
+        )
+    raise _already_exists(scratch.dest)
+
+
+def _place_new(scratch: Scratch) -> bool:
+    """Put the scratch file at its destination unless something is there; False if something was."""
+    try:
+        os.link(scratch.path, scratch.dest, follow_symlinks=False)
+    except FileExistsError:
+        # NFS: a link whose reply was lost is retried and reports EEXIST although it succeeded.
+        if not _is_our_file(scratch, scratch.dest):
+            return False
+    except OSError as e:
+        if e.errno in _NO_HARDLINKS:
+            return _place_new_by_rename(scratch)
+        raise SyncdError(f"cannot link the finished output into place ({e.strerror})", str(scratch.dest)) from e
+    scratch.published = True
+    _unlink_quietly(scratch.path)
+    return True
+
+
+def _place_new_by_rename(scratch: Scratch) -> bool:
+    """Fallback for file systems without hard links: renameat2(RENAME_NOREPLACE), never a plain rename."""
+    try:
+        _renameat2(scratch.path, scratch.dest, _RENAME_NOREPLACE)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno in _NO_RENAMEAT2:
+            raise SyncdError(
+                "this file system supports neither hard links nor rename-without-replace, so the output "
+                "cannot be published without risking replacing a file; use --overwrite to replace",
+                str(scratch.dest),
+            ) from e
+        raise SyncdError(f"cannot move the finished output into place ({e.strerror})", str(scratch.dest)) from e
+    scratch.published = True
+    return True
+
+
+def _renameat2(src: Path, dst: Path, flags: int, *, via_syscall: bool = False) -> None:
+    """renameat2(2) through libc, or the raw syscall where libc (e.g. old glibc, musl) lacks it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    func = None if via_syscall else getattr(libc, "renameat2", None)
+    args = (
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(src)),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(dst)),
+        ctypes.c_uint(flags),
+    )
+    if func is not None:
+        rc = func(*args)
+    else:
+        number = _RENAMEAT2_SYSCALL.get(platform.machine().lower())
+        if number is None:
+            raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), str(src), None, str(dst))
+        rc = libc.syscall(ctypes.c_long(number), *args)
+    if rc != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+def _compare_with_destination(scratch: Scratch) -> Literal["same", "different", "not_a_file"]:
+    """Compare our bytes with the destination's without following a symlink or blocking on a FIFO."""
+    try:
+        fd = os.open(scratch.dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return "not_a_file"  # a symlink (ELOOP), vanished, unreadable: report it as simply existing
+    try:
+        theirs = os.fstat(fd)
+        if not stat.S_ISREG(theirs.st_mode):
+            return "not_a_file"
+        if theirs.st_size != os.fstat(scratch.fd).st_size:
+            return "different"
+        return "same" if _same_bytes(scratch.fd, fd, theirs.st_size) else "different"
+    finally:
+        os.close(fd)
+
+
+def _same_bytes(fd_a: int, fd_b: int, size: int) -> bool:
+    offset = 0
+    while offset < size:
+        a = os.pread(fd_a, _COMPARE_CHUNK, offset)
+        b = os.pread(fd_b, _COMPARE_CHUNK, offset)
+        if a != b or not a:
+            return False
+        offset += len(a)
+    return True
+
+
+def _is_our_file(scratch: Scratch, path: Path) -> bool:
+    try:
+        theirs = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    ours = os.fstat(scratch.fd)
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def _fsync_file(scratch: Scratch) -> None:
+    try:
+        os.fsync(scratch.fd)
+    except OSError as e:
+        raise SyncdError(f"cannot flush the output being built to disk ({e.strerror})", str(scratch.dest)) from e
+
+
+def _fsync_directory(dest: Path) -> None:
+    """Make the new directory entry durable; without this a power loss can undo the publish."""
+    try:
+        fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise SyncdError(
+            f"saved, but syncing its directory failed, so it may not survive power loss ({e.strerror})",
+            str(dest),
+        ) from e
+
+
+def _pid_alive(pid: int) -> bool:
+    """Conservative: anything but a definite 'no such process' counts as alive."""
+    if pid <= 0:
+        return True  # kill(0 or -n) addresses process groups, not a writer
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _exists(path: Path) -> bool:
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _unlink_quietly(path: str | os.PathLike[str]) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _already_exists(dest: Path) -> AlreadyExistsError:
+    return AlreadyExistsError(f"file already exists. {_OVERWRITE_HINT}", str(dest))
