@@ -40,10 +40,11 @@ import os
 import platform
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
 
@@ -59,7 +60,7 @@ __all__ = [
 
 _SCRATCH_RE = re.compile(r"\.(?P<name>.+)\.syncd-(?P<pid>[0-9]+)-(?P<n>[0-9]+)\.tmp", re.DOTALL)
 _NAME_MAX = 255  # bytes in one path component on Linux file systems
-_SCRATCH_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_SCRATCH_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _COMPARE_CHUNK = 1 << 20
 _OVERWRITE_HINT = "To replace it, use --overwrite (on_exists: overwrite)."
 
@@ -122,7 +123,8 @@ class Scratch:
             fd, self.fd = self.fd, -1
             os.close(fd)
 
-    def _io(self, what: str, func, *args):  # type: ignore[no-untyped-def]
+    def _io(self, what: str, func: Callable[..., Any], *args: Any) -> Any:
+        """Run one I/O call; an OSError (ENOSPC, EIO, ...) becomes a one-line SyncdError naming the file."""
         try:
             return func(*args)
         except OSError as e:
@@ -179,10 +181,7 @@ def publish(scratch: Scratch, *, replace: bool = False, source: Path | None = No
     """
     try:
         _fsync_file(scratch)
-        if replace:
-            result = _publish_replacing(scratch)
-        else:
-            result = _publish_new(scratch, source)
+        result = _publish_replacing(scratch) if replace else _publish_new(scratch, source)
     finally:
         scratch.discard()
     if result.status != "in_sync":
@@ -240,8 +239,7 @@ def _publish_new(scratch: Scratch, source: Path | None) -> PublishResult:
     if verdict == "different":
         what = f"the output of {source}" if source is not None else "the new output"
         raise ConflictError(
-            f"file already exists with content different from {what}; nothing was replaced. "
-            + _OVERWRITE_HINT,
+            f"file already exists with content different from {what}; nothing was replaced. " + _OVERWRITE_HINT,
             str(scratch.dest),
         )
     raise _already_exists(scratch.dest)
