@@ -456,10 +456,10 @@ def write_burnpack(
 ) -> BurnpackPlan:
     """Write a whole burnpack file to `fd` (from offset 0), one tensor at a time, in `specs` order."""
     plan = plan_burnpack(specs, metadata, scalars, layout)
+    os.ftruncate(fd, plan.file_size)  # sized first: a producer may fill its window through a mapping
     pwrite_all(fd, plan.header, 0)
     write_zeros(fd, len(plan.header), plan.data_start - len(plan.header))
     write_tensors(fd, ((spec, plan.data_start + start) for spec, start in zip(specs, plan.starts, strict=True)))
-    os.ftruncate(fd, plan.file_size)
     return plan
 
 

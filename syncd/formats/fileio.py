@@ -116,6 +116,10 @@ class TensorSink:
         pwrite_all(self.fd, data, self.base + rel_offset)
         self.written += size
 
+    def filled_through_mapping(self) -> None:
+        """The producer assigned the whole window through a memory map of the output instead of writes."""
+        self.written = self.nbytes
+
     def finish(self) -> None:
         if self.written != self.nbytes:
             raise FormatError(

@@ -204,7 +204,7 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
 def write_safetensors(fd: int, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> SafetensorsPlan:
     """Write a whole safetensors file to `fd`, filling tensors in data order, one at a time."""
     plan = plan_safetensors(specs, metadata)
+    os.ftruncate(fd, plan.file_size)  # sized first: a producer may fill its window through a mapping
     pwrite_all(fd, plan.header, 0)
     write_tensors(fd, ((specs[i], plan.starts[i]) for i in plan.order))
-    os.ftruncate(fd, plan.file_size)
     return plan

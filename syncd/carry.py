@@ -1,0 +1,153 @@
+"""What one format cannot hold, carried in the other's metadata under a `syncd.` prefix (issue 3).
+
+burnpack has param_ids, Burn-only dtypes, a data order, a metadata map and scalars; safetensors has a
+string-to-string `__metadata__` and PyTorch-only tensors (BatchNorm `num_batches_tracked`) that a Burn model
+has no slot for. Each is written as a JSON string value so it survives any safetensors or burnpack reader,
+and read back strictly: a malformed carried value is a FormatError, never silently half-applied.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from syncd.errors import FormatError
+from syncd.formats.burnpack import Scalar
+from syncd.formats.dtypes import ITEMSIZE, byte_length
+
+PREFIX = "syncd."
+SOURCE = "syncd.source"
+SOURCE_SHA256 = "syncd.source_sha256"
+LAYOUT = "syncd.layout"
+PARAM_IDS = "syncd.param_ids"
+DTYPES = "syncd.dtypes"
+DATA_ORDER = "syncd.data_order"
+BURN_METADATA = "syncd.burnpack_metadata"
+BURN_LAYOUT = "syncd.burnpack_layout"
+SCALARS = "syncd.scalars"
+DROPPED = "syncd.dropped"
+SAFETENSORS_METADATA = "syncd.safetensors_metadata"
+
+# Burn dtypes whose safetensors form loses what they are (burn-compat.md §2.4): restored from DTYPES.
+LOSSY_IN_SAFETENSORS = frozenset(["Flex32", "Bool", "Bool(U8)", "Bool(U32)"])
+MAX_DROPPED_BYTES = 1 << 16  # carried tensors are counters and flags, never weights
+
+
+@dataclass
+class Carried:
+    """Everything restored from a source file's `syncd.*` metadata."""
+
+    layout: str | None = None
+    param_ids: dict[str, int] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    data_order: list[str] | None = None
+    burn_metadata: dict[str, str] | None = None
+    burn_layout: str | None = None
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+    dropped: dict[str, tuple[str, tuple[int, ...], bytes]] = field(default_factory=dict)
+    safetensors_metadata: dict[str, str] | None = None
+
+
+def own_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """The user's metadata, without what syncd carried."""
+    return {k: v for k, v in metadata.items() if not k.startswith(PREFIX)}
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+
+
+def encode_scalars(scalars: dict[str, Scalar]) -> str:
+    # floats as hex: exact, including -0.0, inf and nan payload-free values
+    return dumps(
+        {
+            k: [
+                s.kind,
+                s.value.hex() if s.kind == "Float" else str(s.value).lower() if s.kind == "Bool" else str(s.value),
+            ]
+            for k, s in scalars.items()
+        }
+    )
+
+
+def encode_dropped(dropped: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:
+    return dumps(
+        {
+            k: {"dtype": d, "shape": list(s), "data": base64.b64encode(b).decode("ascii")}
+            for k, (d, s, b) in dropped.items()
+        }
+    )
+
+
+def parse(metadata: dict[str, str], path: str) -> Carried:
+    carried = Carried()
+    try:
+        _parse_into(carried, metadata)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise FormatError(f"malformed syncd metadata: {exc}", path) from None
+    return carried
+
+
+def _json(metadata: dict[str, str], key: str) -> Any:
+    return json.loads(metadata[key]) if key in metadata else None
+
+
+def _parse_into(c: Carried, md: dict[str, str]) -> None:
+    c.layout = md.get(LAYOUT)
+    c.burn_layout = md.get(BURN_LAYOUT)
+    ids = _json(md, PARAM_IDS) or {}
+    c.param_ids = {str(k): _u64(v) for k, v in ids.items()}
+    c.dtypes = {str(k): _burn_dtype(v) for k, v in (_json(md, DTYPES) or {}).items()}
+    order = _json(md, DATA_ORDER)
+    if order is not None:
+        if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
+            raise ValueError(f"{DATA_ORDER} is not a list of names")
+        c.data_order = order
+    c.burn_metadata = _text_map(_json(md, BURN_METADATA), BURN_METADATA)
+    c.safetensors_metadata = _text_map(_json(md, SAFETENSORS_METADATA), SAFETENSORS_METADATA)
+    c.scalars = {str(k): _scalar(v) for k, v in (_json(md, SCALARS) or {}).items()}
+    c.dropped = {str(k): _dropped(v) for k, v in (_json(md, DROPPED) or {}).items()}
+
+
+def _u64(value: Any) -> int:
+    number = int(value)
+    if not 0 <= number < 1 << 64:
+        raise ValueError(f"param_id {value} is out of range")
+    return number
+
+
+def _burn_dtype(value: Any) -> str:
+    if value not in LOSSY_IN_SAFETENSORS:
+        raise ValueError(f"unexpected carried dtype {value!r}")
+    return value
+
+
+def _text_map(value: Any, key: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"{key} is not a map of text")
+    return value
+
+
+def _scalar(value: Any) -> Scalar:
+    kind, text = value
+    if kind == "Float":
+        return Scalar(kind, float.fromhex(text))
+    if kind == "Bool":
+        if text not in ("true", "false"):
+            raise ValueError(f"bad Bool scalar {text!r}")
+        return Scalar(kind, text == "true")
+    if kind in ("Int", "UInt"):
+        return Scalar(kind, int(text))
+    raise ValueError(f"unknown scalar kind {kind!r}")
+
+
+def _dropped(value: Any) -> tuple[str, tuple[int, ...], bytes]:
+    dtype, shape = value["dtype"], tuple(int(d) for d in value["shape"])
+    data = base64.b64decode(value["data"], validate=True)
+    if dtype not in ITEMSIZE or byte_length(dtype, shape) != len(data) or len(data) > MAX_DROPPED_BYTES:
+        raise ValueError(f"carried tensor of dtype {dtype} and shape {list(shape)} does not match its data")
+    return dtype, shape, data

@@ -1,0 +1,88 @@
+"""`syncd inspect`: what a checkpoint holds, as an aligned table or one JSON document."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, TextIO
+
+from syncd.formats import open_checkpoint
+from syncd.formats.fileio import TensorFileReader
+
+
+def describe(path: str, with_hash: bool = False) -> dict[str, Any]:
+    with open_checkpoint(path) as reader:
+        return _describe(reader, with_hash)
+
+
+def _describe(reader: TensorFileReader, with_hash: bool) -> dict[str, Any]:
+    header = reader.header
+    tensors = []
+    for info in reader.tensors:
+        row: dict[str, Any] = {
+            "name": info.name,
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "bytes": info.nbytes,
+            # decimal strings: param_ids use the full u64 range, which JSON numbers do not hold exactly
+            "param_id": None if info.param_id is None else str(info.param_id),
+            "offset": info.offset,
+        }
+        if with_hash:
+            row["sha256"] = _tensor_sha256(reader, info.name)
+        tensors.append(row)
+    return {
+        "path": header.path,
+        "format": header.format,
+        "file_size": header.file_size,
+        "header": header.facts | {"tensor_count": len(tensors)},
+        "metadata": header.metadata,
+        "scalars": {name: {s.kind: s.value} for name, s in header.scalars.items()},
+        "tensors": tensors,
+    }
+
+
+def _tensor_sha256(reader: TensorFileReader, name: str) -> str:
+    sha = hashlib.sha256()
+    for piece in reader.iter_chunks(name):
+        sha.update(piece)
+    return sha.hexdigest()
+
+
+def print_json(doc: dict[str, Any], out: TextIO) -> None:
+    json.dump(doc, out, indent=2, ensure_ascii=False)
+    out.write("\n")
+
+
+def print_table(doc: dict[str, Any], out: TextIO) -> None:
+    facts = {k: v for k, v in doc["header"].items() if k not in ("tensor_key_order", "key_order")}
+    out.write(f"{doc['path']}: {doc['format']}, {doc['file_size']} bytes\n")
+    for key, value in facts.items():
+        out.write(f"  {key}: {value}\n")
+    for section in ("metadata", "scalars"):
+        if doc[section]:
+            out.write(f"{section}:\n")
+            for key, value in doc[section].items():
+                out.write(f"  {key}: {value}\n")
+    columns = ["name", "dtype", "shape", "bytes", "param_id", "offset"] + (
+        ["sha256"] if doc["tensors"] and "sha256" in doc["tensors"][0] else []
+    )
+    rows = [[_cell(row[c]) for c in columns] for row in doc["tensors"]]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    numeric = {"bytes", "offset"}
+    out.write(_line(columns, widths, numeric, columns) + "\n")
+    for row in rows:
+        out.write(_line(row, widths, numeric, columns) + "\n")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _line(cells: list[str], widths: list[int], numeric: set[str], columns: list[str]) -> str:
+    parts = [c.rjust(w) if col in numeric else c.ljust(w) for c, w, col in zip(cells, widths, columns, strict=True)]
+    return "  ".join(parts).rstrip()
