@@ -7,6 +7,7 @@ refused conversion, 2 for usage and configuration errors, 3 when the destination
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug of ours: still one line for the user; SYNCD_DEBUG=1 shows the traceback
+        if os.environ.get("SYNCD_DEBUG"):
+            raise
+        print(f"syncd: internal error: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _one_line(text: str) -> str:
