@@ -53,14 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("config", type=Path)
 
-    log = commands.add_parser("log", help="show the sync log")
-    log.add_argument("-c", "--config", type=Path, help="configuration (for the log's path)")
-    log.add_argument("--file", type=Path, help="read this sync log file instead")
-    log.add_argument("--follow", "-f", action="store_true")
-    log.add_argument("--status", action="append", default=[], help="only these statuses (repeat or comma list)")
-    log.add_argument("--since", help="e.g. 30s, 15m, 1h, 2d, or an ISO time")
-    log.add_argument("--path", dest="path_glob", help="only entries whose source or destination match this glob")
-    log.add_argument("--json", action="store_true", help="raw JSON lines")
+    from syncd.daemon.logview import add_log_arguments
+
+    add_log_arguments(commands.add_parser("log", help="show the sync log"))
     return parser
 
 
@@ -98,13 +93,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_daemon(args.config)
     if args.command == "check-config":
-        from syncd.daemon.config import check_config_command
+        from syncd.daemon.config import run_check_config
 
-        return check_config_command(args.config)
+        return run_check_config(args.config)
     if args.command == "log":
-        from syncd.daemon.logview import log_command
+        from syncd.daemon.logview import run_log_command
 
-        return log_command(args)
+        return run_log_command(args)
     raise UsageError(f"unknown command {args.command}")
 
 

@@ -281,7 +281,10 @@ class _Job:
         mode = os.fstat(self.reader.fd).st_mode & 0o777
         hasher = _SourceHasher(self.reader)
         with open_scratch(self.dest, mode) as scratch:
-            self.output_size = self._write(scratch.fd)
+            try:
+                self.output_size = self._write(scratch.fd)
+            except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
+                raise SyncdError(f"cannot write the output ({exc.strerror or exc})", str(self.dest)) from exc
             self.metadata[carry.SOURCE_SHA256] = hasher.result()
             self._rewrite_header(scratch.fd)
             _check_source_unchanged(self.reader)

@@ -40,6 +40,7 @@ import os
 import platform
 import re
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ __all__ = [
     "open_scratch",
     "publish",
     "remove_stale_scratch",
+    "abandon_open_scratches",
 ]
 
 _SCRATCH_RE = re.compile(r"\.(?P<name>.+)\.syncd-(?P<pid>[0-9]+)-(?P<n>[0-9]+)\.tmp", re.DOTALL)
@@ -74,6 +76,9 @@ _RENAMEAT2_SYSCALL = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
 
 # Process-wide, like Burn's: two scratch files of one process never share a name, even across threads.
 _counter = itertools.count()
+# Scratch files this process has open, so a stopping daemon can remove those it abandons.
+_open_scratches: set[Path] = set()
+_open_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ class Scratch:
         self.close()
         if not self.published:
             _unlink_quietly(self.path)
+        with _open_lock:
+            _open_scratches.discard(self.path)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -165,6 +172,8 @@ def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
         except OSError as e:
             raise SyncdError(f"cannot create a scratch file beside it ({e.strerror})", str(dest)) from e
         scratch = Scratch(path, fd, dest)
+        with _open_lock:
+            _open_scratches.add(path)
         try:
             os.fchmod(fd, mode & 0o777)  # fchmod is not filtered by the umask
         except BaseException:
@@ -187,6 +196,18 @@ def publish(scratch: Scratch, *, replace: bool = False, source: Path | None = No
     if result.status != "in_sync":
         _fsync_directory(scratch.dest)
     return result
+
+
+def abandon_open_scratches() -> list[Path]:
+    """Remove every scratch file this process still has open (a stopping daemon abandons its work).
+
+    A thread still writing keeps writing into an unlinked inode; its publish then fails, so nothing
+    partial ever appears at a destination.
+    """
+    with _open_lock:
+        paths = list(_open_scratches)
+        _open_scratches.clear()
+    return [path for path in paths if _unlink_quietly(path)]
 
 
 def remove_stale_scratch(directory: Path) -> list[Path]:

@@ -1,0 +1,138 @@
+"""A bounded, de-duplicating work queue with due times, served by a pool of worker threads.
+
+A path is queued at most once: a new event for a path already waiting only moves its due time (and marks
+it `closed` if the writer closed it); a path being worked on is queued again after its worker finishes,
+so a file rewritten mid-conversion is looked at once more. When the queue is full, new paths are dropped
+and `overflowed` is set, and the daemon schedules a full scan for when there is room again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("syncd.queue")
+
+
+@dataclass
+class _Item:
+    key: tuple[Any, Path]
+    watch: Any
+    path: Path
+    due: float
+    closed: bool
+
+
+Work = Callable[[Any, Path, bool], float | None]  # returns seconds until a retry, or None
+
+
+class WorkQueue:
+    def __init__(self, work: Work, workers: int, capacity: int = 100_000) -> None:
+        self.work = work
+        self.capacity = capacity
+        self.overflowed = False
+        self._items: dict[tuple[Any, Path], _Item] = {}
+        self._heap: list[tuple[float, int, tuple[Any, Path]]] = []
+        self._busy: set[tuple[Any, Path]] = set()
+        self._again: dict[tuple[Any, Path], _Item] = {}
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"syncd-worker-{i}", daemon=True) for i in range(workers)
+        ]
+        self.done = 0
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def put(self, watch: Any, path: Path, closed: bool, delay: float = 0.0) -> bool:
+        key = (watch.path, path)
+        due = time.monotonic() + delay
+        with self._cond:
+            if self._stopping:
+                return False
+            if key in self._busy:
+                self._again[key] = _Item(
+                    key, watch, path, due, closed or key in self._again and self._again[key].closed
+                )
+                return True
+            item = self._items.get(key)
+            if item is None:
+                if len(self._items) >= self.capacity:
+                    self.overflowed = True
+                    return False
+                item = self._items[key] = _Item(key, watch, path, due, closed)
+            else:
+                item.closed = item.closed or closed
+                item.due = due if not closed else min(item.due, due)
+            heapq.heappush(self._heap, (item.due, next(self._seq), key))
+            self._cond.notify()
+            return True
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._items) + len(self._busy)
+
+    def _next(self) -> _Item | None:
+        with self._cond:
+            while True:
+                if self._stopping:
+                    return None
+                now = time.monotonic()
+                while self._heap:
+                    due, _, key = self._heap[0]
+                    item = self._items.get(key)
+                    if item is None or item.due != due:
+                        heapq.heappop(self._heap)  # superseded entry
+                        continue
+                    if due > now:
+                        break
+                    heapq.heappop(self._heap)
+                    del self._items[key]
+                    self._busy.add(key)
+                    return item
+                timeout = (self._heap[0][0] - now) if self._heap else None
+                self._cond.wait(timeout)
+
+    def _serve(self) -> None:
+        while (item := self._next()) is not None:
+            retry = None
+            try:
+                retry = self.work(item.watch, item.path, item.closed)
+            except Exception:  # the work function logs its own failures; this is a last line of defence
+                log.exception("unexpected failure while processing %s", item.path)
+            self._finish(item, retry)
+
+    def _finish(self, item: _Item, retry: float | None) -> None:
+        with self._cond:
+            self._busy.discard(item.key)
+            self.done += 1
+            again = self._again.pop(item.key, None)
+            self._cond.notify_all()
+        if again is not None:
+            self.put(again.watch, again.path, again.closed, max(0.0, again.due - time.monotonic()))
+        elif retry is not None:
+            self.put(item.watch, item.path, item.closed, retry)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._items and not self._busy
+
+    def stop(self, timeout: float) -> bool:
+        """Stop taking work; wait up to `timeout` for running work. True if everything finished."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)

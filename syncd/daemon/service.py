@@ -1,0 +1,222 @@
+"""`syncd run`: the daemon. Event -> queue -> convert -> publish -> log.
+
+Start-up removes stale scratch files, starts the watchers, scans every watch for sources without an
+up-to-date output, then tells systemd READY=1. The main thread only handles signals, watchdog pings,
+status lines and rescans; workers do the conversions. SIGHUP reloads a valid configuration (an invalid one
+is reported and the old one kept); SIGTERM stops taking work, gives running conversions a moment, removes
+the scratch files of any it abandons, and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from syncd.daemon import notify
+from syncd.daemon.config import Config, Watch, load_config
+from syncd.daemon.queue import WorkQueue
+from syncd.daemon.state import StateDB
+from syncd.daemon.sync import Syncer, is_ignored_name
+from syncd.daemon.synclog import SyncLog
+from syncd.daemon.watcher import CLOSED, Watcher, walk_files
+from syncd.errors import SyncdError
+from syncd.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
+
+log = logging.getLogger("syncd")
+
+STOP_GRACE_SECONDS = 3.0  # systemd's TimeoutStopSec is larger; tests expect an exit within 5 s
+TICK_SECONDS = 1.0
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.synclog = SyncLog(config.log.path, config.log.max_bytes, config.log.backups)
+        self.state = StateDB(config.state_dir)
+        self.syncer = Syncer(self.state, self.synclog, config.settle_seconds)
+        self.queue = WorkQueue(self._work, config.workers)
+        self.watcher: Watcher | None = None
+        self._wake = threading.Event()
+        self._stop = False
+        self._reload = False
+        self._rescan: set[Path] = set()
+        self._rescan_lock = threading.Lock()
+        self.counts = {"converted": 0, "failed": 0}
+
+    # -- wiring
+
+    def _work(self, watch: Watch, path: Path, closed: bool) -> float | None:
+        outcome = self.syncer.process(watch, path, closed)
+        if outcome.status in ("converted", "in_sync"):
+            self.counts["converted"] += 1
+        elif outcome.status in ("refused", "error", "conflict"):
+            self.counts["failed"] += 1
+        return outcome.retry_in
+
+    def _on_event(self, watch: Watch, path: Path, how: str) -> None:
+        if is_ignored_name(path.name):
+            return
+        closed = how == CLOSED
+        delay = 0.0 if closed else self.config.settle_seconds
+        if not self.queue.put(watch, path, closed, delay):
+            self._request_rescan(watch.path)
+
+    def _on_subtree(self, watch: Watch, directory: Path) -> None:
+        self._request_rescan(directory)
+
+    def _on_overflow(self) -> None:
+        self.synclog.log("error", reason="inotify event queue overflowed; rescanning every watch")
+        for watch in self.config.watches:
+            self._request_rescan(watch.path)
+
+    def _on_limit(self, watch: Watch, reason: str) -> None:
+        self.synclog.log("error", watch=str(watch.path), reason=reason)
+
+    def _request_rescan(self, path: Path) -> None:
+        with self._rescan_lock:
+            self._rescan.add(path)
+        self._wake.set()
+
+    # -- life cycle
+
+    def start(self) -> None:
+        self._clean_stale_scratch()
+        self.watcher = Watcher(self.config, self._on_event, self._on_subtree, self._on_overflow, self._on_limit)
+        self.watcher.start()
+        self.queue.start()
+        queued = self._scan_all()
+        self.synclog.log(
+            "started",
+            reason=f"watching {len(self.config.watches)} tree(s); {queued} file(s) to check",
+            config=str(self.config.path),
+        )
+        notify.ready(self._status())
+
+    def _clean_stale_scratch(self) -> None:
+        directories: set[Path] = set()
+        for watch in self.config.watches:
+            for root in filter(None, (watch.path, watch.mirror)):
+                directories.update(p.parent for p in walk_files(root, watch.recursive) if is_scratch_name(p.name))
+        for directory in directories:
+            for removed in remove_stale_scratch(directory):
+                self.synclog.log(
+                    "skipped", source=str(removed), reason="removed a stale scratch file of a killed syncd"
+                )
+
+    def _scan_all(self) -> int:
+        return sum(self._scan(watch, watch.path) for watch in self.config.watches)
+
+    def _scan(self, watch: Watch, root: Path) -> int:
+        """Queue every file below `root` (the queue drops what is up to date quickly)."""
+        queued = 0
+        for path in walk_files(root, watch.recursive):
+            if is_ignored_name(path.name):
+                continue
+            if not self.queue.put(watch, path, closed=False, delay=0.0):
+                self.synclog.log(
+                    "error",
+                    watch=str(watch.path),
+                    reason=f"work queue full at {self.queue.capacity} files; the rest waits for a rescan",
+                )
+                self._request_rescan(root)
+                break
+            queued += 1
+        return queued
+
+    def serve(self) -> None:
+        interval = notify.watchdog_interval()
+        tick = min(TICK_SECONDS, interval) if interval else TICK_SECONDS
+        while not self._stop:
+            self._wake.wait(tick)
+            self._wake.clear()
+            if self._reload:
+                self._reload = False
+                self.reload()
+            self._run_rescans()
+            notify.watchdog()
+            notify.status(self._status())
+
+    def _run_rescans(self) -> None:
+        if self.queue.overflowed and self.queue.pending() < self.queue.capacity // 2:
+            self.queue.overflowed = False
+            for watch in self.config.watches:
+                self._request_rescan(watch.path)
+        with self._rescan_lock:
+            roots, self._rescan = self._rescan, set()
+        for root in roots:
+            for watch in self.config.watches:
+                if root == watch.path or (watch.recursive and root.is_relative_to(watch.path)):
+                    self._scan(watch, root)
+
+    def _status(self) -> str:
+        return (
+            f"watching {len(self.config.watches)} tree(s); queue {self.queue.pending()}; "
+            f"converted {self.counts['converted']}; failed {self.counts['failed']}"
+        )
+
+    def reload(self) -> None:
+        notify.reloading()
+        try:
+            new = load_config(self.config.path)
+        except SyncdError as exc:
+            self.synclog.log("error", reason=f"reload refused, keeping the running configuration: {exc}")
+            notify.ready(self._status())
+            return
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.config = new
+        self.syncer.settle_seconds = new.settle_seconds
+        self.watcher = Watcher(new, self._on_event, self._on_subtree, self._on_overflow, self._on_limit)
+        self.watcher.start()
+        queued = self._scan_all()
+        self.synclog.log(
+            "reloaded", reason=f"watching {len(new.watches)} tree(s); {queued} file(s) to check", config=str(new.path)
+        )
+        notify.ready(self._status())
+
+    def stop(self) -> None:
+        notify.stopping()
+        if self.watcher is not None:
+            self.watcher.stop()
+        finished = self.queue.stop(STOP_GRACE_SECONDS)
+        abandoned = [] if finished else abandon_open_scratches()
+        reason = "finished in-flight work" if finished else f"abandoned {len(abandoned)} conversion(s) in flight"
+        self.synclog.log("stopped", reason=reason)
+        self.synclog.close()
+        if finished:
+            self.state.close()
+
+    def request_stop(self, *_: object) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def request_reload(self, *_: object) -> None:
+        self._reload = True
+        self._wake.set()
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), format="%(levelname)s %(name)s: %(message)s"
+    )
+
+
+def run_daemon(config_path: Path) -> int:
+    config = load_config(config_path)
+    _configure_logging(config.log.level)
+    daemon = Daemon(config)
+    signal.signal(signal.SIGTERM, daemon.request_stop)
+    signal.signal(signal.SIGINT, daemon.request_stop)
+    signal.signal(signal.SIGHUP, daemon.request_reload)
+    daemon.start()
+    try:
+        daemon.serve()
+    finally:
+        daemon.stop()
+    if daemon.queue.idle() is False:
+        # worker threads still run abandoned conversions whose scratch files are gone; do not wait for them
+        os._exit(0)
+    return 0

@@ -1,0 +1,260 @@
+"""What the daemon does with one candidate path: decide, convert, record, log.
+
+Every decision ends in exactly one sync log line, except the silent ones a person would not want to read
+(an up-to-date file seen again, our own output, an ignored name). A file that failed is logged once per
+version: the state database remembers the failure until the file changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import logging
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from syncd import carry
+from syncd.adapters import ModuleMap
+from syncd.convert import ConvertRequest, convert, file_sha256
+from syncd.daemon.config import Watch
+from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.synclog import SyncLog
+from syncd.errors import (
+    AlreadyExistsError,
+    AmbiguousLayoutError,
+    ConflictError,
+    FormatError,
+    SyncdError,
+    UnsupportedError,
+    VerificationError,
+)
+from syncd.formats import BURNPACK, SAFETENSORS, format_for_path, open_checkpoint
+from syncd.publish import is_scratch_name
+
+log = logging.getLogger("syncd.sync")
+
+DIRECTIONS = {"bpk->safetensors": {BURNPACK}, "safetensors->bpk": {SAFETENSORS}, "both": {BURNPACK, SAFETENSORS}}
+TARGET = {BURNPACK: SAFETENSORS, SAFETENSORS: BURNPACK}
+EXTENSION = {BURNPACK: ".bpk", SAFETENSORS: ".safetensors"}
+TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EBUSY, errno.ENOMEM, errno.EINTR, errno.EDQUOT})
+# Burn's scratch files (`<name>.<pid>-<n>.tmp`, burn-compat.md §2.2) and editors' temporaries
+_TEMP_NAME = re.compile(r"(\.\d+-\d+\.tmp$)|(^\.#)|(~$)|(\.sw[a-p]$)|(\.tmp$)|(\.part$)|(\.partial$)")
+
+
+@dataclass
+class Outcome:
+    """What happened to a candidate: `retry_in` asks the queue to look again later."""
+
+    status: str | None  # the sync log status written, or None for a silent decision
+    retry_in: float | None = None
+
+
+def is_ignored_name(name: str) -> bool:
+    return is_scratch_name(name) or bool(_TEMP_NAME.search(name))
+
+
+def matches_patterns(watch: Watch, path: Path) -> bool:
+    rel = os.fsdecode(path.relative_to(watch.path)) if path.is_relative_to(watch.path) else path.name
+    name = path.name
+
+    def hit(patterns: tuple[str, ...]) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(rel, p) for p in patterns)
+
+    return hit(watch.include) and not hit(watch.exclude)
+
+
+def destination_for(watch: Watch, source: Path, to_format: str) -> Path:
+    return watch.output_dir_for(source) / (source.stem + EXTENSION[to_format])
+
+
+class Syncer:
+    """Holds what every decision needs; one instance serves all workers (state and log are thread-safe)."""
+
+    def __init__(self, state: StateDB, synclog: SyncLog, settle_seconds: float) -> None:
+        self.state = state
+        self.synclog = synclog
+        self.settle_seconds = settle_seconds
+        self._maps: dict[int, ModuleMap | None] = {}
+
+    # -- the decision
+
+    def process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
+        from_format = format_for_path(path)
+        if from_format is None or is_ignored_name(path.name) or not matches_patterns(watch, path):
+            return Outcome(None)
+        if from_format not in DIRECTIONS[watch.direction]:
+            return Outcome(None)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return Outcome(None)  # gone again (a scratch renamed away, a deleted file)
+        if not stat.S_ISREG(info.st_mode):
+            return self._not_regular(watch, path, info)
+        wait = self._settle_wait(info, closed)
+        if wait > 0:
+            return Outcome(None, retry_in=wait)
+        version = FileVersion.from_stat(info)
+        dest = destination_for(watch, path, TARGET[from_format])
+        if self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version):
+            return Outcome(None)
+        if self.state.is_own_output(path, version):
+            return Outcome(None)
+        return self._convert(watch, path, version, dest, from_format)
+
+    def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
+        # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+        version = FileVersion.from_stat(info)
+        if self.state.record_failure(path, version, f"skipped: {kind}", transient=False):
+            self.synclog.log("skipped", watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
+        return Outcome("skipped")
+
+    def _settle_wait(self, info: os.stat_result, closed: bool) -> float:
+        """Seconds until the file has been quiet long enough. A close or rename says the writer is done,
+        so a short check suffices; a bare create/modify must stay unchanged for the full settle time."""
+        window = min(self.settle_seconds, 0.05) if closed else self.settle_seconds
+        age = time.time() - info.st_mtime
+        return max(0.0, window - age)
+
+    # -- converting
+
+    def _convert(self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: str) -> Outcome:
+        direction = f"{EXTENSION[from_format][1:]}->{EXTENSION[TARGET[from_format]][1:]}"
+        base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
+        started = time.monotonic()
+        try:
+            if self._is_reverse_of_own_output(path, dest):
+                return Outcome(None)
+            if watch.on_exists == "skip" and os.path.lexists(dest):
+                return self._existing_destination(path, version, dest, base)
+            if watch.mirror is not None:
+                _make_mirror_dirs(watch, dest.parent)
+            result = convert(
+                ConvertRequest(
+                    source=path,
+                    dest=dest,
+                    to_format=TARGET[from_format],
+                    layout=watch.layout,
+                    module_map=self._module_map(watch),
+                    overwrite=watch.on_exists == "overwrite",
+                    fail_early_if_exists=False,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
+            return self._failed(path, version, exc, base, started)
+        status = "in_sync" if result.status == "in_sync" else "converted"
+        self.state.record(path, version, dest, status=status)
+        self.synclog.log(
+            status,
+            **base,
+            tensors=result.tensors,
+            bytes=result.bytes,
+            duration_ms=round((time.monotonic() - started) * 1000, 1),
+            layout=[f"{result.source_layout} -> {result.target_layout}", *result.decisions],
+            reason=_dropped_reason(result.dropped, result.restored),
+        )
+        return Outcome(status)
+
+    def _is_reverse_of_own_output(self, path: Path, dest: Path) -> bool:
+        """An output of ours names its source in metadata; converting it back would chase our own tail."""
+        try:
+            with open_checkpoint(path) as reader:
+                source_name = reader.header.metadata.get(carry.SOURCE)
+        except SyncdError:
+            return False  # a broken file is reported by the conversion itself
+        return source_name is not None and source_name == dest.name
+
+    def _existing_destination(self, path: Path, version: FileVersion, dest: Path, base: dict) -> Outcome:
+        if _carries_source(dest, path):
+            self.state.record(path, version, dest, status="in_sync")
+            self.synclog.log("in_sync", **base, reason="destination already holds this source's conversion")
+            return Outcome("in_sync")
+        if self.state.record_failure(path, version, "destination exists", transient=False):
+            self.synclog.log("skipped", **base, reason="destination exists (on_exists: skip)")
+        return Outcome("skipped")
+
+    def _failed(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float) -> Outcome:
+        status, transient = classify(exc)
+        text = _one_line(exc)
+        first = self.state.record_failure(path, version, text, transient=transient)
+        if first:
+            fields = {**base, "duration_ms": round((time.monotonic() - started) * 1000, 1), "error": text}
+            suggestion = getattr(exc, "suggestion", None)
+            if suggestion:
+                fields["reason"] = "module map that would settle it:\n" + suggestion
+            self.synclog.log(status, **fields)
+        if status == "error" and not transient:
+            log.error("%s: %s", path, text, exc_info=not isinstance(exc, SyncdError | OSError))
+        if transient:
+            attempts = self.state.get(path).attempts if self.state.get(path) else 1
+            return Outcome(status, retry_in=min(60.0, 2.0 ** min(attempts, 6)))
+        return Outcome(status)
+
+    def _module_map(self, watch: Watch) -> ModuleMap | None:
+        if not watch.modules:
+            return None
+        key = id(watch)
+        if key not in self._maps:
+            self._maps[key] = ModuleMap.from_dict(
+                {"modules": dict(watch.modules)}, source=str(watch.modules_file or "config")
+            )
+        return self._maps[key]
+
+
+def classify(exc: BaseException) -> tuple[str, bool]:
+    """(sync log status, transient?) for a failure."""
+    if isinstance(exc, ConflictError | AlreadyExistsError):
+        return "conflict", False
+    if isinstance(exc, FormatError | UnsupportedError | AmbiguousLayoutError | VerificationError):
+        cause = exc.__cause__
+        transient = isinstance(cause, OSError) and cause.errno in TRANSIENT_ERRNOS
+        return ("error" if transient else "refused"), transient
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    if isinstance(cause, OSError):
+        return "error", cause.errno in TRANSIENT_ERRNOS
+    return "error", False
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
+    parts = []
+    if dropped:
+        parts.append(f"carried in metadata (no Burn slot): {', '.join(dropped)}")
+    if restored:
+        parts.append(f"restored from metadata: {', '.join(restored)}")
+    return "; ".join(parts) or None
+
+
+def _carries_source(dest: Path, source: Path) -> bool:
+    """True if `dest` is a syncd output of exactly this `source` content (name and sha256 match)."""
+    try:
+        if not stat.S_ISREG(os.lstat(dest).st_mode):
+            return False
+        with open_checkpoint(dest) as reader:
+            metadata = reader.header.metadata
+    except (OSError, SyncdError):
+        return False
+    if metadata.get(carry.SOURCE) != source.name or carry.SOURCE_SHA256 not in metadata:
+        return False
+    return metadata[carry.SOURCE_SHA256] == file_sha256(source)
+
+
+def _make_mirror_dirs(watch: Watch, directory: Path) -> None:
+    """Create the mirror's subdirectories, refusing to pass through a symlink (it could lead anywhere)."""
+    assert watch.mirror is not None
+    current = watch.mirror
+    for part in directory.relative_to(watch.mirror).parts:
+        current = current / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(current, 0o755)
+        if not stat.S_ISDIR(os.lstat(current).st_mode):
+            raise SyncdError(f"mirror path {current} is not a directory (a symlink?); not writing there")

@@ -1,0 +1,159 @@
+"""Filesystem events in, candidate paths out: watchdog's inotify observer, or polling where configured or
+where inotify cannot serve (watch limit reached, unsupported filesystem).
+
+The watcher knows nothing about conversion; it reports paths with how sure we are that the writer is done:
+`closed` (close-after-write or a rename into place) or `changed` (created/modified: wait for it to settle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from watchdog.events import (
+    DirCreatedEvent,
+    DirMovedEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
+from watchdog.observers import Observer
+from watchdog.observers.polling import PollingObserver
+
+from syncd.daemon.config import Config, Watch
+
+log = logging.getLogger("syncd.watcher")
+
+CLOSED, CHANGED = "closed", "changed"
+Notify = Callable[[Watch, Path, str], None]
+EVENTS = [FileClosedEvent, FileCreatedEvent, FileModifiedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, watch: Watch, notify: Notify, rescan: Callable[[Watch, Path], None]) -> None:
+        self.watch = watch
+        self.notify = notify
+        self.rescan = rescan
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        try:
+            self._dispatch(event)
+        except Exception:  # an observer thread must never die on one odd event
+            log.exception("ignoring an event that could not be handled: %r", event)
+
+    def _dispatch(self, event: FileSystemEvent) -> None:
+        if isinstance(event, DirCreatedEvent | DirMovedEvent):
+            # files that arrive with a directory produce no events of their own
+            target = event.dest_path if isinstance(event, DirMovedEvent) else event.src_path
+            self.rescan(self.watch, Path(os.fsdecode(target)))
+        elif isinstance(event, FileMovedEvent):
+            self.notify(self.watch, Path(os.fsdecode(event.dest_path)), CLOSED)
+        elif isinstance(event, FileClosedEvent):
+            self.notify(self.watch, Path(os.fsdecode(event.src_path)), CLOSED)
+        elif isinstance(event, FileCreatedEvent | FileModifiedEvent):
+            self.notify(self.watch, Path(os.fsdecode(event.src_path)), CHANGED)
+
+
+class _OverflowListener(logging.Handler):
+    """watchdog reports a kernel queue overflow only through its logger; we turn it into a rescan."""
+
+    def __init__(self, on_overflow: Callable[[], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.on_overflow = on_overflow
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overflow" in record.getMessage().lower():
+            self.on_overflow()
+
+
+class Watcher:
+    def __init__(
+        self,
+        config: Config,
+        notify: Notify,
+        rescan: Callable[[Watch, Path], None],
+        on_overflow: Callable[[], None],
+        on_limit: Callable[[Watch, str], None],
+    ) -> None:
+        self.config = config
+        self.notify = notify
+        self.rescan = rescan
+        self.on_limit = on_limit
+        self.observers: list[Observer] = []
+        self.polled: list[Watch] = []
+        self._overflow = _OverflowListener(on_overflow)
+        logging.getLogger("watchdog.observers.inotify_c").addHandler(self._overflow)
+        logging.getLogger("watchdog.observers.inotify").addHandler(self._overflow)
+
+    def start(self) -> None:
+        for watch in self.config.watches:
+            self._start_watch(watch)
+
+    def _start_watch(self, watch: Watch) -> None:
+        interval = self.config.polling_interval_for(watch)
+        if interval is None:
+            try:
+                self._observe(watch, Observer())
+                return
+            except OSError as exc:
+                # inotify watch or instance limit reached, or a filesystem without inotify
+                reason = f"inotify unavailable ({exc.strerror or exc}); polling every 2 s instead"
+                self.on_limit(watch, reason)
+                interval = 2.0
+        self.polled.append(watch)
+        self._observe(watch, PollingObserver(timeout=interval))
+
+    def _observe(self, watch: Watch, observer: Observer) -> None:
+        observer.schedule(
+            _Handler(watch, self.notify, self.rescan),
+            os.fspath(watch.path),
+            recursive=watch.recursive,
+            event_filter=EVENTS,
+        )
+        observer.daemon = True
+        try:
+            observer.start()
+        except BaseException:
+            observer.stop()
+            raise
+        self.observers.append(observer)
+
+    def stop(self) -> None:
+        for observer in self.observers:
+            observer.stop()
+        for observer in self.observers:
+            observer.join(timeout=2)
+        self.observers.clear()
+        for name in ("watchdog.observers.inotify_c", "watchdog.observers.inotify"):
+            logging.getLogger(name).removeHandler(self._overflow)
+
+
+def walk_files(root: Path, recursive: bool, max_depth: int = 64) -> Iterator[Path]:
+    """Every regular file below `root`, iteratively (deep trees cannot exhaust the stack), never following
+    a symlink, never descending past `max_depth` levels."""
+    stack = [(root, 0)]
+    while stack:
+        directory, depth = stack.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError as exc:
+            log.warning("cannot list %s: %s", directory, exc.strerror)
+            continue
+        for entry in entries:
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+            if stat.S_ISREG(mode):
+                yield Path(entry.path)
+            elif stat.S_ISDIR(mode) and recursive:
+                if depth + 1 > max_depth:
+                    log.warning("not descending into %s: deeper than %d levels", entry.path, max_depth)
+                    continue
+                stack.append((Path(entry.path), depth + 1))
