@@ -1,0 +1,1 @@
+"""The watching daemon: configuration, state, sync log, service notifications."""

@@ -1,0 +1,431 @@
+"""`syncd log`: reads the sync log (rotated backups oldest first, then the current file), filters it, and
+prints an aligned table or the raw JSON lines; `--follow` keeps printing new lines across rotations.
+
+Lines that are not a JSON object with a readable `time` and a `status` are skipped and counted; the count is
+reported on stderr at the end, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+from syncd.daemon.config import DEFAULT_CONFIG_PATH, load_config
+from syncd.daemon.synclog import STATUSES, backup_path, parse_timestamp
+from syncd.errors import SyncdError, UsageError
+
+_SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_RELATIVE_SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+MAX_BACKUPS_SCANNED = 1000  # how far `path.N` is looked for; the daemon's default keeps 5
+
+
+# ---------------------------------------------------------------------------------------------- filtering
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """`30s`, `15m`, `1h`, `2d`, `1w` ago, or an ISO 8601 time (local time when it has no offset)."""
+    match = _RELATIVE_SINCE.match(text)
+    if match:
+        now = now or datetime.now(timezone.utc)
+        return now - timedelta(seconds=float(match.group(1)) * _SINCE_UNITS[match.group(2)])
+    iso = text.strip()
+    try:
+        moment = datetime.fromisoformat(iso[:-1] + "+00:00" if iso.endswith("Z") else iso)
+    except ValueError:
+        raise UsageError(f"--since: expected a duration like 30s, 15m, 1h, 2d or an ISO time, got {text!r}") from None
+    # a time without an offset means the reader's local time, as with journalctl --since
+    return moment if moment.tzinfo else moment.astimezone()
+
+
+def parse_statuses(values: Iterable[str] | None) -> frozenset[str] | None:
+    """Repeated and comma-separated statuses as one set; None means every status."""
+    if not values:
+        return None
+    statuses = frozenset(part.strip() for value in values for part in value.split(",") if part.strip())
+    return statuses or None
+
+
+def path_matches(glob: str, path: str) -> bool:
+    """fnmatch on the whole path; a relative glob also matches at any depth (`exp1/*.bpk`)."""
+    if fnmatch.fnmatchcase(path, glob):
+        return True
+    return not glob.startswith("/") and fnmatch.fnmatchcase(path, "*/" + glob)
+
+
+@dataclass(frozen=True)
+class LogFilter:
+    statuses: frozenset[str] | None = None
+    since: datetime | None = None
+    path_glob: str | None = None
+
+    def matches(self, record: dict[str, Any], moment: datetime) -> bool:
+        if self.statuses is not None and record["status"] not in self.statuses:
+            return False
+        if self.since is not None and moment < self.since:
+            return False
+        if self.path_glob is not None:
+            paths = [record.get(key) for key in ("source", "dest")]
+            return any(isinstance(path, str) and path_matches(self.path_glob, path) for path in paths)
+        return True
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def log_files(log_path: str | os.PathLike[str]) -> list[Path]:
+    """The existing files of a log, oldest first: path.N .. path.1, then path."""
+    path = Path(log_path)
+    backups = []
+    for number in range(1, MAX_BACKUPS_SCANNED + 1):
+        candidate = backup_path(path, number)
+        if not candidate.exists():
+            break
+        backups.append(candidate)
+    current = [path] if path.exists() else []
+    return list(reversed(backups)) + current
+
+
+@dataclass
+class Entry:
+    raw: str  # the line as in the file, without its newline
+    record: dict[str, Any]
+    moment: datetime
+
+
+@dataclass
+class _Parser:
+    """Turns lines into entries, counting the ones that are not records."""
+
+    corrupt: int = 0
+
+    def parse(self, line: bytes) -> Entry | None:
+        line = line.rstrip(b"\r")
+        if not line.strip():
+            return None
+        raw = line.decode("utf-8", errors="replace")
+        try:
+            record = json.loads(raw)
+            moment = parse_timestamp(record["time"])
+            if not isinstance(record["status"], str):
+                raise TypeError("status is not a string")
+        except (ValueError, TypeError, KeyError, AttributeError):
+            self.corrupt += 1
+            return None
+        return Entry(raw, record, moment)
+
+
+@dataclass
+class _LineBuffer:
+    """Splits a byte stream into lines; holds a partial last line until its newline arrives."""
+
+    pending: bytes = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        lines = (self.pending + data).split(b"\n")
+        self.pending = lines.pop()
+        return lines
+
+    def flush(self) -> list[bytes]:
+        rest, self.pending = self.pending, b""
+        return [rest] if rest else []
+
+
+def _read_whole(path: Path) -> list[bytes]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:  # rotated away between listing and reading
+        return []
+    buffer = _LineBuffer()
+    return buffer.feed(data) + buffer.flush()
+
+
+class _Tail:
+    """Follows a log path: reads what is appended, and moves to the new file when the old one is rotated."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: BinaryIO | None = None
+        self.buffer = _LineBuffer()
+
+    def open_current(self) -> bool:
+        try:
+            self.file = open(self.path, "rb")  # noqa: SIM115 - held open across calls on purpose
+        except FileNotFoundError:
+            return False
+        return True
+
+    def read_new(self) -> list[bytes]:
+        if self.file is None and not self.open_current():
+            return []
+        assert self.file is not None
+        lines = self.buffer.feed(self.file.read())
+        if self._was_truncated():
+            self.file.seek(0)
+            self.buffer = _LineBuffer()
+        elif self._was_replaced():
+            # whatever was appended before the rename is still readable through the old descriptor
+            lines += self.buffer.feed(self.file.read()) + self.buffer.flush()
+            self.close()
+            if self.open_current():
+                lines += self.buffer.feed(self.file.read())
+        return lines
+
+    def _was_replaced(self) -> bool:
+        assert self.file is not None
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        mine = os.fstat(self.file.fileno())
+        return (on_disk.st_dev, on_disk.st_ino) != (mine.st_dev, mine.st_ino)
+
+    def _was_truncated(self) -> bool:
+        assert self.file is not None
+        return os.fstat(self.file.fileno()).st_size < self.file.tell()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+
+def human_bytes(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_duration(milliseconds: float) -> str:
+    if milliseconds < 1000:
+        return f"{milliseconds:.0f} ms"
+    seconds = milliseconds / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, seconds = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def printable(text: str) -> str:
+    """Control characters and undecodable bytes (surrogate escapes) shown as escapes, so one record stays
+    on one line and printing never fails."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif 0xD800 <= code <= 0xDFFF:
+            out.append(f"\\u{code:04x}")
+        elif char.isprintable() or char == " ":
+            out.append(char)
+        else:
+            out.append(char.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+COLUMNS = ("TIME (UTC)", "STATUS", "SOURCE -> DEST", "TENSORS", "SIZE", "DURATION", "REASON")
+_RIGHT_ALIGNED = {"TENSORS", "SIZE", "DURATION"}
+
+
+def table_row(entry: Entry) -> tuple[str, ...]:
+    record = entry.record
+
+    def number(key: str, render: Callable[[Any], str]) -> str:
+        value = record.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return render(value) if ok else ""
+
+    source, dest = record.get("source"), record.get("dest")
+    files = " -> ".join(printable(str(path)) for path in (source, dest) if path is not None)
+    reason = record.get("reason") or record.get("error") or ""
+    return (
+        entry.moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        printable(record["status"]),
+        files or printable(str(record.get("watch") or "")),
+        number("tensors", lambda v: str(int(v))),
+        number("bytes", lambda v: human_bytes(int(v))),
+        number("duration_ms", human_duration),
+        printable(str(reason)),
+    )
+
+
+@dataclass
+class TableFormatter:
+    """Aligned columns whose widths only grow, so rows printed while following stay lined up."""
+
+    widths: list[int] = field(default_factory=lambda: [len(name) for name in COLUMNS])
+    header_done: bool = False
+
+    def render(self, rows: list[tuple[str, ...]]) -> list[str]:
+        for row in rows:
+            # the last column (reason) is never padded
+            for index, cell in enumerate(row[:-1]):
+                self.widths[index] = max(self.widths[index], len(cell))
+        lines = []
+        if rows and not self.header_done:
+            lines.append(self._line(COLUMNS))
+            self.header_done = True
+        lines.extend(self._line(row) for row in rows)
+        return lines
+
+    def _line(self, cells: tuple[str, ...]) -> str:
+        parts = []
+        for name, width, cell in zip(COLUMNS[:-1], self.widths[:-1], cells[:-1], strict=True):
+            parts.append(cell.rjust(width) if name in _RIGHT_ALIGNED else cell.ljust(width))
+        parts.append(cells[-1])
+        return "  ".join(parts).rstrip()
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def show_log(
+    log_path: str | os.PathLike[str],
+    *,
+    statuses: Iterable[str] | None = None,
+    since: str | datetime | None = None,
+    path_glob: str | None = None,
+    as_json: bool = False,
+    follow: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    stop: Callable[[], bool] | None = None,
+    timeout: float | None = None,
+    poll_interval: float = 0.2,
+) -> int:
+    """Print the matching records of the log at `log_path`. 0 on success, 1 when there is no log (and not
+    following), 2 for a bad filter. With `follow`, keeps printing until `stop()` is true, `timeout` seconds
+    have passed, or Ctrl-C."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        log_filter = LogFilter(
+            statuses=parse_statuses(statuses),
+            since=parse_since(since) if isinstance(since, str) else since,
+            path_glob=path_glob,
+        )
+    except UsageError as exc:
+        print(f"syncd log: {exc}", file=err)
+        return exc.exit_code
+    path = Path(log_path)
+    files = log_files(path)
+    if not files and not follow:
+        print(f"syncd log: {path}: no sync log yet (the daemon writes it when it starts)", file=err)
+        return 1
+    parser = _Parser()
+    printer = _Printer(out, as_json, log_filter)
+    tail = _Tail(path)
+    try:
+        backups = [file for file in files if file != path]
+        printer.emit(_parse_all(parser, (line for file in backups for line in _read_whole(file))))
+        # the current file is read through the tail, so following starts exactly where this stops
+        printer.emit(_parse_all(parser, tail.read_new() + ([] if follow else tail.buffer.flush())))
+        if follow:
+            _follow(tail, parser, printer, stop, timeout, poll_interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        tail.close()
+    if parser.corrupt:
+        plural = "s" if parser.corrupt != 1 else ""
+        print(f"syncd log: {path}: skipped {parser.corrupt} corrupt line{plural}", file=err)
+    return 0
+
+
+def _parse_all(parser: _Parser, lines: Iterable[bytes]) -> Iterator[Entry]:
+    for line in lines:
+        entry = parser.parse(line)
+        if entry is not None:
+            yield entry
+
+
+class _Printer:
+    def __init__(self, out: TextIO, as_json: bool, log_filter: LogFilter) -> None:
+        self.out = out
+        self.as_json = as_json
+        self.filter = log_filter
+        self.table = TableFormatter()
+
+    def emit(self, entries: Iterable[Entry]) -> None:
+        matching = [entry for entry in entries if self.filter.matches(entry.record, entry.moment)]
+        if self.as_json:
+            lines = [entry.raw for entry in matching]
+        else:
+            lines = self.table.render([table_row(entry) for entry in matching])
+        for line in lines:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+
+def _follow(
+    tail: _Tail,
+    parser: _Parser,
+    printer: _Printer,
+    stop: Callable[[], bool] | None,
+    timeout: float | None,
+    poll_interval: float,
+) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        printer.emit(_parse_all(parser, tail.read_new()))
+        if (stop is not None and stop()) or (deadline is not None and time.monotonic() >= deadline):
+            return
+        time.sleep(poll_interval)
+
+
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncd log`, for the CLI to attach to its subcommand."""
+    parser.add_argument("-c", "--config", default=None, help=f"daemon config whose log to read ({DEFAULT_CONFIG_PATH})")
+    parser.add_argument("--file", default=None, help="read this sync log file instead of the config's")
+    parser.add_argument(
+        "--status",
+        action="append",
+        metavar="STATUS[,STATUS]",
+        help=f"only these statuses (repeatable): {', '.join(STATUSES)}",
+    )
+    parser.add_argument("--since", help="only records newer than 30s, 15m, 1h, 2d or an ISO time")
+    parser.add_argument("--path", dest="path_glob", metavar="GLOB", help="only records whose source or dest match")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON lines")
+    parser.add_argument("-f", "--follow", action="store_true", help="keep printing new records, like tail -f")
+
+
+def run_log_command(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    err = err or sys.stderr
+    log_path = args.file
+    if log_path is None:
+        try:
+            config = load_config(args.config or DEFAULT_CONFIG_PATH, check_filesystem=False)
+        except SyncdError as exc:
+            print(f"syncd log: {exc}", file=err)
+            return exc.exit_code
+        log_path = config.log.path
+    return show_log(
+        log_path,
+        statuses=args.status,
+        since=args.since,
+        path_glob=args.path_glob,
+        as_json=args.json,
+        follow=args.follow,
+        out=out,
+        err=err,
+    )

@@ -1,0 +1,357 @@
+"""What the daemon has done, kept across restarts: a small sqlite database in `state_dir/state.sqlite3`.
+
+For each source path it remembers the version it last handled (device, inode, size, mtime; sha256 when
+known), the output it published and that output's version, the outcome, and for failures the error, so a
+file that keeps failing is reported once per version instead of on every event.
+
+Paths are stored as bytes (os.fsencode), so names that are not valid UTF-8 round-trip exactly. One
+connection serves all threads behind a lock: the statements are tiny and the daemon's work is elsewhere.
+The database is a cache: if it is corrupt (or from a newer syncd) it is moved aside and a fresh one started,
+with a warning; the worst outcome is that outputs are re-checked against their sources.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TypeVar
+
+from syncd.daemon.synclog import utc_timestamp
+
+log = logging.getLogger("syncd.state")
+
+DB_NAME = "state.sqlite3"
+SCHEMA_VERSION = 1
+SUCCESS_STATUSES = ("converted", "in_sync")
+
+# one list of statements per version: MIGRATIONS[n] takes a database from version n to n + 1
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """
+        CREATE TABLE sources (
+            source        BLOB PRIMARY KEY,
+            dev           INTEGER NOT NULL,
+            ino           INTEGER NOT NULL,
+            size          INTEGER NOT NULL,
+            mtime_ns      INTEGER NOT NULL,
+            sha256        TEXT,
+            status        TEXT NOT NULL,
+            dest          BLOB,
+            dest_dev      INTEGER,
+            dest_ino      INTEGER,
+            dest_size     INTEGER,
+            dest_mtime_ns INTEGER,
+            dest_sha256   TEXT,
+            error         TEXT,
+            transient     INTEGER NOT NULL DEFAULT 0,
+            attempts      INTEGER NOT NULL DEFAULT 0,
+            updated       TEXT NOT NULL
+        )
+        """,
+        "CREATE INDEX sources_by_dest ON sources (dest)",
+    ),
+)
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+PathArg = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+T = TypeVar("T")
+
+
+def _key(path: PathArg) -> bytes:
+    return os.fsencode(path)
+
+
+def _to_sqlite(number: int) -> int:
+    # st_dev and st_ino are unsigned 64-bit; sqlite integers are signed
+    return number - (1 << 64) if number >= (1 << 63) else number
+
+
+def _from_sqlite(number: int) -> int:
+    return number + (1 << 64) if number < 0 else number
+
+
+@dataclass(frozen=True)
+class FileVersion:
+    """Identifies one version of a file's content without reading it; sha256 when it was computed."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    sha256: str | None = None
+
+    @classmethod
+    def of(cls, path: PathArg, sha256: str | None = None) -> FileVersion:
+        return cls.from_stat(os.stat(path), sha256)
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result, sha256: str | None = None) -> FileVersion:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256)
+
+    def same_as(self, other: FileVersion) -> bool:
+        """Same file and metadata; the digests are compared only when both are known."""
+        if (self.dev, self.ino, self.size, self.mtime_ns) != (other.dev, other.ino, other.size, other.mtime_ns):
+            return False
+        return self.sha256 is None or other.sha256 is None or self.sha256 == other.sha256
+
+
+@dataclass(frozen=True)
+class SourceState:
+    """The stored row for one source."""
+
+    source: str
+    version: FileVersion
+    status: str  # converted | in_sync | failed
+    dest: str | None
+    dest_version: FileVersion | None
+    error: str | None
+    transient: bool
+    attempts: int  # consecutive failures of this version
+    updated: datetime
+
+
+class StateDB:
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(state_dir)
+        self.path = self.dir / DB_NAME
+        self._lock = threading.Lock()
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._conn = self._open_or_recover()
+
+    # -------------------------------------------------------------------------------------- queries
+
+    def get(self, source: PathArg) -> SourceState | None:
+        row = self._run(lambda db: db.execute("SELECT * FROM sources WHERE source = ?", (_key(source),)).fetchone())
+        return None if row is None else _row_to_state(row)
+
+    def is_up_to_date(self, source: PathArg, version: FileVersion, dest: PathArg) -> bool:
+        """True if this version of `source` was converted to `dest` and `dest` is still what was published."""
+        state = self.get(source)
+        if state is None or state.status not in SUCCESS_STATUSES or not state.version.same_as(version):
+            return False
+        if state.dest is None or _key(state.dest) != _key(dest):
+            return False
+        try:
+            current_dest = FileVersion.of(dest)
+        except FileNotFoundError:
+            return False
+        return state.dest_version is None or state.dest_version.same_as(current_dest)
+
+    def is_own_output(self, path: PathArg, version: FileVersion) -> bool:
+        """True if `path`, as it is now, is an output this daemon published (so not a new source)."""
+        rows = self._run(lambda db: db.execute("SELECT * FROM sources WHERE dest = ?", (_key(path),)).fetchall())
+        return any(
+            state.status in SUCCESS_STATUSES and state.dest_version is not None and state.dest_version.same_as(version)
+            for state in map(_row_to_state, rows)
+        )
+
+    def failed_same_version(self, source: PathArg, version: FileVersion) -> bool:
+        """True if this exact version already failed for a reason retrying will not fix."""
+        state = self.get(source)
+        return state is not None and state.status == "failed" and not state.transient and state.version.same_as(version)
+
+    # -------------------------------------------------------------------------------------- updates
+
+    def record(
+        self,
+        source: PathArg,
+        version: FileVersion,
+        dest: PathArg,
+        *,
+        dest_version: FileVersion | None = None,
+        status: str = "converted",
+    ) -> None:
+        """Remember a success: `source` at `version` is published as `dest` (whose version is stat'ed now
+        unless given)."""
+        if status not in SUCCESS_STATUSES:
+            raise ValueError(f"record() is for {', '.join(SUCCESS_STATUSES)}; use record_failure() for failures")
+        if dest_version is None:
+            dest_version = FileVersion.of(dest)
+        values = {
+            **_version_columns("", version),
+            **_version_columns("dest_", dest_version),
+            "source": _key(source),
+            "status": status,
+            "dest": _key(dest),
+            "error": None,
+            "transient": 0,
+            "attempts": 0,
+            "updated": utc_timestamp(),
+        }
+        self._upsert(values)
+
+    def record_failure(self, source: PathArg, version: FileVersion, error: str, *, transient: bool) -> bool:
+        """Remember a failure; True if it is the first for this version of `source` (so worth logging).
+
+        A transient failure (file busy, disk full) is retried on the next event; a permanent one is not
+        retried until the file changes (see failed_same_version).
+        """
+        previous = self.get(source)
+        repeated = previous is not None and previous.status == "failed" and previous.version.same_as(version)
+        values = {
+            **_version_columns("", version),
+            **_version_columns("dest_", None),
+            "source": _key(source),
+            "status": "failed",
+            "dest": None,
+            "error": error,
+            "transient": int(transient),
+            "attempts": (previous.attempts + 1) if repeated and previous is not None else 1,
+            "updated": utc_timestamp(),
+        }
+        self._upsert(values)
+        return not repeated
+
+    def forget(self, source: PathArg) -> None:
+        """Drop what is known about `source` (it was deleted, or its watch removed)."""
+        self._run(lambda db: db.execute("DELETE FROM sources WHERE source = ?", (_key(source),)))
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> StateDB:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------------- plumbing
+
+    def _upsert(self, values: dict[str, object]) -> None:
+        columns = ", ".join(values)
+        placeholders = ", ".join(f":{name}" for name in values)
+        sql = f"INSERT OR REPLACE INTO sources ({columns}) VALUES ({placeholders})"
+        self._run(lambda db: db.execute(sql, values))
+
+    def _run(self, operation: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs `operation` in a transaction; on corruption found mid-run, starts a fresh db and retries once."""
+        with self._lock:
+            try:
+                with self._conn:
+                    return operation(self._conn)
+            except sqlite3.DatabaseError as exc:
+                if not _is_corruption(exc):
+                    raise
+                self._conn.close()
+                self._move_aside(str(exc))
+                self._conn = self._open_checked()
+                with self._conn:
+                    return operation(self._conn)
+
+    def _open_or_recover(self) -> sqlite3.Connection:
+        try:
+            return self._open_checked()
+        except sqlite3.DatabaseError as exc:
+            if not _is_corruption(exc):
+                raise
+            self._move_aside(str(exc))
+        except _NewerSchema as exc:
+            self._move_aside(str(exc))
+        return self._open_checked()
+
+    def _open_checked(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            conn.execute("PRAGMA busy_timeout = 5000")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")  # WAL keeps it consistent; a crash loses a last record
+            result = conn.execute("PRAGMA quick_check").fetchone()
+            if result is None or result[0] != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {result[0] if result else 'no answer'}")
+            _migrate(conn)
+        except BaseException:
+            conn.close()
+            raise
+        conn.row_factory = sqlite3.Row
+        conn.isolation_level = "DEFERRED"  # `with conn:` then wraps each operation in a transaction
+        return conn
+
+    def _move_aside(self, reason: str) -> None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            companion = Path(f"{self.path}{suffix}")
+            if companion.exists():
+                os.replace(companion, f"{aside}{suffix}")
+        log.warning(
+            "state database %s is unusable (%s); moved it to %s and started a fresh one", self.path, reason, aside
+        )
+
+
+class _NewerSchema(Exception):
+    pass
+
+
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    """The file is damaged or not a database, as opposed to locked, full or read-only (not its fault)."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+    return type(exc) is sqlite3.DatabaseError
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise _NewerSchema(f"schema version {version} is newer than this syncd's {SCHEMA_VERSION}")
+    for target in range(version, SCHEMA_VERSION):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in MIGRATIONS[target]:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {target + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+
+def _version_columns(prefix: str, version: FileVersion | None) -> dict[str, object]:
+    if version is None:
+        return {f"{prefix}{name}": None for name in ("dev", "ino", "size", "mtime_ns", "sha256")}
+    return {
+        f"{prefix}dev": _to_sqlite(version.dev),
+        f"{prefix}ino": _to_sqlite(version.ino),
+        f"{prefix}size": version.size,
+        f"{prefix}mtime_ns": version.mtime_ns,
+        f"{prefix}sha256": version.sha256,
+    }
+
+
+def _row_version(row: sqlite3.Row, prefix: str) -> FileVersion | None:
+    if row[f"{prefix}dev"] is None:
+        return None
+    return FileVersion(
+        dev=_from_sqlite(row[f"{prefix}dev"]),
+        ino=_from_sqlite(row[f"{prefix}ino"]),
+        size=row[f"{prefix}size"],
+        mtime_ns=row[f"{prefix}mtime_ns"],
+        sha256=row[f"{prefix}sha256"],
+    )
+
+
+def _row_to_state(row: sqlite3.Row) -> SourceState:
+    version = _row_version(row, "")
+    assert version is not None
+    return SourceState(
+        source=os.fsdecode(row["source"]),
+        version=version,
+        status=row["status"],
+        dest=None if row["dest"] is None else os.fsdecode(row["dest"]),
+        dest_version=_row_version(row, "dest_"),
+        error=row["error"],
+        transient=bool(row["transient"]),
+        attempts=row["attempts"],
+        updated=datetime.fromisoformat(row["updated"].replace("Z", "+00:00")),
+    )

@@ -1,0 +1,336 @@
+"""The daemon config: defaults, types, line numbers in messages, path resolution, safety refusals."""
+
+from __future__ import annotations
+
+import io
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from syncd.daemon.config import (
+    DEFAULT_POLL_INTERVAL,
+    check_config,
+    load_config,
+    run_check_config,
+)
+from syncd.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_config(directory: Path, text: str, name: str = "syncd.yaml", mode: int = 0o644) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(text))
+    path.chmod(mode)
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Path:
+    (tmp_path / "runs").mkdir()
+    return tmp_path / "runs"
+
+
+def error_of(path: Path) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    return str(caught.value)
+
+
+def test_minimal_config_gets_documented_defaults(tmp_path: Path, runs: Path) -> None:
+    config = load_config(write_config(tmp_path, "watches:\n  - path: runs\n"))
+    assert config.workers == 2
+    assert config.settle_seconds == 1.0
+    assert config.poll_interval is None
+    assert config.state_dir == tmp_path.resolve() / "state"
+    assert config.log.path == tmp_path.resolve() / "syncd.log.jsonl"
+    assert (config.log.max_bytes, config.log.backups, config.log.level) == (10485760, 5, "info")
+    (watch,) = config.watches
+    assert watch.path == runs.resolve()
+    assert watch.recursive is True
+    assert watch.include == ("*.bpk", "*.safetensors")
+    assert watch.exclude == ()
+    assert (watch.direction, watch.output, watch.on_exists, watch.layout) == ("both", "beside", "skip", "auto")
+    assert dict(watch.modules) == {} and watch.poll is False
+    assert config.polling_interval_for(watch) is None
+
+
+def test_full_config_is_read_and_relative_paths_resolve_against_the_config_dir(
+    tmp_path: Path, runs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mirror").mkdir()
+    path = write_config(
+        tmp_path,
+        """
+        workers: 4
+        settle_seconds: 0.5
+        state_dir: ./var/state
+        log: {path: logs/sync.jsonl, max_bytes: 1000, backups: 2, level: debug}
+        poll_interval: 3
+        watches:
+          - path: ./runs
+            recursive: false
+            include: ["*.bpk"]
+            exclude: ["*.tmp"]
+            direction: bpk->safetensors
+            output: {mirror: mirror}
+            on_exists: overwrite
+            layout: pytorch
+            modules: {"encoder.*.proj": Linear, "embed": Embedding}
+            poll: true
+        """,
+    )
+    monkeypatch.chdir("/")  # the working directory must not matter
+    config = load_config(path)
+    assert config.workers == 4 and config.settle_seconds == 0.5 and config.poll_interval == 3.0
+    assert config.state_dir == tmp_path.resolve() / "var" / "state"
+    assert config.log.path == tmp_path.resolve() / "logs" / "sync.jsonl"
+    assert (config.log.max_bytes, config.log.backups, config.log.level) == (1000, 2, "debug")
+    (watch,) = config.watches
+    assert watch.recursive is False and watch.include == ("*.bpk",) and watch.exclude == ("*.tmp",)
+    assert watch.direction == "bpk->safetensors" and watch.on_exists == "overwrite" and watch.layout == "pytorch"
+    assert watch.mirror == tmp_path.resolve() / "mirror"
+    assert dict(watch.modules) == {"encoder.*.proj": "Linear", "embed": "Embedding"}
+    assert config.polling_interval_for(watch) == 3.0
+    source = runs.resolve() / "exp1" / "model.bpk"
+    assert watch.output_dir_for(source) == tmp_path.resolve() / "mirror" / "exp1"
+
+
+def test_per_watch_poll_without_global_interval_uses_the_default(tmp_path: Path, runs: Path) -> None:
+    config = load_config(write_config(tmp_path, "watches:\n  - {path: runs, poll: true}\n"))
+    assert config.polling_interval_for(config.watches[0]) == DEFAULT_POLL_INTERVAL
+
+
+def test_bad_enum_names_file_line_key_and_choices(tmp_path: Path, runs: Path) -> None:
+    path = write_config(
+        tmp_path,
+        """\
+        workers: 2
+        watches:
+          - path: runs
+            direction: sideways
+        """,
+    )
+    assert error_of(path) == (
+        f"{path}:4: watches[0].direction: expected one of bpk->safetensors, safetensors->bpk, both, got 'sideways'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("workers: 0", "workers: expected an integer >= 1, got 0"),
+        ("workers: true", "workers: expected an integer >= 1, got true"),
+        ("workers: '2'", "workers: expected an integer >= 1, got '2'"),
+        ("settle_seconds: -1", "settle_seconds: expected a number >= 0, got -1"),
+        ("settle_seconds: .nan", "settle_seconds: expected a number >= 0, got nan"),
+        ("poll_interval: 0", "poll_interval: expected a number > 0 or null, got 0"),
+        ("state_dir: 5", "state_dir: expected a path (a non-empty string), got 5"),
+        ("log: {level: loud}", "log.level: expected one of debug, info, warning, error, got 'loud'"),
+        ("log: {max_bytes: -5}", "log.max_bytes: expected an integer >= 0, got -5"),
+        ("log: {colour: red}", "log.colour: unknown key"),
+        ("log: [1]", "log: expected a mapping, got a list"),
+        ("worker: 3", "worker: unknown key (did you mean 'workers'?)"),
+    ],
+)
+def test_global_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, line: str, expected: str) -> None:
+    path = write_config(tmp_path, f"watches:\n  - path: runs\n{line}\n")
+    assert error_of(path) == f"{path}:3: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("recursive: 'yes'", "watches[0].recursive: expected true or false, got 'yes'"),
+        ("include: '*.bpk'", "watches[0].include: expected a list of non-empty strings, got '*.bpk'"),
+        ("exclude: [1]", "watches[0].exclude: expected a list of non-empty strings, got a list"),
+        ("on_exists: replace", "watches[0].on_exists: expected one of skip, error, overwrite, got 'replace'"),
+        ("layout: Burn",
+         "watches[0].layout: expected one of auto, pytorch, burn, keep, got 'Burn' (did you mean 'burn'?)"),
+        ("output: elsewhere", "watches[0].output: expected 'beside' or {mirror: DIR}, got 'elsewhere'"),
+        ("output: {mirror: nowhere}", "watches[0].output.mirror: {tmp}/nowhere does not exist"),
+        ("direciton: both", "watches[0].direciton: unknown key (did you mean 'direction'?)"),
+        ("modules: {x: linear}", "watches[0].modules['x']: expected a module kind, one of Linear, Embedding, "
+         "Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, BatchNorm, LayerNorm, "
+         "GroupNorm, InstanceNorm, RmsNorm, PRelu, Other, got 'linear' (did you mean 'Linear'?)"),
+        ("modules: [Linear]", "watches[0].modules: expected a mapping of pattern -> kind or a file path, got a list"),
+    ],
+)  # fmt: skip
+def test_watch_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, entry: str, expected: str) -> None:
+    path = write_config(tmp_path, f"watches:\n  - path: runs\n    {entry}\n")
+    assert error_of(path) == f"{path}:3: {expected.replace('{tmp}', str(tmp_path.resolve()))}"
+
+
+def test_missing_and_non_directory_watch_paths_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "file.bpk").write_bytes(b"")
+    path = write_config(tmp_path, "watches:\n  - path: nowhere\n  - path: file.bpk\n  - recursive: false\n")
+    root = tmp_path.resolve()
+    assert check_config(path) == [
+        f"{path}:2: watches[0].path: {root}/nowhere does not exist",
+        f"{path}:3: watches[1].path: {root}/file.bpk is not a directory",
+        f"{path}:4: watches[2].path: missing: every watch needs a directory",
+    ]
+
+
+def test_watches_are_required(tmp_path: Path) -> None:
+    assert error_of(write_config(tmp_path, "workers: 1\n")).endswith(
+        "syncd.yaml:1: watches: missing: at least one watch is required"
+    )
+    assert "watches: expected a non-empty list of watches, got a list" in error_of(
+        write_config(tmp_path, "watches: []\n")
+    )
+    assert error_of(write_config(tmp_path, "")).endswith("syncd.yaml: the file is empty; it needs at least `watches:`")
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "watches:\n  - path: runs\n    include: [unclosed\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}:") and "invalid YAML" in message
+
+
+def test_duplicate_keys_are_refused(tmp_path: Path, runs: Path) -> None:
+    path = write_config(tmp_path, "workers: 1\nwatches:\n  - path: runs\nworkers: 3\n")
+    assert error_of(path) == f"{path}:4: workers: duplicate key (the earlier one would be ignored)"
+
+
+def test_config_writable_by_group_or_others_is_refused(tmp_path: Path, runs: Path) -> None:
+    path = write_config(tmp_path, "watches:\n  - path: runs\n", mode=0o664)
+    assert error_of(path) == (
+        f"{path}: refusing a config writable by group or others (mode 0664); run: chmod go-w {path}"
+    )
+    path.chmod(0o646)
+    assert "mode 0646" in error_of(path)
+    path.chmod(0o600)
+    assert load_config(path).watches[0].path == runs.resolve()
+
+
+def test_watching_the_root_is_refused_even_through_a_symlink(tmp_path: Path) -> None:
+    (tmp_path / "root").symlink_to("/")
+    path = write_config(tmp_path, "watches:\n  - path: /\n  - path: root/\n")
+    assert check_config(path) == [
+        f"{path}:2: watches[0].path: refusing to watch the root directory",
+        f"{path}:3: watches[1].path: refusing to watch the root directory",
+    ]
+
+
+def test_mirror_inside_a_watched_tree_is_refused(tmp_path: Path, runs: Path) -> None:
+    (runs / "converted").mkdir()
+    (tmp_path / "other").mkdir()
+    path = write_config(
+        tmp_path,
+        """\
+        watches:
+          - path: runs
+            output: {mirror: runs/converted}
+          - path: other
+            recursive: false
+            output:
+              mirror: runs
+        """,
+    )
+    problems = check_config(path)
+    root = tmp_path.resolve()
+    assert problems == [
+        f"{path}:3: watches[0].output.mirror: {root}/runs/converted overlaps its own watched tree ({root}/runs); "
+        "outputs would be picked up as new sources",
+        f"{path}:7: watches[1].output.mirror: {root}/runs overlaps watches[0] ({root}/runs); "
+        "outputs would be picked up as new sources",
+    ]
+
+
+def test_watch_inside_a_mirror_is_refused(tmp_path: Path, runs: Path) -> None:
+    # outputs of runs/runs/x.bpk would land in mirror/runs/... = runs/... when the mirror is runs' parent
+    path = write_config(tmp_path, "watches:\n  - path: runs\n    output: {mirror: .}\n")
+    assert "watches[0].output.mirror:" in error_of(path)
+
+
+def test_overlapping_watches_are_refused_unless_the_outer_is_not_recursive(tmp_path: Path, runs: Path) -> None:
+    (runs / "exp1").mkdir()
+    overlapping = write_config(tmp_path, "watches:\n  - path: runs\n  - path: runs/exp1\n")
+    assert check_config(overlapping) == [
+        f"{overlapping}:3: watches[1].path: overlaps watches[0] ({runs.resolve()}); "
+        "a file would be handled by two watches"
+    ]
+    same = write_config(tmp_path, "watches:\n  - {path: runs, recursive: false}\n  - {path: ./runs/}\n")
+    assert len(check_config(same)) == 1
+    disjoint = write_config(tmp_path, "watches:\n  - {path: runs, recursive: false}\n  - path: runs/exp1\n")
+    assert check_config(disjoint) == []
+
+
+def test_modules_from_a_file(tmp_path: Path, runs: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.mkdir()
+    write_config(maps, "modules:\n  encoder.*: Linear\n  norm: RmsNorm\n", name="model.yaml")
+    config = load_config(write_config(tmp_path, "watches:\n  - path: runs\n    modules: maps/model.yaml\n"))
+    (watch,) = config.watches
+    assert dict(watch.modules) == {"encoder.*": "Linear", "norm": "RmsNorm"}
+    assert watch.modules_file == maps.resolve() / "model.yaml"
+
+
+def test_problems_in_a_modules_file_name_that_file(tmp_path: Path, runs: Path) -> None:
+    modules = write_config(tmp_path, "modules:\n  a: Linear\n  b: Dense\n", name="model.yaml")
+    path = write_config(tmp_path, "watches:\n  - path: runs\n    modules: model.yaml\n    direction: up\n")
+    problems = check_config(path)
+    assert problems[0].startswith(f"{path}:4: watches[0].direction:")
+    assert problems[1].startswith(f"{modules.resolve()}:3: modules['b']: expected a module kind")
+    assert len(problems) == 2
+    missing = write_config(tmp_path, "watches:\n  - path: runs\n    modules: nope.yaml\n", name="other.yaml")
+    assert check_config(missing) == [
+        f"{missing}:3: watches[0].modules: module map file {tmp_path.resolve()}/nope.yaml does not exist"
+    ]
+    modules.chmod(0o666)
+    assert f"{modules.resolve()}: refusing a config writable by group or others" in error_of(path)
+
+
+def test_load_config_reports_the_first_problem_and_counts_the_rest(tmp_path: Path, runs: Path) -> None:
+    path = write_config(tmp_path, "workers: 0\nwatches:\n  - path: runs\n    layout: x\n    poll: 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.exit_code == 2
+    assert str(caught.value) == (
+        f"{path}:1: workers: expected an integer >= 1, got 0 (and 2 more problems; `syncd check-config` lists them)"
+    )
+    assert "\n" not in str(caught.value)
+
+
+def test_check_config_command_prints_one_line_per_problem(tmp_path: Path, runs: Path) -> None:
+    bad = write_config(tmp_path, "workers: 0\nwatches:\n  - {path: runs, layout: x}\n")
+    out = io.StringIO()
+    assert run_check_config(bad, out) == 2
+    assert out.getvalue().splitlines() == [
+        f"{bad}:1: workers: expected an integer >= 1, got 0",
+        f"{bad}:3: watches[0].layout: expected one of auto, pytorch, burn, keep, got 'x'",
+    ]
+    good = write_config(tmp_path, "watches:\n  - path: runs\n", name="good.yaml")
+    out = io.StringIO()
+    assert run_check_config(good, out) == 0
+    assert out.getvalue() == f"{good}: valid (1 watch)\n"
+    out = io.StringIO()
+    assert run_check_config(tmp_path / "absent.yaml", out) == 2
+    assert out.getvalue().startswith(f"{tmp_path}/absent.yaml: cannot read:")
+
+
+def test_log_command_can_read_a_config_whose_watches_are_gone(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "log: {path: x.jsonl}\nwatches:\n  - path: gone\n", mode=0o666)
+    assert load_config(path, check_filesystem=False).log.path == tmp_path.resolve() / "x.jsonl"
+    with pytest.raises(ConfigError):
+        load_config(path)
+
+
+def test_home_is_expanded(tmp_path: Path, runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config(write_config(tmp_path, "watches:\n  - path: ~/runs\n"))
+    assert config.watches[0].path == runs.resolve()
+
+
+def test_the_shipped_example_config_is_valid_from_a_clone() -> None:
+    example = REPO / "config" / "syncd.yaml"
+    assert (REPO / "config" / "runs").is_dir()
+    if os.stat(example).st_mode & 0o022:
+        pytest.skip("checked out with a group-writable umask; syncd refuses such a config by design")
+    config = load_config(example)
+    assert config.watches[0].path == (REPO / "config" / "runs").resolve()
+    assert config.state_dir == (REPO / "config" / "state").resolve()
+    assert check_config(example) == []
