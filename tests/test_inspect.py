@@ -1,0 +1,77 @@
+"""`syncd inspect` through the real CLI: table, JSON, hashes, and one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+MNIST_BPK = FIXTURES / "burn" / "mnist_web.bpk"
+MNIST_ST = FIXTURES / "pytorch" / "mnist.safetensors"
+
+
+def syncd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "syncd", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_json_lists_every_tensor_with_param_ids_as_decimal_strings() -> None:
+    result = syncd("inspect", str(MNIST_BPK), "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["format"] == "burnpack"
+    assert doc["header"]["data_start"] == 1536 and doc["header"]["metadata_size"] == 1398
+    assert len(doc["tensors"]) == 18
+    first = doc["tensors"][0]
+    assert first["name"] == "conv1.conv.weight" and first["offset"] == 1536
+    bias = next(t for t in doc["tensors"] if t["name"] == "conv1.conv.bias")
+    assert bias["param_id"] == "9505838338724798577" and bias["shape"] == [64] and bias["bytes"] == 256
+
+
+def test_hash_is_the_sha256_of_each_tensor_bytes() -> None:
+    doc = json.loads(syncd("inspect", str(MNIST_ST), "--json", "--hash").stdout)
+    data = MNIST_ST.read_bytes()
+    for tensor in doc["tensors"]:
+        raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
+        assert tensor["sha256"] == hashlib.sha256(raw).hexdigest()
+
+
+def test_table_is_aligned_with_a_header_row() -> None:
+    result = syncd("inspect", str(MNIST_BPK))
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("name"))
+    rows = lines[header + 1 :]
+    assert len(rows) == 18
+    # the dtype column starts at the same position on every row
+    column = lines[header].index("dtype")
+    assert all(row[column : column + 3] == "F32" for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"NRUB", "insufficient bytes"),
+        (b"XXXX\x01\x00\x00\x00\x00\x00", "header length"),
+        (b"NRUB\x02\x00\x00\x00\x00\x00", "Unsupported version 2"),
+    ],
+)
+def test_bad_file_is_one_line_exit_1(tmp_path: Path, content: bytes, expected: str) -> None:
+    path = tmp_path / "bad.bpk" if content.startswith(b"NRUB") else tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    result = syncd("inspect", str(path))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert str(path) in result.stderr and expected in result.stderr
+
+
+def test_missing_file_and_usage_errors(tmp_path: Path) -> None:
+    missing = syncd("inspect", str(tmp_path / "nope.bpk"))
+    assert missing.returncode == 1 and "no such file" in missing.stderr
+    usage = syncd("inspect")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
