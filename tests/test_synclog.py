@@ -399,3 +399,12 @@ def test_human_units() -> None:
         "2m05s",
         "2h01m",
     ]
+
+
+def test_a_reader_that_goes_away_is_not_an_error(sample_log: Path) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `syncd log | head` once head has exited
+    with open(write_end, "w") as out:
+        err = io.StringIO()
+        assert show_log(sample_log, out=out, err=err) == 0
+        assert err.getvalue() == ""

@@ -344,12 +344,26 @@ def show_log(
             _follow(tail, parser, printer, stop, timeout, poll_interval)
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:
+        # the reader went away (`syncd log | head`): not an error; keep the interpreter's final flush quiet
+        _silence(out)
+        return 0
     finally:
         tail.close()
     if parser.corrupt:
         plural = "s" if parser.corrupt != 1 else ""
         print(f"syncd log: {path}: skipped {parser.corrupt} corrupt line{plural}", file=err)
     return 0
+
+
+def _silence(out: TextIO) -> None:
+    try:
+        fileno = out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fileno)
+    os.close(devnull)
 
 
 def _parse_all(parser: _Parser, lines: Iterable[bytes]) -> Iterator[Entry]:
