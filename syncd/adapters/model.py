@@ -1,0 +1,98 @@
+"""The values the adapters layer works on and hands back: tensor references, plan entries, module kinds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from syncd.errors import AmbiguousLayoutError
+
+# Layout names. A file is in one layout (a converter never mixes them inside one file).
+PYTORCH = "pytorch"
+BURN = "burn"
+KEEP = "keep"  # to_layout only: copy names and shapes as they are
+AUTO = "auto"  # source_layout only: decide from the tensors
+# source_layout of a plan whose file holds nothing that differs between the layouts (only convs, buffers,
+# embeddings...): it reads the same either way, so the plan is the identity.
+NEUTRAL = "neutral"
+
+LAYOUTS = (PYTORCH, BURN)
+TARGET_LAYOUTS = (BURN, PYTORCH, KEEP)
+SOURCE_LAYOUTS = (AUTO, PYTORCH, BURN)
+
+# Module kinds a module map may name (burn-compat.md §3.5 lists their parameters on both sides).
+LINEAR = "Linear"
+EMBEDDING = "Embedding"
+BATCH_NORM = "BatchNorm"
+LAYER_NORM = "LayerNorm"
+GROUP_NORM = "GroupNorm"
+INSTANCE_NORM = "InstanceNorm"
+RMS_NORM = "RmsNorm"
+PRELU = "PRelu"
+OTHER = "Other"
+CONV_KINDS = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
+MAP_KINDS = (
+    LINEAR,
+    EMBEDDING,
+    *CONV_KINDS,
+    BATCH_NORM,
+    LAYER_NORM,
+    GROUP_NORM,
+    INSTANCE_NORM,
+    RMS_NORM,
+    PRELU,
+    OTHER,
+)
+
+# Kinds only inference produces: the tensors show the treatment but not the exact module type.
+NORM = "Norm"  # an affine norm: LayerNorm, GroupNorm or InstanceNorm (or, from gamma alone, RmsNorm)
+CONV = "Conv"  # any Conv*/ConvTranspose*: rank >= 3 weight, same in both layouts
+UNKNOWN = "Unknown"  # the tensors do not decide; a module map must (see ModuleKind.options)
+
+NORM_KINDS = frozenset({NORM, BATCH_NORM, LAYER_NORM, GROUP_NORM, INSTANCE_NORM, RMS_NORM})
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of a table: all the adapters ever look at (never bytes)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """How one source tensor becomes one output tensor."""
+
+    source: str  # source tensor name
+    target: str  # output tensor name
+    transpose: bool  # 2-D transpose [a, b] -> [b, a] of the bytes
+    shape: tuple[int, ...]  # output shape
+
+
+@dataclass
+class AdapterPlan:
+    """What the converter does to every tensor, and why."""
+
+    entries: list[PlanEntry]  # in source data order (the order of the input list), dropped tensors left out
+    dropped: list[str]  # source tensors with no slot on the target side; the converter carries them in metadata
+    source_layout: str  # "pytorch" | "burn" | "neutral" (nothing layout-dependent) | "keep"
+    target_layout: str  # "pytorch" | "burn" | "keep"
+    decisions: list[str]  # human lines: the file's layout first, then one line per module
+    kinds: dict[str, str] = field(default_factory=dict)  # module path -> kind ("" is the root module)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when every tensor keeps its name and shape and nothing is dropped."""
+        return not self.dropped and all(e.source == e.target and not e.transpose for e in self.entries)
+
+
+class LayoutAmbiguityError(AmbiguousLayoutError):
+    """AmbiguousLayoutError with what would settle it. `str(error)` stays one line (the CLI prints it);
+    `details` (per-module reasons, then the suggestion) is for the log / --verbose."""
+
+    def __init__(self, message: str, *, suggestion: str, undecided: list[str], details: str) -> None:
+        super().__init__(message)
+        self.suggestion = suggestion  # module-map YAML that would settle it (valid YAML; comments name alternatives)
+        self.undecided = undecided  # the module paths concerned ("(root)" for tensors without a '.')
+        self.details = details

@@ -1,0 +1,208 @@
+"""Module maps: the user's statement of which module is what, where a file's tensors cannot tell.
+
+YAML form (the daemon config embeds the same mapping)::
+
+    layout: pytorch            # optional: the layout the file is in (pytorch | burn)
+    modules:
+      "encoder.layers.*.attn.query": Linear
+      "tok_emb": Embedding
+      "**.norm": LayerNorm
+
+Keys are glob patterns over *module paths* (a tensor name minus its last `.segment`, so `fc1.weight` is in
+module `fc1`). Globs work segment by segment: `*` and `?` never cross a `.`, `[abc]`/`[!abc]` are character
+classes, and a whole `**` segment matches zero or more segments (`**.norm` matches `norm` and `a.b.norm`).
+
+Which rule wins: a pattern without wildcards that equals the module path wins over every glob; otherwise the
+first matching glob in the map's order wins. Burn itself decides by module type, never by name (burn-compat.md
+§3.1); this map is how a user hands us the types a file does not store.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from syncd.adapters.model import LAYOUTS, MAP_KINDS
+from syncd.errors import ConfigError
+
+_GLOB_CHARS = frozenset("*?[")
+_TOP_LEVEL_KEYS = ("modules", "layout")
+
+# Spellings users bring from PyTorch, accepted for the canonical kind (matching is also case-insensitive).
+_KIND_ALIASES = {
+    **{kind.lower(): kind for kind in MAP_KINDS},
+    **{f"batchnorm{n}d": "BatchNorm" for n in (1, 2, 3)},
+    **{f"instancenorm{n}d": "InstanceNorm" for n in (1, 2, 3)},
+}
+
+
+@dataclass(frozen=True)
+class ModuleRule:
+    pattern: str
+    kind: str
+    regex: re.Pattern[str]
+
+    @property
+    def is_exact(self) -> bool:
+        return not (_GLOB_CHARS & set(self.pattern))
+
+
+class ModuleMap:
+    """Ordered module-path patterns -> kind, plus an optional statement of the file's layout."""
+
+    def __init__(self, rules: Sequence[ModuleRule] = (), layout: str | None = None, source: str = "module map"):
+        self.rules = list(rules)
+        self.layout = layout
+        self.source = source
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "module map") -> ModuleMap:
+        """Build from the parsed mapping; every error is a ConfigError naming the offending key."""
+        if data is None:
+            return cls(source=source)
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"a module map must be a mapping with 'modules' (and optionally 'layout'), not {type(data).__name__}",
+                source,
+            )
+        for key in data:
+            if key not in _TOP_LEVEL_KEYS:
+                raise ConfigError(f"unknown key {key!r} in module map (expected: modules, layout)", source)
+        layout = _parse_layout(data.get("layout"), source)
+        rules = _parse_modules(data.get("modules"), source)
+        return cls(rules, layout, source)
+
+    @classmethod
+    def from_yaml_text(cls, text: str, *, source: str = "module map") -> ModuleMap:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"not valid YAML: {_one_line(str(exc))}", source) from exc
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_yaml_file(cls, path: str | os.PathLike[str]) -> ModuleMap:
+        source = os.fspath(path)
+        try:
+            with open(source, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read module map: {exc.strerror or exc}", source) from exc
+        return cls.from_yaml_text(text, source=source)
+
+    def lookup(self, module_path: str) -> ModuleRule | None:
+        """The rule deciding this module: an exact path first, else the first matching glob."""
+        for rule in self.rules:
+            if rule.is_exact and rule.pattern == module_path:
+                return rule
+        for rule in self.rules:
+            if not rule.is_exact and rule.regex.fullmatch(_match_subject(module_path)):
+                return rule
+        return None
+
+    def unused_patterns(self, module_paths: Iterable[str]) -> list[str]:
+        """Patterns that match none of these modules (worth a note: a typo is the usual cause)."""
+        paths = list(module_paths)
+        return [r.pattern for r in self.rules if not any(r.regex.fullmatch(_match_subject(p)) for p in paths)]
+
+    def __repr__(self) -> str:
+        return f"ModuleMap({[(r.pattern, r.kind) for r in self.rules]!r}, layout={self.layout!r})"
+
+
+def canonical_kind(name: str) -> str | None:
+    """The canonical spelling of a kind name, or None when it is not one."""
+    return _KIND_ALIASES.get(name.strip().lower())
+
+
+def _parse_layout(value: Any, source: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.strip().lower() not in LAYOUTS:
+        raise ConfigError(f"layout: expected one of {', '.join(LAYOUTS)}, got {value!r}", source)
+    return value.strip().lower()
+
+
+def _parse_modules(value: Any, source: str) -> list[ModuleRule]:
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"modules: expected a mapping of module path pattern -> kind, got {type(value).__name__}", source
+        )
+    rules = []
+    for key, kind in value.items():
+        # YAML reads an unquoted `0:` as an int; a Sequential index is a legitimate module path.
+        pattern = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+        if not isinstance(pattern, str):
+            raise ConfigError(f"modules: key {key!r} must be a module path pattern (text)", source)
+        rules.append(ModuleRule(pattern, _parse_kind(pattern, kind, source), _compile(pattern, source)))
+    return rules
+
+
+def _parse_kind(pattern: str, kind: Any, source: str) -> str:
+    found = canonical_kind(kind) if isinstance(kind, str) else None
+    if found is None:
+        raise ConfigError(
+            f"modules.{pattern!r}: unknown kind {kind!r} (expected one of {', '.join(MAP_KINDS)})", source
+        )
+    return found
+
+
+def _compile(pattern: str, source: str) -> re.Pattern[str]:
+    """Translate a segment glob into a regex matched against '.'+path (see _match_subject)."""
+    if pattern == "":  # the root module: tensors whose name has no '.'
+        return re.compile("")
+    segments = pattern.split(".")
+    if any(segment == "" for segment in segments):
+        raise ConfigError(f"modules.{pattern!r}: empty path segment in pattern", source)
+    parts = [r"(?:\.[^.]*)*" if seg == "**" else r"\." + _segment_regex(seg) for seg in segments]
+    return re.compile("".join(parts))
+
+
+def _match_subject(module_path: str) -> str:
+    # Every segment regex starts with its own '\.', so `**` can stand for zero segments at either end.
+    return "." + module_path if module_path else ""
+
+
+def _segment_regex(segment: str) -> str:
+    out, i = [], 0
+    while i < len(segment):
+        char = segment[i]
+        end = _class_end(segment, i) if char == "[" else -1
+        if char == "*":
+            out.append("[^.]*")
+        elif char == "?":
+            out.append("[^.]")
+        elif end > 0:
+            out.append(_class_regex(segment[i + 1 : end]))
+            i = end
+        else:
+            out.append(re.escape(char))
+        i += 1
+    return "".join(out)
+
+
+def _class_end(segment: str, start: int) -> int:
+    """Index of the ']' closing the class opened at `start`, or -1 (then '[' is literal, as in fnmatch)."""
+    first = start + 1
+    if segment[first : first + 1] == "!":
+        first += 1
+    if segment[first : first + 1] == "]":  # a leading ']' is a member, as in fnmatch
+        first += 1
+    return segment.find("]", first)
+
+
+def _class_regex(body: str) -> str:
+    negate = body.startswith("!")
+    members = "".join("\\" + c if c in "\\^[]" else c for c in (body[1:] if negate else body))
+    # a negated class must still not match the '.' between segments
+    return f"[^{members}.]" if negate else f"[{members}]"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
