@@ -19,9 +19,9 @@ def format_for_path(path: str | os.PathLike[str]) -> str | None:
     return EXTENSIONS.get(os.path.splitext(os.fspath(path))[1].lower())
 
 
-def sniff_format(path: str | os.PathLike[str]) -> str:
+def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> str:
     """Decide by content: the burnpack magic, else a safetensors header; the name only breaks ties."""
-    fd, size = open_regular_file(path)
+    fd, size = open_regular_file(path, within)
     try:
         head = pread_exact(fd, min(size, 4), 0, os.fspath(path), "header")
     finally:
@@ -34,7 +34,8 @@ def sniff_format(path: str | os.PathLike[str]) -> str:
     return SAFETENSORS
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> TensorFileReader:
-    """Open and validate a checkpoint of either format."""
-    kind = sniff_format(path)
-    return BurnpackReader(path) if kind == BURNPACK else SafetensorsReader(path)
+def open_checkpoint(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> TensorFileReader:
+    """Open and validate a checkpoint of either format; `within` confines it to a directory tree."""
+    kind = sniff_format(path, within)
+    reader = BurnpackReader if kind == BURNPACK else SafetensorsReader
+    return reader(path, within)

@@ -64,8 +64,8 @@ def align_up(value: int, alignment: int = TENSOR_ALIGNMENT) -> int:
 class BurnpackReader(TensorFileReader):
     """Parses and validates a burnpack file's header; tensor bytes are read only when asked for."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(path, within)
         try:
             self._parse()
         except BaseException:
@@ -129,6 +129,10 @@ class BurnpackReader(TensorFileReader):
         aligned = align_up(unaligned)
         max_end = max((d.end for d in descriptors), default=0)
         if aligned + max_end <= self.file_size:
+            # when 10+N is itself aligned the data section starts at the same place in both layouts; only the
+            # tensors' starts then tell a 0.19 file, and re-writing it must keep them unaligned
+            if unaligned == aligned and any(d.start % TENSOR_ALIGNMENT for d in descriptors):
+                return LAYOUT_PACKED, unaligned
             return LAYOUT_ALIGNED, aligned
         if unaligned != aligned and unaligned + max_end == self.file_size:
             return LAYOUT_PACKED, unaligned

@@ -7,6 +7,7 @@ deliver SIGBUS through a mapping, which Python cannot turn into an error, and a 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -21,28 +22,41 @@ from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 READ_CHUNK = 8 << 20
 
 
-def open_regular_file(path: str | os.PathLike[str]) -> tuple[int, int]:
+def open_regular_file(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> tuple[int, int]:
     """Open `path` read-only and return (fd, size); refuse anything that is not a regular file.
 
     O_NONBLOCK keeps a FIFO named like a checkpoint from blocking the caller; it has no effect on the
-    regular files we go on to read.
+    regular files we go on to read. With `within`, the file is opened without following a final symlink and
+    must really lie inside that directory (checked on the opened file, so a directory swapped for a symlink
+    between a scan and the open cannot lead us out of the tree).
     """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | (os.O_NOFOLLOW if within is not None else 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise FormatError("no such file", str(path)) from None
     except IsADirectoryError:
         raise FormatError("is a directory, not a checkpoint file", str(path)) from None
     except OSError as exc:
-        raise FormatError(f"cannot open: {exc.strerror}", str(path)) from None
+        if exc.errno == errno.ELOOP:
+            raise FormatError("is a symlink; not following it", str(path)) from None
+        raise FormatError(f"cannot open: {exc.strerror}", str(path)) from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise FormatError("not a regular file", str(path))
+        if within is not None and not _opened_inside(fd, within):
+            raise FormatError(f"resolves outside {os.fspath(within)}; not following it", str(path))
     except BaseException:
         os.close(fd)
         raise
     return fd, info.st_size
+
+
+def _opened_inside(fd: int, directory: str | os.PathLike[str]) -> bool:
+    real = os.readlink(f"/proc/self/fd/{fd}")
+    root = os.path.realpath(directory)
+    return real == root or real.startswith(root.rstrip("/") + "/")
 
 
 def pread_exact(fd: int, size: int, offset: int, path: str, what: str) -> bytes:
@@ -142,9 +156,9 @@ class TensorFileReader:
     """Shared reading side of both formats: a validated table of tensors and lazy, bounded access to
     their bytes. Subclasses parse the header in `__init__` and fill `header` and `tensors`."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
         self.path = os.fspath(path)
-        self.fd, self.file_size = open_regular_file(path)
+        self.fd, self.file_size = open_regular_file(path, within)
         self.tensors: list[TensorInfo] = []
         self._by_name: dict[str, TensorInfo] = {}
         self.header: CheckpointHeader

@@ -34,8 +34,8 @@ U64_LIMIT = 1 << 64
 class SafetensorsReader(TensorFileReader):
     """Parses and validates a safetensors header; tensor bytes are read only when asked for."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(path, within)
         try:
             self._parse()
         except BaseException:
