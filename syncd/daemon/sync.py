@@ -134,6 +134,7 @@ class Syncer:
                 return self._existing_destination(path, version, dest, base)
             if watch.mirror is not None:
                 _make_mirror_dirs(watch, dest.parent)
+            _check_inside(dest.parent, watch.mirror or watch.path)
             result = convert(
                 ConvertRequest(
                     source=path,
@@ -143,6 +144,7 @@ class Syncer:
                     module_map=self._module_map(watch),
                     overwrite=watch.on_exists == "overwrite",
                     fail_early_if_exists=False,
+                    within=watch.path,
                 )
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
@@ -210,6 +212,8 @@ def classify(exc: BaseException) -> tuple[str, bool]:
     """(sync log status, transient?) for a failure."""
     if isinstance(exc, ConflictError | AlreadyExistsError):
         return "conflict", False
+    if isinstance(exc, FormatError) and isinstance(exc.__cause__, PermissionError):
+        return "skipped", False  # unreadable for us: reported once, not an error in the file
     if isinstance(exc, FormatError | UnsupportedError | AmbiguousLayoutError | VerificationError):
         cause = exc.__cause__
         transient = isinstance(cause, OSError) and cause.errno in TRANSIENT_ERRNOS
@@ -246,6 +250,14 @@ def _carries_source(dest: Path, source: Path) -> bool:
     if metadata.get(carry.SOURCE) != source.name or carry.SOURCE_SHA256 not in metadata:
         return False
     return metadata[carry.SOURCE_SHA256] == file_sha256(source)
+
+
+def _check_inside(directory: Path, root: Path) -> None:
+    """Outputs go only where the configuration says: a directory that resolves elsewhere (through a
+    symlink planted in the tree) is refused."""
+    real, top = os.path.realpath(directory), os.path.realpath(root)
+    if real != top and not real.startswith(top.rstrip("/") + "/"):
+        raise SyncdError(f"output directory resolves outside {root}; not writing there", str(directory))
 
 
 def _make_mirror_dirs(watch: Watch, directory: Path) -> None:
