@@ -60,11 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    verbose = False
     try:
         args = build_parser().parse_args(argv)
+        verbose = getattr(args, "verbose", False)
         return _dispatch(args)
     except SyncdError as exc:
         print(f"syncd: {_one_line(str(exc))}", file=sys.stderr)
+        details = getattr(exc, "details", None)  # e.g. the module map that would settle an ambiguous layout
+        if verbose and details:
+            print(details, file=sys.stderr)
         return exc.exit_code
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""

@@ -44,6 +44,7 @@ class ConvertRequest:
     module_map: ModuleMap | None = None
     overwrite: bool = False
     fail_early_if_exists: bool = True  # the daemon turns this off to tell "already in sync" from a conflict
+    within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
 
 
 @dataclass
@@ -71,7 +72,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
     source = Path(request.source)
     if request.layout not in LAYOUT_CHOICES:
         raise UsageError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {request.layout!r}")
-    with open_checkpoint(source) as reader:
+    with open_checkpoint(source, request.within) as reader:
         to_format = request.to_format or OTHER_FORMAT[reader.header.format]
         dest = Path(request.dest) if request.dest else default_destination(source, to_format)
         _check_distinct(source, dest)
@@ -135,9 +136,12 @@ class _Job:
         if source_layout == "auto" and self.carried.layout in ("pytorch", "burn"):
             source_layout = self.carried.layout  # our own record of what we wrote beats inference
         refs = [TensorRef(t.name, t.dtype, t.shape) for t in self.reader.tensors]
-        return plan_conversion(
-            refs, to_layout=to_layout, source_layout=source_layout, module_map=self.request.module_map
-        )
+        try:
+            return plan_conversion(
+                refs, to_layout=to_layout, source_layout=source_layout, module_map=self.request.module_map
+            )
+        except SyncdError as exc:
+            raise _naming_file(exc, self.path) from None
 
     def _specs(self) -> list[TensorSpec]:
         entries = self._ordered_entries()
@@ -332,6 +336,15 @@ class _Job:
             ids = {s.name: s.param_id for s in self.specs}
             if any(ids[t.name] != t.param_id for t in output.tensors):
                 raise VerificationError("param_ids differ after writing", str(self.dest))
+
+
+def _naming_file(exc: SyncdError, path: str) -> SyncdError:
+    """The adapters see a tensor table, not a file: put the file in front of their one-line message (the
+    error keeps its type and its suggestion for --verbose and the log)."""
+    if exc.path is None:
+        exc.path = path
+        exc.args = (f"{path}: {exc.message}",)
+    return exc
 
 
 def _bytes_fill(data: bytes) -> Callable[[Any], None]:
