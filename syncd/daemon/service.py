@@ -19,7 +19,7 @@ from syncd.daemon import notify
 from syncd.daemon.config import Config, Watch, load_config
 from syncd.daemon.queue import WorkQueue
 from syncd.daemon.state import StateDB
-from syncd.daemon.sync import Syncer, is_ignored_name
+from syncd.daemon.sync import Syncer, is_candidate, is_ignored_name
 from syncd.daemon.synclog import SyncLog
 from syncd.daemon.watcher import CLOSED, Watcher, walk_files
 from syncd.errors import SyncdError
@@ -75,6 +75,9 @@ class Daemon:
     def _on_limit(self, watch: Watch, reason: str) -> None:
         self.synclog.log("error", watch=str(watch.path), reason=reason)
 
+    def _walk_limit(self, directory: Path, reason: str) -> None:
+        self.synclog.log("skipped", source=str(directory), reason=reason)
+
     def _request_rescan(self, path: Path) -> None:
         with self._rescan_lock:
             self._rescan.add(path)
@@ -112,8 +115,8 @@ class Daemon:
     def _scan(self, watch: Watch, root: Path) -> int:
         """Queue every file below `root` (the queue drops what is up to date quickly)."""
         queued = 0
-        for path in walk_files(root, watch.recursive):
-            if is_ignored_name(path.name):
+        for path in walk_files(root, watch.recursive, on_limit=self._walk_limit):
+            if not is_candidate(watch, path):
                 continue
             if not self.queue.put(watch, path, closed=False, delay=0.0):
                 self.synclog.log(

@@ -68,6 +68,14 @@ def matches_patterns(watch: Watch, path: Path) -> bool:
     return hit(watch.include) and not hit(watch.exclude)
 
 
+def is_candidate(watch: Watch, path: Path) -> bool:
+    """A checkpoint name this watch converts in its direction (decided from the name alone)."""
+    from_format = format_for_path(path)
+    if from_format is None or from_format not in DIRECTIONS[watch.direction] or is_ignored_name(path.name):
+        return False
+    return matches_patterns(watch, path)
+
+
 def destination_for(watch: Watch, source: Path, to_format: str) -> Path:
     return watch.output_dir_for(source) / (source.stem + EXTENSION[to_format])
 
@@ -84,11 +92,9 @@ class Syncer:
     # -- the decision
 
     def process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
+        if not is_candidate(watch, path):
+            return Outcome(None)
         from_format = format_for_path(path)
-        if from_format is None or is_ignored_name(path.name) or not matches_patterns(watch, path):
-            return Outcome(None)
-        if from_format not in DIRECTIONS[watch.direction]:
-            return Outcome(None)
         try:
             info = os.lstat(path)
         except FileNotFoundError:

@@ -31,6 +31,7 @@ from syncd.daemon.config import Config, Watch
 log = logging.getLogger("syncd.watcher")
 
 CLOSED, CHANGED = "closed", "changed"
+MAX_DEPTH = 64  # directory levels scanned below a watch; deeper trees are reported, not walked
 Notify = Callable[[Watch, Path, str], None]
 EVENTS = [FileClosedEvent, FileCreatedEvent, FileModifiedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
 
@@ -134,9 +135,10 @@ class Watcher:
             logging.getLogger(name).removeHandler(self._overflow)
 
 
-def walk_files(root: Path, recursive: bool, max_depth: int = 64) -> Iterator[Path]:
+def walk_files(root: Path, recursive: bool, max_depth: int = MAX_DEPTH,
+               on_limit: Callable[[Path, str], None] | None = None) -> Iterator[Path]:
     """Every regular file below `root`, iteratively (deep trees cannot exhaust the stack), never following
-    a symlink, never descending past `max_depth` levels."""
+    a symlink, never descending past `max_depth` levels (reported through `on_limit`)."""
     stack = [(root, 0)]
     while stack:
         directory, depth = stack.pop()
@@ -154,6 +156,9 @@ def walk_files(root: Path, recursive: bool, max_depth: int = 64) -> Iterator[Pat
                 yield Path(entry.path)
             elif stat.S_ISDIR(mode) and recursive:
                 if depth + 1 > max_depth:
-                    log.warning("not descending into %s: deeper than %d levels", entry.path, max_depth)
+                    reason = f"not scanned: deeper than {max_depth} directory levels below the watch"
+                    log.warning("%s: %s", entry.path, reason)
+                    if on_limit is not None:
+                        on_limit(Path(entry.path), reason)
                     continue
                 stack.append((Path(entry.path), depth + 1))
