@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +136,10 @@ class BurnpackReader(TensorFileReader):
             return LAYOUT_ALIGNED, aligned
         if unaligned != aligned and unaligned + max_end == self.file_size:
             return LAYOUT_PACKED, unaligned
-        raise self._fail(f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes")
+        last = max(descriptors, key=lambda d: d.end).name if descriptors else None  # the tensor that runs past
+        raise self._fail(
+            f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes", last
+        )
 
 
 @dataclass(frozen=True)
@@ -150,18 +153,37 @@ class _Descriptor:
     raw_dtype: Any
 
 
-def _reject_tag(decoder: Any, tag: Any) -> Any:
-    raise ValueError(f"CBOR tag {tag.tag} is not allowed in burnpack metadata")
+class _RejectEveryTag(Mapping):
+    """cbor2 decodes the tags it knows (bignums 2/3, dates 0/1, ...) itself, never asking `tag_hook`; as its
+    `semantic_decoders` this mapping overrides every tag number with a decoder that refuses it."""
+
+    def __getitem__(self, tag: int) -> Callable[..., Any]:
+        def reject(*_: Any) -> Any:
+            raise ValueError(f"CBOR tag {tag} is not allowed in burnpack metadata")
+
+        return reject
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
 def decode_cbor(raw: bytes, path: str) -> Any:
     """Decode burnpack metadata with Burn's depth limit, refusing tags (bignums) and duplicate keys."""
     try:
         return cbor2.loads(
-            raw, max_depth=MAX_CBOR_DEPTH, tag_hook=_reject_tag, allow_duplicate_keys=False, str_errors="strict"
+            raw,
+            max_depth=MAX_CBOR_DEPTH,
+            semantic_decoders=_RejectEveryTag(),
+            allow_duplicate_keys=False,
+            str_errors="strict",
         )
     except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError, MemoryError, OverflowError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc.__cause__, ValueError):  # e.g. a refused tag: say why
+            message += f" ({exc.__cause__})"
         raise FormatError(f"Metadata deserialization error: {message}", path) from None
 
 

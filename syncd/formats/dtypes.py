@@ -125,11 +125,17 @@ SAFETENSORS_DTYPE_RANK: dict[str, int] = {
 }
 
 
+# No file can hold 2^64 elements; counting stops there so that a hostile shape of many huge dimensions costs
+# neither quadratic big-integer time nor a number too long to print in an error message.
+NUMEL_CAP = 1 << 64
+
+
 def byte_length(dtype: str, shape: tuple[int, ...]) -> int | None:
-    """Bytes a dense tensor of this dtype and shape needs; None for QFloat (no fixed size)."""
-    numel = 1
+    """Bytes a dense tensor of this dtype and shape needs; None for QFloat (no fixed size). Element counts
+    beyond NUMEL_CAP are counted as NUMEL_CAP, which no real byte length can match."""
+    numel = 0 if 0 in shape else 1
     for dim in shape:
-        numel *= dim
+        numel = min(numel * dim, NUMEL_CAP)
     if dtype in ITEMSIZE:
         return numel * ITEMSIZE[dtype]
     if dtype in SUBBYTE_BITS:
