@@ -26,7 +26,7 @@ from syncd.formats.fileio import TensorFileReader, pwrite_all
 from syncd.formats.safetensors import SafetensorsReader, plan_safetensors, write_safetensors
 from syncd.formats.table import TensorSpec
 from syncd.publish import PublishResult, ensure_destination_free, open_scratch, publish
-from syncd.transfer import copy_fill, transpose_fill, verify_tensor
+from syncd.transfer import Transfer
 
 EXTENSION = {BURNPACK: ".bpk", SAFETENSORS: ".safetensors"}
 OTHER_FORMAT = {BURNPACK: SAFETENSORS, SAFETENSORS: BURNPACK}
@@ -114,6 +114,7 @@ class _Job:
         self._check_dtypes()
         self.plan = self._plan()
         self.restored: list[str] = []
+        self.transfer = Transfer()
         self.specs = self._specs()
         self.metadata, self.scalars = self._metadata(SHA_PLACEHOLDER)
         self.layout = self._burn_layout()
@@ -146,7 +147,7 @@ class _Job:
     def _specs(self) -> list[TensorSpec]:
         entries = self._ordered_entries()
         specs = [self._spec(entry.source, entry.target, entry.shape, entry.transpose) for entry in entries]
-        if self.to_format == SAFETENSORS and self.plan.target_layout != "burn":
+        if self.to_format == SAFETENSORS and self.plan.target_layout == "pytorch":
             specs += self._restored_specs({spec.name for spec in specs})
         return specs
 
@@ -161,7 +162,7 @@ class _Job:
 
     def _spec(self, source: str, target: str, shape: tuple[int, ...], transpose: bool) -> TensorSpec:
         info = self.reader.tensor(source)
-        fill = transpose_fill(self.reader, source) if transpose else copy_fill(self.reader, source)
+        fill = (self.transfer.transpose_fill if transpose else self.transfer.copy_fill)(self.reader, source, target)
         dtype, raw = self._target_dtype(info.name, info.dtype, info.raw_dtype)
         param_id = info.param_id if info.param_id is not None else self.carried.param_ids.get(source)
         return TensorSpec(
@@ -248,6 +249,9 @@ class _Job:
         metadata[carry.DATA_ORDER] = carry.dumps(
             [target_of[t.name] for t in self.reader.tensors if t.name in target_of]
         )
+        if self.carried.dropped and self.plan.target_layout != "pytorch":
+            # only a PyTorch-layout file takes the counters back; a Burn-layout one carries them further
+            metadata[carry.DROPPED] = carry.encode_dropped(self.carried.dropped)
 
     def _burnpack_metadata(self) -> tuple[dict[str, str], dict[str, Any]]:
         header = self.reader.header
@@ -255,12 +259,13 @@ class _Job:
             return carry.own_metadata(header.metadata), dict(header.scalars)
         metadata = dict(self.carried.burn_metadata or {})
         own = carry.own_metadata(header.metadata)
-        if own.get("format") == "pt":
-            del own["format"]  # we add it again to every PyTorch-layout output
+        if own.get("format") == "pt" and self.plan.target_layout == "burn":
+            del own["format"]  # the way back to PyTorch layout adds it again; a keep round trip must not lose it
         if own:
             metadata[carry.SAFETENSORS_METADATA] = carry.dumps(own)
-        if self.plan.dropped:
-            metadata[carry.DROPPED] = carry.encode_dropped(self._dropped_tensors())
+        dropped = {**self.carried.dropped, **self._dropped_tensors()}
+        if dropped:
+            metadata[carry.DROPPED] = carry.encode_dropped(dropped)
         return metadata, dict(self.carried.scalars)
 
     def _dropped_tensors(self) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
@@ -318,7 +323,7 @@ class _Job:
         with output:
             self._verify_table(output)
             for entry in self.plan.entries:
-                verify_tensor(self.reader, entry.source, output, entry.target, entry.transpose)
+                self.transfer.verify(output, entry.target)
             for name in self.restored:
                 if output.read(name) != self.carried.dropped[name][2]:
                     raise VerificationError(f"restored tensor '{name}' differs after writing", str(self.dest))

@@ -1,183 +1,192 @@
 """Moving tensor bytes from a source file into an output file, and checking them afterwards.
 
-Memory stays bounded by one block whatever the model or tensor size: sources are read with `pread` into
-reused buffers (a mapping of a file someone truncates would kill us with SIGBUS), and a transposed tensor is
-written in tiles straight into a shared mapping of our own scratch file, whose pages are dropped from the
-process once each strip is done. The pages stay in the page cache, so nothing is lost and RSS stays flat.
+Memory stays bounded whatever the model or tensor size: sources are read with `pread` into buffers reused
+for every tensor (a mapping of a file someone truncates would kill us with SIGBUS), and outputs are written
+with `pwrite`. A transposed tensor up to WHOLE_BYTES is read whole, transposed into a second reused buffer
+and written in one piece; a larger one goes strip by strip of source rows, each strip's transpose written
+into its place in every output row. Reused buffers matter: first-touching fresh pages costs more than the
+transpose itself.
+
+Verification: while writing, a CRC-32 of every output byte is taken in the order it is produced; after the
+file is written it is re-read from disk (through a fresh reader, so its header is parsed anew) and every
+tensor's bytes must give the same CRCs. That catches a wrong offset, a short or failed write and a header
+that does not describe the data.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from syncd.errors import VerificationError
 from syncd.formats.dtypes import ITEMSIZE
-from syncd.formats.fileio import TensorFileReader, TensorSink, preadinto_exact
+from syncd.formats.fileio import TensorFileReader, TensorSink
 
-BLOCK_BYTES = 16 << 20  # one strip of source rows; bounds the memory of every transfer
-TILE = 256  # elements per side of a transpose tile, sized to stay in L2
-PAGE = mmap.PAGESIZE
+BLOCK_BYTES = 16 << 20  # copy and verify chunks
+WHOLE_BYTES = 64 << 20  # transposes up to this size happen in memory in one piece
+STRIP_ROWS = 16  # source rows per numpy assignment: measured fastest for a transposing copy
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-@dataclass(frozen=True)
+@dataclass
+class _Check:
+    """CRC-32s of one output tensor: of its whole bytes, or per strip of output columns (rows of the source)."""
+
+    crcs: list[int] = field(default_factory=list)
+    strip_rows: int = 0  # 0: one CRC over the tensor's bytes in file order
+    rows: int = 0
+    cols: int = 0
+
+
 class Transfer:
-    """One output tensor's bytes: the source tensor, and whether its 2-D layout is transposed."""
+    """The buffers and checks of one conversion; make one per conversion (not shared between threads)."""
 
-    reader: TensorFileReader
-    source: str
-    transpose: bool
+    def __init__(self) -> None:
+        self._buffers: dict[str, bytearray] = {}
+        self.checks: dict[str, _Check] = {}
+
+    def buffer(self, key: str, size: int) -> memoryview:
+        buf = self._buffers.get(key)
+        if buf is None or len(buf) < size:
+            buf = self._buffers[key] = bytearray(size)
+        return memoryview(buf)[:size]
+
+    # -- writing
+
+    def copy_fill(self, reader: TensorFileReader, name: str, target: str) -> Callable[[TensorSink], None]:
+        def fill(sink: TensorSink) -> None:
+            check = self.checks[target] = _Check([0])
+            nbytes = reader.tensor(name).nbytes
+            buf = self.buffer("a", min(BLOCK_BYTES, nbytes))
+            for done in range(0, nbytes, len(buf) or 1):
+                piece = buf[: min(len(buf), nbytes - done)]
+                reader.readinto(name, done, piece)
+                check.crcs[0] = zlib.crc32(piece, check.crcs[0])
+                sink.write(piece)
+
+        return fill
+
+    def transpose_fill(self, reader: TensorFileReader, name: str, target: str) -> Callable[[TensorSink], None]:
+        """Write the transpose of a 2-D source tensor [a, b] as [b, a]."""
+
+        def fill(sink: TensorSink) -> None:
+            info = reader.tensor(name)
+            rows, cols = info.shape
+            itemsize = ITEMSIZE[info.dtype]
+            if info.nbytes <= WHOLE_BYTES:
+                self._transpose_whole(reader, name, target, sink, rows, cols, itemsize)
+            else:
+                self._transpose_strips(reader, name, target, sink, rows, cols, itemsize)
+
+        return fill
+
+    def _transpose_whole(self, reader: TensorFileReader, name: str, target: str, sink: TensorSink, rows: int,
+                         cols: int, itemsize: int) -> None:
+        nbytes = rows * cols * itemsize
+        src = self.buffer("a", nbytes)
+        out = self.buffer("b", nbytes)
+        reader.readinto(name, 0, src)
+        _transpose(_matrix(src, itemsize, rows, cols), _matrix(out, itemsize, cols, rows), 0)
+        self.checks[target] = _Check([zlib.crc32(out)])
+        sink.write(out)
+
+    def _transpose_strips(self, reader: TensorFileReader, name: str, target: str, sink: TensorSink, rows: int,
+                          cols: int, itemsize: int) -> None:
+        """Source rows r0:r1 become columns r0:r1 of every output row: one pwrite per output row per strip."""
+        strip_rows = max(1, (WHOLE_BYTES // 2) // (cols * itemsize))
+        check = self.checks[target] = _Check(strip_rows=strip_rows, rows=rows, cols=cols)
+        for r0 in range(0, rows, strip_rows):
+            n = min(strip_rows, rows - r0)
+            src = self.buffer("a", n * cols * itemsize)
+            out = self.buffer("b", n * cols * itemsize)
+            reader.readinto(name, r0 * cols * itemsize, src)
+            _transpose(_matrix(src, itemsize, n, cols), _matrix(out, itemsize, cols, n), 0)
+            check.crcs.append(zlib.crc32(out))
+            segment = n * itemsize
+            for c in range(cols):
+                sink.pwrite(out[c * segment : (c + 1) * segment], (c * rows + r0) * itemsize)
+
+    # -- verifying
+
+    def verify(self, output: TensorFileReader, target: str) -> None:
+        """Re-read `target` from the written file and compare it with the CRCs taken while writing."""
+        check = self.checks.get(target)
+        if check is None:
+            raise VerificationError(f"tensor '{target}' was never written", output.path)
+        found = _strip_crcs(output, target, check, self) if check.strip_rows else [_file_crc(output, target, self)]
+        if found != check.crcs:
+            raise VerificationError(f"tensor '{target}' reads back different from what was written", output.path)
 
 
-def copy_fill(reader: TensorFileReader, name: str) -> Callable[[TensorSink], None]:
-    def fill(sink: TensorSink) -> None:
-        for piece in reader.iter_chunks(name, BLOCK_BYTES):
-            sink.write(piece)
-
-    return fill
+def _matrix(buf: memoryview, itemsize: int, rows: int, cols: int) -> np.ndarray:
+    return np.frombuffer(buf, dtype=_UINT[itemsize], count=rows * cols).reshape(rows, cols)
 
 
-def transpose_fill(reader: TensorFileReader, name: str) -> Callable[[TensorSink], None]:
-    """Write the transpose of a 2-D source tensor [a, b] as [b, a], strip by strip of source rows."""
-
-    def fill(sink: TensorSink) -> None:
-        info = reader.tensor(name)
-        rows, cols = info.shape
-        itemsize = ITEMSIZE[info.dtype]
-        if rows and cols:
-            with _Window(sink.fd, sink.base, info.nbytes, writable=True) as window:
-                _transpose_into(reader, name, window, rows, cols, itemsize)
-        sink.filled_through_mapping()
-
-    return fill
+def _transpose(src: np.ndarray, out: np.ndarray, first_col: int) -> None:
+    """out[:, first_col:first_col+rows] = src.T, a few source rows at a time (cache-friendly)."""
+    rows = src.shape[0]
+    for r0 in range(0, rows, STRIP_ROWS):
+        r1 = min(rows, r0 + STRIP_ROWS)
+        out[:, first_col + r0 : first_col + r1] = src[r0:r1].T
 
 
-def _row_strips(reader: TensorFileReader, name: str, rows: int, cols: int, itemsize: int):
-    """Yield (first_row, array[strip_rows, cols]) reading whole source rows into one reused buffer."""
-    row_bytes = cols * itemsize
-    strip_rows = max(1, BLOCK_BYTES // row_bytes)
-    buf = bytearray(min(rows, strip_rows) * row_bytes)
+def _file_crc(output: TensorFileReader, name: str, transfer: Transfer) -> int:
+    crc = 0
+    nbytes = output.tensor(name).nbytes
+    buf = transfer.buffer("a", min(BLOCK_BYTES, nbytes))
+    for done in range(0, nbytes, len(buf) or 1):
+        piece = buf[: min(len(buf), nbytes - done)]
+        output.readinto(name, done, piece)
+        crc = zlib.crc32(piece, crc)
+    return crc
+
+
+def _strip_crcs(output: TensorFileReader, name: str, check: _Check, transfer: Transfer) -> list[int]:
+    """Gather each strip's columns back from every output row, in the order they were produced."""
+    info = output.tensor(name)
+    itemsize = ITEMSIZE[info.dtype]
+    if info.shape != (check.cols, check.rows):
+        raise VerificationError(f"tensor '{name}' has shape {list(info.shape)}", output.path)
+    crcs = []
+    for r0 in range(0, check.rows, check.strip_rows):
+        n = min(check.strip_rows, check.rows - r0)
+        segment = n * itemsize
+        buf = transfer.buffer("b", check.cols * segment)
+        for c in range(check.cols):
+            output.readinto(name, (c * check.rows + r0) * itemsize, buf[c * segment : (c + 1) * segment])
+        crcs.append(zlib.crc32(buf))
+    return crcs
+
+
+
+def verify_tensor(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
+                  transpose: bool) -> None:
+    """Compare one written tensor with its source directly, without any checksum taken while writing:
+    slower than Transfer.verify, for tests and audits."""
+    info, out_info = source.tensor(src_name), output.tensor(out_name)
+    expected_shape = tuple(reversed(info.shape)) if transpose else info.shape
+    if out_info.nbytes != info.nbytes or out_info.shape != expected_shape:
+        raise VerificationError(f"tensor '{out_name}' has shape {list(out_info.shape)}, expected "
+                                f"{list(expected_shape)}", output.path)
+    if not transpose:
+        if source.read(src_name) != output.read(out_name):
+            raise VerificationError(f"tensor '{out_name}' differs from its source '{src_name}'", output.path)
+        return
+    rows, cols = info.shape
+    itemsize = ITEMSIZE[info.dtype]
+    strip_rows = max(1, BLOCK_BYTES // max(1, cols * itemsize))
     for r0 in range(0, rows, strip_rows):
         n = min(strip_rows, rows - r0)
-        view = memoryview(buf)[: n * row_bytes]
-        reader.readinto(name, r0 * row_bytes, view)
-        yield r0, np.frombuffer(view, dtype=_UINT[itemsize]).reshape(n, cols)
-
-
-def _transpose_into(reader: TensorFileReader, name: str, window: _Window, rows: int, cols: int, itemsize: int) -> None:
-    out = window.array(_UINT[itemsize], (cols, rows))
-    for r0, strip in _row_strips(reader, name, rows, cols, itemsize):
-        _transpose_strip_into(strip, out, r0)
-        window.release()
-
-
-def _transpose_strip_into(strip: np.ndarray, out: np.ndarray, r0: int) -> None:
-    """out[:, r0:r0+n] = strip.T, tile by tile so both sides stay in cache."""
-    n, cols = strip.shape
-    for c0 in range(0, cols, TILE):
-        c1 = min(cols, c0 + TILE)
-        out[c0:c1, r0 : r0 + n] = strip[:, c0:c1].T
-
-
-class _Window:
-    """A shared mapping of one tensor's bytes in our own scratch file (page-aligned underneath). Only our
-    scratch files are mapped: no one else can truncate them under us."""
-
-    def __init__(self, fd: int, offset: int, nbytes: int, writable: bool) -> None:
-        start = offset - offset % mmap.PAGESIZE
-        self.skip = offset - start
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self.map = mmap.mmap(fd, self.skip + nbytes, flags=mmap.MAP_SHARED, prot=prot, offset=start)
-        self.nbytes = nbytes
-
-    def array(self, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
-        count = self.nbytes // np.dtype(dtype).itemsize
-        return np.frombuffer(self.map, dtype=dtype, count=count, offset=self.skip).reshape(shape)
-
-    def release(self) -> None:
-        # Dirty shared pages survive MADV_DONTNEED in the page cache; only our resident set shrinks.
-        self.map.madvise(mmap.MADV_DONTNEED)
-
-    def __enter__(self) -> _Window:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # an exception's traceback may still hold a view; the mapping then goes with it
-        with contextlib.suppress(BufferError):
-            self.map.close()
-
-
-# ---------------------------------------------------------------------------------------------- verify
-
-
-def verify_tensor(
-    source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str, transpose: bool
-) -> None:
-    """Compare one written tensor with its source, after the transform, block by block."""
-    info = source.tensor(src_name)
-    if transpose:
-        _verify_transposed(source, info.name, output, out_name)
-        return
-    out_info = output.tensor(out_name)
-    if out_info.nbytes != info.nbytes:
-        raise VerificationError(
-            f"tensor '{out_name}' has {out_info.nbytes} bytes, its source {info.nbytes}", output.path
-        )
-    a = memoryview(bytearray(min(BLOCK_BYTES, info.nbytes)))
-    b = memoryview(bytearray(len(a)))
-    for done in range(0, info.nbytes, len(a) or 1):
-        n = min(len(a), info.nbytes - done)
-        source.readinto(src_name, done, a[:n])
-        output.readinto(out_name, done, b[:n])
-        if a[:n] != b[:n]:
-            raise VerificationError(
-                f"tensor '{out_name}' differs from its source '{src_name}' after writing", output.path
-            )
-
-
-def _verify_transposed(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str) -> None:
-    info = source.tensor(src_name)
-    out_info = output.tensor(out_name)
-    rows, cols = info.shape
-    if out_info.shape != (cols, rows) or rows == 0 or cols == 0:
-        if out_info.shape != (cols, rows):
-            raise VerificationError(
-                f"tensor '{out_name}' has shape {list(out_info.shape)}, expected {[cols, rows]}", output.path
-            )
-        return
-    itemsize = ITEMSIZE[info.dtype]
-    fd = os.open(output.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        with _Window(fd, out_info.offset, out_info.nbytes, writable=False) as window:
-            if not _matches_transposed(source, src_name, window, rows, cols, itemsize):
-                raise VerificationError(
-                    f"tensor '{out_name}' is not the transpose of its source '{src_name}'", output.path
-                )
-    finally:
-        os.close(fd)
-
-
-def _matches_transposed(
-    source: TensorFileReader, name: str, window: _Window, rows: int, cols: int, itemsize: int
-) -> bool:
-    out = window.array(_UINT[itemsize], (cols, rows))
-    for r0, strip in _row_strips(source, name, rows, cols, itemsize):
-        if not np.array_equal(out[:, r0 : r0 + strip.shape[0]].T, strip):
-            return False
-        window.release()
-    return True
-
-
-def read_all(reader: TensorFileReader, name: str) -> bytes:
-    """Small tensors only (carried metadata)."""
-    info = reader.tensor(name)
-    buf = bytearray(info.nbytes)
-    preadinto_exact(reader.fd, memoryview(buf), info.offset, reader.path, f"tensor '{name}'")
-    return bytes(buf)
+        src = np.frombuffer(bytearray(n * cols * itemsize), dtype=_UINT[itemsize]).reshape(n, cols)
+        source.readinto(src_name, r0 * cols * itemsize, memoryview(src).cast("B"))
+        got = np.empty((cols, n), dtype=_UINT[itemsize])
+        view = memoryview(got).cast("B")
+        for c in range(cols):
+            output.readinto(out_name, (c * rows + r0) * itemsize, view[c * n * itemsize : (c + 1) * n * itemsize])
+        if not np.array_equal(got.T, src):
+            raise VerificationError(f"tensor '{out_name}' is not the transpose of its source '{src_name}'",
+                                    output.path)
