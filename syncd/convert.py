@@ -20,10 +20,10 @@ from syncd import carry
 from syncd.adapters import AdapterPlan, ModuleMap, TensorRef, plan_conversion
 from syncd.errors import FormatError, SyncdError, UnsupportedError, UsageError, VerificationError
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
-from syncd.formats.burnpack import LAYOUT_ALIGNED, BurnpackReader, plan_burnpack, write_burnpack
+from syncd.formats.burnpack import LAYOUT_ALIGNED, BurnpackReader, write_burnpack
 from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader, pwrite_all
-from syncd.formats.safetensors import SafetensorsReader, plan_safetensors, write_safetensors
+from syncd.formats.safetensors import SafetensorsReader, write_safetensors
 from syncd.formats.table import TensorSpec
 from syncd.publish import PublishResult, ensure_destination_free, open_scratch, publish
 from syncd.transfer import Transfer
@@ -31,7 +31,7 @@ from syncd.transfer import Transfer
 EXTENSION = {BURNPACK: ".bpk", SAFETENSORS: ".safetensors"}
 OTHER_FORMAT = {BURNPACK: SAFETENSORS, SAFETENSORS: BURNPACK}
 TARGET_LAYOUT = {BURNPACK: "burn", SAFETENSORS: "pytorch"}
-SHA_PLACEHOLDER = "0" * 64
+SHA_PLACEHOLDER = "sha256-of-the-source-pending".ljust(64, "0")  # exactly as long as a hex sha256
 LAYOUT_CHOICES = ("auto", "pytorch", "burn", "keep")
 
 
@@ -291,28 +291,30 @@ class _Job:
         hasher = _SourceHasher(self.reader)
         with open_scratch(self.dest, mode) as scratch:
             try:
-                self.output_size = self._write(scratch.fd)
+                header = self._write(scratch.fd)
             except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
                 raise SyncdError(f"cannot write the output ({exc.strerror or exc})", str(self.dest)) from exc
-            self.metadata[carry.SOURCE_SHA256] = hasher.result()
-            self._rewrite_header(scratch.fd)
+            self._fill_in_source_hash(scratch.fd, header, hasher.result())
             _check_source_unchanged(self.reader)
             self._verify(scratch.path)
             return publish(scratch, replace=self.request.overwrite, source=Path(self.path))
 
-    def _write(self, fd: int) -> int:
+    def _write(self, fd: int) -> bytes:
         if self.to_format == BURNPACK:
-            return write_burnpack(fd, self.specs, self.metadata, self.scalars, self.layout).file_size
-        return write_safetensors(fd, self.specs, self.metadata).file_size
-
-    def _rewrite_header(self, fd: int) -> None:
-        """The source hash was computed while the tensors were written; it has the placeholder's length,
-        so the header keeps its size and every offset stays where it is."""
-        if self.to_format == BURNPACK:
-            header = plan_burnpack(self.specs, self.metadata, self.scalars, self.layout).header
+            plan = write_burnpack(fd, self.specs, self.metadata, self.scalars, self.layout)
         else:
-            header = plan_safetensors(self.specs, self.metadata).header
-        pwrite_all(fd, header, 0)
+            plan = write_safetensors(fd, self.specs, self.metadata)
+        self.output_size = plan.file_size
+        return plan.header
+
+    def _fill_in_source_hash(self, fd: int, header: bytes, sha: str) -> None:
+        """The source hash is computed while the tensors are written, so the header went out with a placeholder
+        of the same length: patching it in place keeps the header's size and every offset where it is."""
+        placeholder = SHA_PLACEHOLDER.encode("ascii")
+        if header.count(placeholder) != 1:
+            raise SyncdError("cannot place the source hash in the output header", str(self.dest))
+        self.metadata[carry.SOURCE_SHA256] = sha
+        pwrite_all(fd, header.replace(placeholder, sha.encode("ascii")), 0)
 
     def _verify(self, written: Path) -> None:
         reader_type = BurnpackReader if self.to_format == BURNPACK else SafetensorsReader

@@ -315,50 +315,29 @@ def encode_dtype(dtype: str, raw_dtype: Any = None) -> Any:
     raise FormatError(f"dtype {dtype} has no burnpack form")
 
 
-def cbor_encode(value: Any, out: bytearray) -> None:
-    """CBOR as ciborium writes it (§1.3): definite lengths, minimal ints, shortest exact float, dicts in
-    insertion order. cbor2 always widens floats to f64, so Burn's bytes need our own encoder."""
-    if isinstance(value, bool):
-        out.append(0xF5 if value else 0xF4)
-    elif value is None:
-        out.append(0xF6)
-    elif isinstance(value, int):
-        if value >= 0:
-            _cbor_head(0, value, out)
-        else:
-            _cbor_head(1, -1 - value, out)
-    elif isinstance(value, float):
-        out += _shortest_float(value)
-    elif isinstance(value, str):
-        data = value.encode("utf-8")
-        _cbor_head(3, len(data), out)
-        out += data
-    elif isinstance(value, list | tuple):
-        _cbor_head(4, len(value), out)
-        for item in value:
-            cbor_encode(item, out)
-    elif isinstance(value, dict):
-        _cbor_head(5, len(value), out)
-        for key, item in value.items():
-            cbor_encode(key, out)
-            cbor_encode(item, out)
-    else:
+class _ShortestFloat:
+    """A Scalar::Float on its way into CBOR: cbor2 always widens floats to f64, ciborium writes the
+    shortest width that round-trips (§1.3), so these are encoded by `_encode_special`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+def _encode_special(encoder: Any, value: Any) -> None:
+    if not isinstance(value, _ShortestFloat):
         raise FormatError(f"cannot encode {type(value).__name__} in burnpack metadata")
+    encoder.write(_shortest_float(value.value))
 
 
-def _cbor_head(major: int, arg: int, out: bytearray) -> None:
-    if arg >= U64_LIMIT:
-        raise FormatError(f"integer {arg} does not fit in 64 bits")
-    if arg < 24:
-        out.append(major << 5 | arg)
-    elif arg < 1 << 8:
-        out += struct.pack(">BB", major << 5 | 24, arg)
-    elif arg < 1 << 16:
-        out += struct.pack(">BH", major << 5 | 25, arg)
-    elif arg < 1 << 32:
-        out += struct.pack(">BI", major << 5 | 26, arg)
-    else:
-        out += struct.pack(">BQ", major << 5 | 27, arg)
+def cbor_encode(document: Any) -> bytes:
+    """CBOR as ciborium writes it (§1.3): definite lengths, minimal ints, dicts in insertion order (cbor2's
+    non-canonical mode does all that), and floats wrapped in _ShortestFloat at their shortest exact width."""
+    try:
+        return cbor2.dumps(document, default=_encode_special)
+    except (OverflowError, ValueError, cbor2.CBOREncodeError) as exc:
+        raise FormatError(f"cannot encode burnpack metadata: {exc}") from None
 
 
 def _shortest_float(value: float) -> bytes:
@@ -377,7 +356,7 @@ def encode_scalar(scalar: Scalar) -> dict:
     if scalar.kind not in SCALAR_KINDS:
         raise FormatError(f"unknown scalar kind {scalar.kind}")
     if scalar.kind == "Float":
-        return {"Float": float(scalar.value)}
+        return {"Float": _ShortestFloat(float(scalar.value))}
     if scalar.kind == "Int" and not I64_MIN <= int(scalar.value) <= I64_MAX:
         raise FormatError(f"Int scalar {scalar.value} does not fit in 64 bits")
     if scalar.kind == "UInt" and not 0 <= int(scalar.value) < U64_LIMIT:
@@ -416,8 +395,7 @@ def plan_burnpack(
         document["metadata"] = {k: metadata[k] for k in sorted(metadata, key=lambda k: k.encode("utf-8"))}
     if scalars:
         document["scalars"] = {k: encode_scalar(scalars[k]) for k in sorted(scalars, key=lambda k: k.encode("utf-8"))}
-    body = bytearray()
-    cbor_encode(document, body)
+    body = cbor_encode(document)
     if len(body) > MAX_METADATA_SIZE:
         raise FormatError(f"Metadata size {len(body)} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes")
     unaligned = HEADER_SIZE + len(body)
@@ -425,7 +403,7 @@ def plan_burnpack(
     file_size = data_start + max((s + spec.nbytes for s, spec in zip(starts, specs, strict=True)), default=0)
     if file_size > MAX_FILE_SIZE:
         raise FormatError(f"File size {file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes")
-    header = struct.pack("<IHI", MAGIC, FORMAT_VERSION, len(body)) + bytes(body)
+    header = struct.pack("<IHI", MAGIC, FORMAT_VERSION, len(body)) + body
     return BurnpackPlan(header, data_start, starts, file_size)
 
 
