@@ -1,0 +1,129 @@
+"""Helpers for the conversion tests: read checkpoints without syncd, run the real CLI.
+
+The readers here parse both formats from the bytes with struct, json and cbor2 only, so a conversion is never
+checked with the code that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SYNCD_PREFIX = "syncd."
+
+
+@dataclass(frozen=True)
+class Tensor:
+    dtype: Any  # bpk: the CBOR DType exactly as stored ("F32", {"Bool": "U8"}, ...); safetensors: "F32", "BOOL"
+    shape: tuple[int, ...]
+    data: bytes
+    param_id: int | None = None
+
+
+@dataclass
+class Checkpoint:
+    tensors: dict[str, Tensor]
+    order: list[str]  # data order (ascending offset)
+    metadata: dict[str, str]
+    scalars: dict[str, Any]  # bpk only, as decoded CBOR ({"Float": 0.5}, ...)
+    layout: str  # bpk: "aligned" | "packed"; safetensors: "safetensors"
+
+    def own_metadata(self) -> dict[str, str]:
+        return {k: v for k, v in self.metadata.items() if not k.startswith(SYNCD_PREFIX)}
+
+    def param_ids(self) -> dict[str, int | None]:
+        return {name: t.param_id for name, t in self.tensors.items()}
+
+
+def read_bpk(path: str | os.PathLike[str]) -> Checkpoint:
+    raw = Path(path).read_bytes()
+    magic, version, size = struct.unpack("<IHI", raw[:10])
+    assert (magic, version) == (0x4255524E, 1), f"{path}: not a burnpack v1 file"
+    doc = cbor2.loads(raw[10 : 10 + size])
+    descs = doc["tensors"]
+    max_end = max((d["data_offsets"][1] for d in descs.values()), default=0)
+    unaligned = 10 + size
+    aligned = -(-unaligned // 256) * 256
+    starts_aligned = all(d["data_offsets"][0] % 256 == 0 for d in descs.values())
+    if len(raw) == aligned + max_end and starts_aligned:
+        layout, base = "aligned", aligned
+    elif len(raw) == unaligned + max_end:
+        layout, base = "packed", unaligned
+    else:
+        raise AssertionError(f"{path}: {len(raw)} bytes fit neither burnpack layout")
+    if layout == "aligned":
+        assert raw[unaligned:aligned] == bytes(aligned - unaligned), "padding must be zero bytes"
+    tensors = {
+        name: Tensor(
+            d["dtype"],
+            tuple(d["shape"]),
+            raw[base + d["data_offsets"][0] : base + d["data_offsets"][1]],
+            d.get("param_id"),
+        )
+        for name, d in descs.items()
+    }
+    order = sorted(descs, key=lambda n: descs[n]["data_offsets"][0])
+    return Checkpoint(tensors, order, dict(doc.get("metadata", {})), dict(doc.get("scalars", {})), layout)
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
+    raw = Path(path).read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    metadata = header.pop("__metadata__", None) or {}
+    base = 8 + size
+    tensors = {
+        name: Tensor(e["dtype"], tuple(e["shape"]), raw[base + e["data_offsets"][0] : base + e["data_offsets"][1]])
+        for name, e in header.items()
+    }
+    order = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    return Checkpoint(tensors, order, metadata, {}, "safetensors")
+
+
+def read_any(path: str | os.PathLike[str]) -> Checkpoint:
+    return read_bpk(path) if Path(path).read_bytes()[:4] == b"NRUB" else read_safetensors(path)
+
+
+def transposed(data: bytes, shape: tuple[int, ...], itemsize: int) -> bytes:
+    """The bytes of a row-major [a, b] tensor laid out as [b, a] (elements as opaque byte groups)."""
+    return np.frombuffer(data, dtype=f"V{itemsize}").reshape(shape).T.copy().tobytes()
+
+
+def run_cli(*args: object, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`syncd ARGS` in a fresh interpreter, as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("SYNCD_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "syncd", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], code: int, *fragments: str) -> str:
+    """Exit `code`, nothing on stdout, exactly one line on stderr containing each fragment, no traceback."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def dir_listing(path: Path) -> list[str]:
+    """Every name in a directory, hidden ones (scratch files) included."""
+    return sorted(os.listdir(path))

@@ -1,0 +1,707 @@
+"""Acceptance tests for issue 3: `syncd convert` between Burn `.bpk` and PyTorch `.safetensors`.
+
+Real files (the shared fixtures, files written by PyTorch here, burnpacks built with Burn's byte layout), the
+real CLI in a subprocess where exit codes and messages matter, `syncd.convert.convert` otherwise. Outputs are
+read back with the independent readers in convcheck.py and, for the PyTorch side, with torch itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from convcheck import (
+    Checkpoint,
+    assert_one_line_error,
+    dir_listing,
+    read_any,
+    read_bpk,
+    read_safetensors,
+    run_cli,
+    transposed,
+)
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from syncd.adapters import ModuleMap
+from syncd.convert import ConvertRequest, convert
+from syncd.errors import FormatError, UnsupportedError, VerificationError
+from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, bytes_spec, write_burnpack
+from syncd.formats.safetensors import SafetensorsReader
+from syncd.transfer import WHOLE_BYTES, verify_tensor
+
+FIXTURES = Path("/work/shared/fixtures")
+MNIST_WEB = FIXTURES / "burn" / "mnist_web.bpk"
+MNIST_PT = FIXTURES / "pytorch" / "mnist.safetensors"
+TO_TORCH_LEAF = {"gamma": "weight", "beta": "bias"}
+
+
+def _copy(src: Path, directory: Path, name: str | None = None) -> Path:
+    dest = directory / (name or src.name)
+    shutil.copyfile(src, dest)
+    return dest
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _assert_provenance(output: Checkpoint, source: Path) -> None:
+    assert output.metadata["syncd.source"] == source.name
+    assert output.metadata["syncd.source_sha256"] == _sha256(source)
+
+
+def _write_bpk(path: Path, specs: list, metadata=None, scalars=None, layout: str = "aligned") -> Path:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_burnpack(fd, specs, metadata, scalars, layout)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _convert(source: Path, dest: Path, **kwargs) -> Checkpoint:
+    result = convert(ConvertRequest(source=source, dest=dest, **kwargs))
+    assert result.dest == dest and dest.exists()
+    return read_any(dest)
+
+
+def _section(path: Path) -> bytes:
+    """A burnpack's data section (everything after the header, metadata and padding)."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<I", raw[6:10])
+    return raw[-(-(10 + size) // 256) * 256 :]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the shared fixtures
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, conv_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        out_channels, in_channels, kernel = conv_shape[0], conv_shape[1], conv_shape[2]
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel)
+        self.norm = nn.BatchNorm2d(out_channels)
+
+
+class _BurnMnist(nn.Module):
+    """The PyTorch twin of examples/mnist-inference-web, sized from the file's own tensor table."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        self.conv1 = _ConvBlock(shapes["conv1.conv.weight"])
+        self.conv2 = _ConvBlock(shapes["conv2.conv.weight"])
+        # Burn Linear weight is [d_input, d_output]
+        self.fc1 = nn.Linear(*shapes["fc1.weight"])
+        self.fc2 = nn.Linear(*shapes["fc2.weight"])
+        self.fc3 = nn.Linear(*shapes["fc3.weight"])
+
+
+def test_burn_mnist_converts_to_a_file_pytorch_loads_strictly(tmp_path: Path) -> None:
+    source = _copy(MNIST_WEB, tmp_path)
+    inspected = run_cli("inspect", "--json", source)
+    assert inspected.returncode == 0, inspected.stderr
+    shapes = {t["name"]: tuple(t["shape"]) for t in json.loads(inspected.stdout)["tensors"]}
+    assert shapes["conv1.conv.weight"] == (64, 1, 3, 3) and shapes["fc1.weight"] == (1600, 128)
+
+    proc = run_cli("convert", source, "-o", tmp_path / "mnist_web.safetensors")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    out = tmp_path / "mnist_web.safetensors"
+    state = load_file(out)
+    model = _BurnMnist(shapes)
+    result = model.load_state_dict(state, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+
+    # No counter is invented: a Burn file has none, and PyTorch's BatchNorm fills in num_batches_tracked = 0
+    # itself when the state dict carries no version metadata (every safetensors load_file result).
+    assert not [name for name in state if name.endswith("num_batches_tracked")]
+    assert model.conv1.norm.num_batches_tracked.item() == 0
+    assert set(state) == set(model.state_dict()) - {"conv1.norm.num_batches_tracked", "conv2.norm.num_batches_tracked"}
+
+    burn = read_bpk(MNIST_WEB)
+    for name, tensor in burn.tensors.items():
+        module, leaf = name.rsplit(".", 1)
+        value = state[f"{module}.{TO_TORCH_LEAF.get(leaf, leaf)}"]
+        assert value.dtype == torch.float32
+        if module.startswith("fc") and leaf == "weight":
+            assert tuple(value.shape) == tensor.shape[::-1]
+            assert value.numpy().tobytes() == transposed(tensor.data, tensor.shape, 4), name
+        else:
+            assert tuple(value.shape) == tensor.shape
+            assert value.numpy().tobytes() == tensor.data, name
+
+    written = read_safetensors(out)
+    assert written.metadata["format"] == "pt"
+    _assert_provenance(written, source)
+    # the model runs on the converted weights
+    with torch.no_grad():
+        assert model.fc3(model.fc2(model.fc1(torch.ones(1, 1600)))).shape == (1, 10)
+
+
+def test_burn_mnist_round_trip_gives_back_the_same_burnpack(tmp_path: Path) -> None:
+    source = _copy(MNIST_WEB, tmp_path)
+    middle = tmp_path / "mnist_web.safetensors"
+    convert(ConvertRequest(source=source, dest=middle))
+    back = _convert(middle, tmp_path / "back.bpk")
+    original = read_bpk(MNIST_WEB)
+
+    assert back.tensors == original.tensors  # dtype as stored, shape, bytes, param_id
+    assert back.order == original.order  # module order, not key order
+    assert back.own_metadata() == original.own_metadata() == {}
+    assert back.scalars == original.scalars == {}
+    assert back.layout == original.layout == "aligned"
+    assert _section(tmp_path / "back.bpk") == _section(MNIST_WEB)  # the data section, byte for byte
+    _assert_provenance(back, middle)
+
+
+MNIST_PT_BURN_SHAPES = {
+    "conv1.weight": (8, 1, 3, 3),
+    "conv1.bias": (8,),
+    "conv2.weight": (16, 8, 3, 3),
+    "conv2.bias": (16,),
+    "conv3.weight": (24, 16, 3, 3),
+    "conv3.bias": (24,),
+    **{f"norm1.{leaf}": (24,) for leaf in ("gamma", "beta", "running_mean", "running_var")},
+    "fc1.weight": (11616, 32),
+    "fc1.bias": (32,),
+    "fc2.weight": (32, 10),
+    "fc2.bias": (10,),
+    **{f"norm2.{leaf}": (10,) for leaf in ("gamma", "beta", "running_mean", "running_var")},
+}
+
+
+def test_pytorch_mnist_to_burn_names_and_back_bit_for_bit(tmp_path: Path) -> None:
+    source = _copy(MNIST_PT, tmp_path)
+    proc = run_cli("convert", source)
+    assert proc.returncode == 0, proc.stderr
+    assert "norm1.num_batches_tracked" in proc.stdout  # reported as carried
+    bpk_path = tmp_path / "mnist.bpk"
+    burn = read_bpk(bpk_path)
+    original = read_safetensors(MNIST_PT)
+
+    assert {n: t.shape for n, t in burn.tensors.items()} == MNIST_PT_BURN_SHAPES
+    assert all(t.dtype == "F32" for t in burn.tensors.values())
+    for name, tensor in burn.tensors.items():
+        module, leaf = name.rsplit(".", 1)
+        torch_tensor = original.tensors[f"{module}.{TO_TORCH_LEAF.get(leaf, leaf)}"]
+        if module.startswith("fc") and leaf == "weight":
+            assert tensor.data == transposed(torch_tensor.data, torch_tensor.shape, 4), name
+        else:
+            assert tensor.data == torch_tensor.data, name
+    _assert_provenance(burn, source)
+
+    back_path = tmp_path / "back.safetensors"
+    back = _convert(bpk_path, back_path)
+    assert back.tensors == original.tensors  # names, dtypes, shapes, bytes; num_batches_tracked restored
+    assert back.tensors["norm1.num_batches_tracked"].dtype == "I64"
+    assert back.metadata["format"] == "pt"
+    _assert_provenance(back, bpk_path)
+
+
+# ------------------------------------------------------------------------------------------------------
+# models written by real PyTorch
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Cnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 6, 3, bias=False)
+        self.bn2 = nn.BatchNorm2d(6)
+        self.fc = nn.Linear(6 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.flatten(1))
+
+
+class _Attention(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.query = nn.Linear(d, d)
+        self.key = nn.Linear(d, d)
+        self.value = nn.Linear(d, d)
+        self.output = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(x.shape[-1]), dim=-1)
+        return self.output(weights @ v)
+
+
+class _TransformerBlock(nn.Module):
+    """Embedding, LayerNorms, square q/k/v/out projections, bias-free feed-forward and head Linears."""
+
+    def __init__(self, vocab: int = 13, d: int = 8, d_ff: int = 16) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.norm_1 = nn.LayerNorm(d)
+        self.attn = _Attention(d)
+        self.norm_2 = nn.LayerNorm(d)
+        self.ff_in = nn.Linear(d, d_ff, bias=False)
+        self.ff_out = nn.Linear(d_ff, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens)
+        x = x + self.attn(self.norm_1(x))
+        x = x + self.ff_out(torch.relu(self.ff_in(self.norm_2(x))))
+        return self.head(x)
+
+
+TRANSFORMER_MAP = {
+    "modules": {"tok_emb": "Embedding", "ff_in": "Linear", "ff_out": "Linear", "head": "Linear"},
+}
+
+
+def _trained_cnn() -> _Cnn:
+    model = _Cnn()
+    model.train()
+    with torch.no_grad():  # a few batches move the running stats and the counters away from their defaults
+        for _ in range(3):
+            model(torch.randn(5, 2, 8, 8))
+    model.eval()
+    return model
+
+
+def _models() -> dict[str, tuple[nn.Module, torch.Tensor, dict | None]]:
+    torch.manual_seed(3)
+    return {
+        "mlp": (_Mlp(), torch.randn(7, 4), None),
+        "cnn": (_trained_cnn(), torch.randn(3, 2, 8, 8), None),
+        "transformer": (_TransformerBlock(), torch.randint(0, 13, (2, 6)), TRANSFORMER_MAP),
+    }
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_pytorch_model_round_trips_through_burnpack(tmp_path: Path, name: str) -> None:
+    model, example, module_map = _models()[name]
+    model.eval()
+    source = tmp_path / f"{name}.safetensors"
+    save_file(model.state_dict(), source)
+    mapping = ModuleMap.from_dict(module_map) if module_map else None
+
+    burn = _convert(source, tmp_path / f"{name}.bpk", module_map=mapping)
+    assert not [n for n in burn.tensors if n.endswith("num_batches_tracked")]
+    for param, value in model.state_dict().items():
+        module, leaf = param.rsplit(".", 1)
+        if leaf == "num_batches_tracked":
+            continue
+        is_linear = isinstance(model.get_submodule(module), nn.Linear) and leaf == "weight"
+        is_norm = isinstance(model.get_submodule(module), nn.BatchNorm2d | nn.LayerNorm)
+        burn_leaf = {"weight": "gamma", "bias": "beta"}.get(leaf, leaf) if is_norm else leaf
+        burn_name = f"{module}.{burn_leaf}"
+        expected = value.numpy().tobytes()
+        if is_linear:
+            expected = transposed(expected, tuple(value.shape), value.element_size())
+        assert burn.tensors[burn_name].data == expected, burn_name
+
+    back = tmp_path / f"{name}.back.safetensors"
+    _convert(tmp_path / f"{name}.bpk", back, module_map=mapping)
+    assert read_safetensors(back).tensors == read_safetensors(source).tensors
+
+    fresh = type(model)()
+    fresh.load_state_dict(load_file(back), strict=True)
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(example), model(example))
+
+
+def test_ambiguous_model_is_refused_without_a_module_map_and_converts_with_one(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    model = _TransformerBlock()
+    source = tmp_path / "block.safetensors"
+    save_file(model.state_dict(), source)
+
+    refused = run_cli("convert", source)
+    line = assert_one_line_error(refused, 1, str(source), "tok_emb", "module map")
+    assert "ff_in" in line and "head" in line
+    assert dir_listing(tmp_path) == ["block.safetensors"]
+
+    verbose = run_cli("convert", source, "-v")
+    assert verbose.returncode == 1 and "Traceback" not in verbose.stderr
+    assert verbose.stderr.splitlines()[0] == line
+    suggestion = verbose.stderr[verbose.stderr.index("# module map") :]  # after the per-module reasons
+    suggested = yaml.safe_load(suggestion)["modules"]
+    assert suggested["tok_emb"] == "Embedding"
+    assert {"ff_in", "ff_out", "head"} <= set(suggested)
+    assert "attn.query" not in suggested  # square Linears with bias take the file's layout
+
+    map_file = tmp_path / "modules.yaml"
+    map_file.write_text(yaml.safe_dump(TRANSFORMER_MAP))
+    done = run_cli("convert", source, "--modules", map_file, "-v")
+    assert done.returncode == 0, done.stderr
+    burn = read_bpk(tmp_path / "block.bpk")
+    # the Embedding keeps its [num, dim] table, the bias-free Linears and the square projections are transposed
+    state = model.state_dict()
+    assert burn.tensors["tok_emb.weight"].data == state["tok_emb.weight"].numpy().tobytes()
+    for linear in ("ff_in", "head", "attn.query", "attn.output"):
+        weight = state[f"{linear}.weight"]
+        assert burn.tensors[f"{linear}.weight"].data == transposed(weight.numpy().tobytes(), tuple(weight.shape), 4)
+    assert "norm_1.gamma" in burn.tensors and "norm_1.weight" not in burn.tensors
+
+    # the way back needs the same statement: Burn names do not decide the kinds either
+    back = tmp_path / "back.safetensors"
+    assert_one_line_error(run_cli("convert", tmp_path / "block.bpk", "-o", back), 1, "block.bpk", "tok_emb")
+    assert run_cli("convert", tmp_path / "block.bpk", "-o", back, "--modules", map_file).returncode == 0
+    assert read_safetensors(back).tensors == read_safetensors(source).tensors
+
+
+def test_mlp_written_in_burn_layout_computes_like_pytorch(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    w1 = rng.standard_normal((4, 8), dtype=np.float32)  # Burn Linear: [d_input, d_output]
+    b1 = rng.standard_normal(8, dtype=np.float32)
+    w2 = rng.standard_normal((8, 3), dtype=np.float32)
+    b2 = rng.standard_normal(3, dtype=np.float32)
+    source = _write_bpk(
+        tmp_path / "mlp.bpk",
+        [
+            bytes_spec("fc1.weight", "F32", w1.shape, w1.tobytes(), param_id=(1 << 63) + 1),
+            bytes_spec("fc1.bias", "F32", b1.shape, b1.tobytes(), param_id=2),
+            bytes_spec("fc2.weight", "F32", w2.shape, w2.tobytes(), param_id=3),
+            bytes_spec("fc2.bias", "F32", b2.shape, b2.tobytes(), param_id=(1 << 64) - 1),
+        ],
+        {"format": "burnpack", "producer": "burn", "version": "0.22.1"},
+    )
+    proc = run_cli("convert", source)
+    assert proc.returncode == 0, proc.stderr
+
+    converted = _Mlp()
+    converted.load_state_dict(load_file(tmp_path / "mlp.safetensors"), strict=True)
+    reference = _Mlp()
+    with torch.no_grad():
+        for linear, weight, bias in ((reference.fc1, w1, b1), (reference.fc2, w2, b2)):
+            linear.weight.copy_(torch.from_numpy(weight.T.copy()))
+            linear.bias.copy_(torch.from_numpy(bias))
+        x = torch.from_numpy(rng.standard_normal((9, 4), dtype=np.float32))
+        assert torch.equal(converted(x), reference(x))
+    written = read_safetensors(tmp_path / "mlp.safetensors")
+    assert written.metadata["format"] == "pt"
+    _assert_provenance(written, source)
+
+
+# ------------------------------------------------------------------------------------------------------
+# what only one format can hold survives a round trip through the other
+
+CHAINS = {
+    "auto": ["auto", "auto"],
+    "keep": ["keep", "keep"],
+    # a Burn-layout safetensors in the middle: it must neither hold the PyTorch-only counters (a mixed file
+    # that Burn rejects and syncd itself calls conflicting) nor lose them
+    "auto-keep-keep-auto": ["auto", "keep", "keep", "auto"],
+    "auto-keep-auto-auto": ["auto", "keep", "auto", "auto"],
+}
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_pytorch_only_facts_survive_every_layout_chain(tmp_path: Path, chain: str) -> None:
+    torch.manual_seed(7)
+    source = tmp_path / "cnn.safetensors"
+    save_file(_trained_cnn().state_dict(), source, metadata={"format": "pt", "run": "42"})
+    original = read_safetensors(source)
+    current = source
+    for step, layout in enumerate(CHAINS[chain]):
+        dest = tmp_path / f"step{step}{'.safetensors' if current.suffix == '.bpk' else '.bpk'}"
+        written = _convert(current, dest, layout=layout)
+        if "bn1.gamma" in written.tensors:  # a file in Burn layout
+            assert not [n for n in written.tensors if n.endswith("num_batches_tracked")], step
+        _assert_provenance(written, current)
+        current = dest
+    final = read_safetensors(current)
+    assert final.tensors == original.tensors
+    assert final.own_metadata() == original.own_metadata()
+
+
+QFLOAT = {"QFloat": {"value": "Q8S", "param": "F32", "store": "Native", "level": "Tensor", "mode": "Symmetric"}}
+
+
+def _data(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _bools(n: int, itemsize: int, seed: int) -> bytes:
+    values = np.random.default_rng(seed).integers(0, 2, n)
+    return values.astype(np.uint32 if itemsize == 4 else np.uint8).astype("<u4" if itemsize == 4 else "u1").tobytes()
+
+
+SCALARS = {
+    "lr": Scalar("Float", 0.1),
+    "half": Scalar("Float", 0.5),
+    "neg_zero": Scalar("Float", -0.0),
+    "inf": Scalar("Float", float("-inf")),
+    "nan": Scalar("Float", float("nan")),
+    "epoch": Scalar("Int", -3),
+    "big": Scalar("UInt", (1 << 64) - 1),
+    "done": Scalar("Bool", True),
+}
+
+
+def _burn_022_file(path: Path) -> Path:
+    """Burn >= 0.21 dtypes, scalars (0.22), metadata, param_ids (one missing), module data order."""
+    f32 = np.arange(15, dtype=np.float32).reshape(3, 5) / 7
+    return _write_bpk(
+        path,
+        [
+            bytes_spec("enc.fc.weight", "Flex32", (3, 5), f32.tobytes(), param_id=(1 << 63) + 5),
+            bytes_spec("enc.fc.bias", "Flex32", (5,), _data(20, 1), param_id=17),
+            bytes_spec("enc.norm.gamma", "F32", (5,), _data(20, 2), param_id=18),
+            bytes_spec("enc.norm.beta", "F32", (5,), _data(20, 3), param_id=19),
+            bytes_spec("mask", "Bool(U8)", (2, 3), _bools(6, 1, 4)),  # no param_id
+            bytes_spec("flags", "Bool(U32)", (4,), _bools(4, 4, 5), param_id=20),
+            bytes_spec("counts", "U16", (6,), _data(12, 6), param_id=21),
+            bytes_spec("stats.h", "F16", (3,), _data(6, 7), param_id=22),
+            bytes_spec("stats.b", "BF16", (3,), _data(6, 8), param_id=23),
+            bytes_spec("step", "I64", (), _data(8, 9), param_id=24),
+        ],
+        {"format": "burnpack", "producer": "burn", "version": "0.22.1", "note": "ünïcode ✓"},
+        SCALARS,
+    )
+
+
+def _burn_019_file(path: Path) -> Path:
+    """Burn 0.19: legacy "Bool" dtype and tensors packed right after the metadata."""
+    path = _write_bpk(
+        path,
+        [
+            bytes_spec("fc.weight", "F32", (3, 4), _data(48, 10), param_id=(1 << 63) + 9),
+            bytes_spec("fc.bias", "F32", (4,), _data(16, 11), param_id=31),
+            bytes_spec("mask", "Bool", (5,), _bools(5, 1, 12), param_id=32),
+            bytes_spec("ids", "U16", (3,), _data(6, 13), param_id=33),
+        ],
+        {"format": "burnpack", "producer": "burn", "version": "0.19.1"},
+        layout=LAYOUT_PACKED,
+    )
+    assert read_bpk(path).layout == "packed"  # 10 + N is not a multiple of 256 here
+    return path
+
+
+def _scalar_bits(scalars: dict) -> dict:
+    """Scalars compared by exact bits (nan == nan, -0.0 != 0.0)."""
+    out = {}
+    for name, value in scalars.items():
+        ((kind, inner),) = value.items()
+        out[name] = (kind, struct.pack(">d", inner) if kind == "Float" else inner)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["keep", "auto"])
+@pytest.mark.parametrize("build", [_burn_022_file, _burn_019_file], ids=["burn-0.22", "burn-0.19-packed"])
+def test_burn_only_facts_survive_safetensors(tmp_path: Path, build, layout: str) -> None:
+    source = build(tmp_path / "extras.bpk")
+    original = read_bpk(source)
+    middle = tmp_path / "extras.safetensors"
+    carried = _convert(source, middle, layout=layout)
+    back = _convert(middle, tmp_path / "back.bpk", layout=layout)
+
+    assert back.tensors == original.tensors  # dtypes exactly as Burn spells them, shapes, bytes, param_ids
+    assert back.order == original.order
+    assert back.own_metadata() == original.own_metadata()
+    assert _scalar_bits(back.scalars) == _scalar_bits(original.scalars)
+    assert back.layout == original.layout
+    _assert_provenance(carried, source)
+    _assert_provenance(back, middle)
+
+    if layout == "auto":  # the middle file is in PyTorch layout
+        assert carried.metadata["format"] == "pt"
+        weight = "enc.fc.weight" if "enc.fc.weight" in original.tensors else "fc.weight"
+        rows, cols = original.tensors[weight].shape
+        assert carried.tensors[weight].shape == (cols, rows)
+        assert carried.tensors[weight].data == transposed(original.tensors[weight].data, (rows, cols), 4)
+    else:
+        assert "format" not in carried.metadata
+        assert {n: t.shape for n, t in carried.tensors.items()} == {n: t.shape for n, t in original.tensors.items()}
+    if "flags" in original.tensors:  # Burn-only dtypes are stored as the safetensors dtype with the same bytes
+        assert (carried.tensors["flags"].dtype, carried.tensors["mask"].dtype) == ("U32", "U8")
+        assert carried.tensors["enc.fc.bias"].dtype == "F32"
+
+
+def test_qfloat_is_refused_for_safetensors(tmp_path: Path) -> None:
+    source = _write_bpk(
+        tmp_path / "quant.bpk",
+        [
+            bytes_spec("fc.weight", "QFloat", (4,), _data(8, 1), raw_dtype=QFLOAT),
+            bytes_spec("fc.bias", "F32", (4,), _data(16, 2)),
+        ],
+    )
+    for args in ((), ("--layout", "keep")):
+        proc = run_cli("convert", source, *args)
+        assert_one_line_error(proc, 1, str(source), "QFloat", "fc.weight")
+    assert dir_listing(tmp_path) == ["quant.bpk"]
+    with pytest.raises(UnsupportedError):
+        convert(ConvertRequest(source=source))
+
+
+def test_large_and_empty_linear_weights_transpose_exactly(tmp_path: Path) -> None:
+    # one weight above the size transposed in memory in one piece (it goes strip by strip), and empty ones
+    rows, cols = 16400, 1027
+    assert rows * cols * 4 > WHOLE_BYTES
+    big = np.random.default_rng(1).integers(0, 1 << 32, (rows, cols), dtype=np.uint32).view(np.float32)
+    state = {
+        "big.weight": torch.from_numpy(big),
+        "big.bias": torch.zeros(rows),
+        "empty_in.weight": torch.zeros(3, 0),
+        "empty_in.bias": torch.zeros(3),
+        "empty_out.weight": torch.zeros(0, 5),
+        "empty_out.bias": torch.zeros(0),
+    }
+    source = tmp_path / "wide.safetensors"
+    save_file(state, source)
+    burn = _convert(source, tmp_path / "wide.bpk")
+    assert burn.tensors["big.weight"].shape == (cols, rows)
+    assert burn.tensors["big.weight"].data == big.T.tobytes()
+    assert (burn.tensors["empty_in.weight"].shape, burn.tensors["empty_out.weight"].shape) == ((0, 3), (5, 0))
+    back = _convert(tmp_path / "wide.bpk", tmp_path / "back.safetensors")
+    assert back.tensors == read_safetensors(source).tensors
+
+
+# ------------------------------------------------------------------------------------------------------
+# verification and failures: nothing half-made is ever published
+
+
+def test_verify_tensor_catches_a_corrupted_output(tmp_path: Path) -> None:
+    source = _copy(MNIST_WEB, tmp_path)
+    good = tmp_path / "good.safetensors"
+    convert(ConvertRequest(source=source, dest=good))
+    bad = tmp_path / "bad.safetensors"
+    raw = bytearray(good.read_bytes())
+    written = read_safetensors(good)
+    header_end = 8 + struct.unpack("<Q", raw[:8])[0]
+    for name in ("fc1.weight", "conv2.conv.weight"):  # one transposed, one copied
+        where = raw.find(written.tensors[name].data, header_end)
+        raw[where + len(written.tensors[name].data) // 2] ^= 0x01
+    bad.write_bytes(bytes(raw))
+
+    with BurnpackReader(source) as src, SafetensorsReader(good) as ok, SafetensorsReader(bad) as corrupt:
+        verify_tensor(src, "fc1.weight", ok, "fc1.weight", True)
+        verify_tensor(src, "conv2.conv.weight", ok, "conv2.conv.weight", False)
+        verify_tensor(src, "fc2.bias", corrupt, "fc2.bias", False)  # untouched tensors still pass
+        with pytest.raises(VerificationError, match="fc1.weight"):
+            verify_tensor(src, "fc1.weight", corrupt, "fc1.weight", True)
+        with pytest.raises(VerificationError, match="conv2.conv.weight"):
+            verify_tensor(src, "conv2.conv.weight", corrupt, "conv2.conv.weight", False)
+        with pytest.raises(VerificationError):  # a transpose that was not done
+            verify_tensor(src, "fc2.weight", ok, "fc2.weight", False)
+
+
+def test_a_source_failing_mid_conversion_leaves_nothing(tmp_path: Path) -> None:
+    # Bool bytes must be 0 or 1: the writer finds the 2 only when it reaches the tensor, after the scratch
+    # file exists and earlier tensors are written.
+    bools = bytes(64)
+    source = _write_bpk(
+        tmp_path / "bad.bpk",
+        [
+            bytes_spec("fc.weight", "F32", (3, 4), _data(48, 1)),
+            bytes_spec("fc.bias", "F32", (4,), _data(16, 2)),
+            bytes_spec("mask", "Bool(Native)", (64,), bools),
+        ],
+    )
+    raw = bytearray(source.read_bytes())  # our writer refuses such a file, so corrupt it afterwards
+    assert raw[-64:] == bools
+    raw[-24] = 2
+    source.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="mask"):
+        convert(ConvertRequest(source=source))
+    assert dir_listing(tmp_path) == ["bad.bpk"]
+    assert_one_line_error(run_cli("convert", source), 1, "mask")
+    assert dir_listing(tmp_path) == ["bad.bpk"]
+
+
+@pytest.mark.parametrize("fixture", [MNIST_WEB, MNIST_PT], ids=["bpk", "safetensors"])
+def test_a_truncated_source_leaves_nothing(tmp_path: Path, fixture: Path) -> None:
+    source = tmp_path / fixture.name
+    source.write_bytes(fixture.read_bytes()[:-100])  # the last tensor's data is cut short
+    line = assert_one_line_error(run_cli("convert", source), 1, str(source))
+    assert "truncated" in line.lower()
+    assert dir_listing(tmp_path) == [fixture.name]
+    with pytest.raises(FormatError):
+        convert(ConvertRequest(source=source, overwrite=True))
+    assert dir_listing(tmp_path) == [fixture.name]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_existing_destination_is_left_alone_unless_overwrite(tmp_path: Path) -> None:
+    source = _copy(MNIST_PT, tmp_path)
+    dest = tmp_path / "mnist.bpk"
+    dest.write_bytes(b"someone else's checkpoint")
+    line = assert_one_line_error(run_cli("convert", source), 3, str(dest))
+    assert "--overwrite" in line
+    assert dest.read_bytes() == b"someone else's checkpoint"
+    assert dir_listing(tmp_path) == ["mnist.bpk", "mnist.safetensors"]
+
+    proc = run_cli("convert", source, "--overwrite")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert read_bpk(dest).tensors.keys() == MNIST_PT_BURN_SHAPES.keys()
+    assert dir_listing(tmp_path) == ["mnist.bpk", "mnist.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("convert",),
+        ("convert", "{src}", "--layout", "sideways"),
+        ("convert", "{src}", "--to", "onnx"),
+        ("convert", "{src}", "--frobnicate"),
+        ("convert", "{src}", "--to", "safetensors"),  # the default destination is the source itself
+        ("convert", "{src}", "-o", "{src}"),
+        ("convert", "{src}", "--modules", "{map}"),
+    ],
+    ids=["no-source", "bad-layout", "bad-format", "unknown-option", "onto-itself", "same-path", "bad-map"],
+)
+def test_usage_errors_exit_2(tmp_path: Path, args: tuple[str, ...]) -> None:
+    source = _copy(MNIST_PT, tmp_path)
+    bad_map = tmp_path / "map.yaml"
+    bad_map.write_text("modules:\n  fc1: Transformer\n")
+    before = source.read_bytes()
+    proc = run_cli(*(a.format(src=source, map=bad_map) for a in args))
+    assert_one_line_error(proc, 2)
+    assert source.read_bytes() == before
+    assert dir_listing(tmp_path) == ["map.yaml", "mnist.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("garbage.bpk", b"NRUB\x01\x00\xff\xff\x00\x00 not cbor"),
+        ("wrong_magic.bpk", b"\x00" * 64),
+        ("garbage.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      "),
+        ("empty.safetensors", b""),
+        ("huge_header.safetensors", struct.pack("<Q", 1 << 40) + b"{}"),
+        ("missing.bpk", None),
+    ],
+)
+def test_bad_input_exits_1_with_one_line(tmp_path: Path, name: str, content: bytes | None) -> None:
+    source = tmp_path / name
+    if content is not None:
+        source.write_bytes(content)
+    assert_one_line_error(run_cli("convert", source), 1, str(source))
+    assert dir_listing(tmp_path) == ([name] if content is not None else [])
+
+
+def test_directory_as_source_exits_1(tmp_path: Path) -> None:
+    (tmp_path / "model.bpk").mkdir()
+    assert_one_line_error(run_cli("convert", tmp_path / "model.bpk"), 1, "model.bpk")
