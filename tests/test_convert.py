@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -638,6 +639,37 @@ def test_a_truncated_source_leaves_nothing(tmp_path: Path, fixture: Path) -> Non
     with pytest.raises(FormatError):
         convert(ConvertRequest(source=source, overwrite=True))
     assert dir_listing(tmp_path) == [fixture.name]
+
+
+_COUNTER = '{"x":{"dtype":"I64","shape":[],"data":"AQAAAAAAAAA="}}'  # x: I64 scalar 1, as syncd carries it
+
+
+@pytest.mark.parametrize(
+    "key, value, fragment",
+    [
+        ("syncd.param_ids", "{not json", "malformed syncd metadata"),
+        ("syncd.param_ids", '{"w":"18446744073709551616"}', "out of range"),
+        ("syncd.dtypes", '{"w":"Bool(U32)"}', "syncd metadata says Bool(U32) but the tensor is F32"),
+        ("syncd.dtypes", '{"w":"Complex"}', "unexpected carried dtype"),
+        ("syncd.scalars", '{"s":["Decimal","1"]}', "unknown scalar kind"),
+        ("syncd.dropped", '{"c":{"dtype":"I64","shape":[2],"data":"AQAAAAAAAAA="}}', "does not match its data"),
+        ("syncd.data_order", '{"w":1}', "not a list of names"),
+    ],
+)
+def test_malformed_carried_metadata_is_refused(tmp_path: Path, key: str, value: str, fragment: str) -> None:
+    source = tmp_path / "edited.safetensors"
+    save_file({"w": torch.zeros(2, 3), "b": torch.zeros(4)}, source, metadata={key: value})
+    with pytest.raises(FormatError, match=re.escape(fragment)):
+        convert(ConvertRequest(source=source, layout="keep"))
+    assert dir_listing(tmp_path) == ["edited.safetensors"]
+    assert_one_line_error(run_cli("convert", source, "--layout", "keep"), 1, str(source))
+
+
+def test_carried_counter_colliding_with_a_tensor_is_refused(tmp_path: Path) -> None:
+    source = _write_bpk(tmp_path / "odd.bpk", [bytes_spec("x", "I64", (), bytes(8))], {"syncd.dropped": _COUNTER})
+    with pytest.raises(FormatError, match="collides"):
+        convert(ConvertRequest(source=source))
+    assert dir_listing(tmp_path) == ["odd.bpk"]
 
 
 # ------------------------------------------------------------------------------------------------------
