@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,11 @@ class Carried:
     scalars: dict[str, Scalar] = field(default_factory=dict)
     dropped: dict[str, tuple[str, tuple[int, ...], bytes]] = field(default_factory=dict)
     safetensors_metadata: dict[str, str] | None = None
+
+
+def file_label(name: str) -> str:
+    """A file name as metadata text: metadata must be valid UTF-8, file names need not be."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def own_metadata(metadata: dict[str, str]) -> dict[str, str]:

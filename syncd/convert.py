@@ -207,7 +207,7 @@ class _Job:
             metadata, scalars = self._burnpack_metadata()
         if self.plan.target_layout in ("pytorch", "burn"):
             metadata[carry.LAYOUT] = self.plan.target_layout
-        metadata[carry.SOURCE] = os.path.basename(self.path)
+        metadata[carry.SOURCE] = carry.file_label(os.path.basename(self.path))
         metadata[carry.SOURCE_SHA256] = sha
         return metadata, scalars
 

@@ -175,7 +175,7 @@ class Syncer:
                 source_name = reader.header.metadata.get(carry.SOURCE)
         except SyncdError:
             return False  # a broken file is reported by the conversion itself
-        return source_name is not None and source_name == dest.name
+        return source_name is not None and source_name == carry.file_label(dest.name)
 
     def _existing_destination(self, path: Path, version: FileVersion, dest: Path, base: dict) -> Outcome:
         if _carries_source(dest, path):
@@ -253,7 +253,7 @@ def _carries_source(dest: Path, source: Path) -> bool:
             metadata = reader.header.metadata
     except (OSError, SyncdError):
         return False
-    if metadata.get(carry.SOURCE) != source.name or carry.SOURCE_SHA256 not in metadata:
+    if metadata.get(carry.SOURCE) != carry.file_label(source.name) or carry.SOURCE_SHA256 not in metadata:
         return False
     return metadata[carry.SOURCE_SHA256] == file_sha256(source)
 

@@ -31,6 +31,7 @@ from syncd.daemon.config import Config, Watch
 log = logging.getLogger("syncd.watcher")
 
 CLOSED, CHANGED = "closed", "changed"
+FALLBACK_POLL_SECONDS = 2.0
 MAX_DEPTH = 64  # directory levels scanned below a watch; deeper trees are reported, not walked
 Notify = Callable[[Watch, Path, str], None]
 EVENTS = [FileClosedEvent, FileCreatedEvent, FileModifiedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
@@ -99,18 +100,31 @@ class Watcher:
     def _start_watch(self, watch: Watch) -> None:
         interval = self.config.polling_interval_for(watch)
         if interval is None:
-            try:
-                self._observe(watch, Observer())
+            reason = self._try_inotify(watch)
+            if reason is None:
                 return
-            except OSError as exc:
-                # inotify watch or instance limit reached, or a filesystem without inotify
-                reason = f"inotify unavailable ({exc.strerror or exc}); polling every 2 s instead"
-                self.on_limit(watch, reason)
-                interval = 2.0
+            self.on_limit(watch, f"inotify unavailable ({reason}); polling every {FALLBACK_POLL_SECONDS:g} s instead")
+            interval = FALLBACK_POLL_SECONDS
         self.polled.append(watch)
         self._observe(watch, PollingObserver(timeout=interval))
 
-    def _observe(self, watch: Watch, observer: Observer) -> None:
+    def _try_inotify(self, watch: Watch) -> str | None:
+        """Watch with inotify; None on success, else why not. watchdog silently skips subdirectories it
+        cannot watch once the kernel's watch limit is reached, so we count the watches it really added."""
+        before = inotify_watch_count()
+        try:
+            observer = self._observe(watch, Observer())
+        except OSError as exc:  # the limit hit at the root, no inotify instances left, or no inotify here
+            return exc.strerror or str(exc)
+        wanted = sum(1 for _ in walk_dirs(watch.path, watch.recursive))
+        added = inotify_watch_count() - before
+        if added < wanted:
+            observer.stop()
+            self.observers.remove(observer)
+            return f"watch limit reached: {added} of {wanted} directories watched (fs.inotify.max_user_watches)"
+        return None
+
+    def _observe(self, watch: Watch, observer: Observer) -> Observer:
         observer.schedule(
             _Handler(watch, self.notify, self.rescan),
             os.fspath(watch.path),
@@ -124,6 +138,7 @@ class Watcher:
             observer.stop()
             raise
         self.observers.append(observer)
+        return observer
 
     def stop(self) -> None:
         for observer in self.observers:
@@ -137,8 +152,9 @@ class Watcher:
 
 def walk_files(root: Path, recursive: bool, max_depth: int = MAX_DEPTH,
                on_limit: Callable[[Path, str], None] | None = None) -> Iterator[Path]:
-    """Every regular file below `root`, iteratively (deep trees cannot exhaust the stack), never following
-    a symlink, never descending past `max_depth` levels (reported through `on_limit`)."""
+    """Every entry below `root` that is not a directory (symlinks, FIFOs and the like included, so the
+    caller can report them), iteratively (deep trees cannot exhaust the stack), never following a symlink,
+    never descending past `max_depth` levels (reported through `on_limit`)."""
     stack = [(root, 0)]
     while stack:
         directory, depth = stack.pop()
@@ -152,9 +168,9 @@ def walk_files(root: Path, recursive: bool, max_depth: int = MAX_DEPTH,
                 mode = entry.stat(follow_symlinks=False).st_mode
             except OSError:
                 continue
-            if stat.S_ISREG(mode):
+            if not stat.S_ISDIR(mode):
                 yield Path(entry.path)
-            elif stat.S_ISDIR(mode) and recursive:
+            elif recursive:
                 if depth + 1 > max_depth:
                     reason = f"not scanned: deeper than {max_depth} directory levels below the watch"
                     log.warning("%s: %s", entry.path, reason)
@@ -162,3 +178,27 @@ def walk_files(root: Path, recursive: bool, max_depth: int = MAX_DEPTH,
                         on_limit(Path(entry.path), reason)
                     continue
                 stack.append((Path(entry.path), depth + 1))
+
+
+def walk_dirs(root: Path, recursive: bool) -> Iterator[Path]:
+    """`root` and, if recursive, every directory below it, without following symlinks."""
+    yield root
+    if not recursive:
+        return
+    for directory, subdirs, _ in os.walk(root):
+        for name in subdirs:
+            path = Path(directory) / name
+            if not path.is_symlink():
+                yield path
+
+
+def inotify_watch_count() -> int:
+    """inotify watches this process holds, from /proc/self/fdinfo (one `inotify wd:` line per watch)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+                count += info.read().count(b"inotify wd:")
+        except OSError:
+            continue  # closed meanwhile
+    return count
