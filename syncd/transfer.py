@@ -7,10 +7,10 @@ and written in one piece; a larger one goes strip by strip of source rows, each 
 into its place in every output row. Reused buffers matter: first-touching fresh pages costs more than the
 transpose itself.
 
-Verification: while writing, a CRC-32 of every output byte is taken in the order it is produced; after the
-file is written it is re-read from disk (through a fresh reader, so its header is parsed anew) and every
-tensor's bytes must give the same CRCs. That catches a wrong offset, a short or failed write and a header
-that does not describe the data.
+Verification: while writing, a CRC-32 of every source byte is taken as it is read; after the file is written
+it is re-read from disk (through a fresh reader, so its header is parsed anew), transposed back where it was
+transposed, and must give the same CRCs. That catches a wrong offset, a short or failed write, a header that
+does not describe the data, and a transpose done wrong.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 @dataclass
 class _Check:
-    """CRC-32s of one output tensor: of its whole bytes, or per strip of output columns (rows of the source)."""
+    """CRC-32s of one tensor's source bytes: of the whole, or per strip of source rows when transposed."""
 
     crcs: list[int] = field(default_factory=list)
-    strip_rows: int = 0  # 0: one CRC over the tensor's bytes in file order
+    strip_rows: int = 0  # 0: copied, one CRC over all its bytes; else transposed, one CRC per strip of rows
     rows: int = 0
     cols: int = 0
 
@@ -45,7 +45,8 @@ class _Check:
 class Transfer:
     """The buffers and checks of one conversion; make one per conversion (not shared between threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_bytes: int = WHOLE_BYTES) -> None:
+        self.whole_bytes = whole_bytes  # transposes up to this size in one piece, larger ones by strips
         self._buffers: dict[str, bytearray] = {}
         self.checks: dict[str, _Check] = {}
 
@@ -77,7 +78,7 @@ class Transfer:
             info = reader.tensor(name)
             rows, cols = info.shape
             itemsize = ITEMSIZE[info.dtype]
-            if info.nbytes <= WHOLE_BYTES:
+            if info.nbytes <= self.whole_bytes:
                 self._transpose_whole(reader, name, target, sink, rows, cols, itemsize)
             else:
                 self._transpose_strips(reader, name, target, sink, rows, cols, itemsize)
@@ -91,13 +92,13 @@ class Transfer:
         out = self.buffer("b", nbytes)
         reader.readinto(name, 0, src)
         _transpose(_matrix(src, itemsize, rows, cols), _matrix(out, itemsize, cols, rows), 0)
-        self.checks[target] = _Check([zlib.crc32(out)])
+        self.checks[target] = _Check([zlib.crc32(src)], strip_rows=rows, rows=rows, cols=cols)
         sink.write(out)
 
     def _transpose_strips(self, reader: TensorFileReader, name: str, target: str, sink: TensorSink, rows: int,
                           cols: int, itemsize: int) -> None:
         """Source rows r0:r1 become columns r0:r1 of every output row: one pwrite per output row per strip."""
-        strip_rows = max(1, (WHOLE_BYTES // 2) // (cols * itemsize))
+        strip_rows = max(1, (self.whole_bytes // 2) // (cols * itemsize))
         check = self.checks[target] = _Check(strip_rows=strip_rows, rows=rows, cols=cols)
         for r0 in range(0, rows, strip_rows):
             n = min(strip_rows, rows - r0)
@@ -105,7 +106,7 @@ class Transfer:
             out = self.buffer("b", n * cols * itemsize)
             reader.readinto(name, r0 * cols * itemsize, src)
             _transpose(_matrix(src, itemsize, n, cols), _matrix(out, itemsize, cols, n), 0)
-            check.crcs.append(zlib.crc32(out))
+            check.crcs.append(zlib.crc32(src))
             segment = n * itemsize
             for c in range(cols):
                 sink.pwrite(out[c * segment : (c + 1) * segment], (c * rows + r0) * itemsize)
@@ -146,7 +147,8 @@ def _file_crc(output: TensorFileReader, name: str, transfer: Transfer) -> int:
 
 
 def _strip_crcs(output: TensorFileReader, name: str, check: _Check, transfer: Transfer) -> list[int]:
-    """Gather each strip's columns back from every output row, in the order they were produced."""
+    """Transpose the written tensor back, strip by strip, and take the CRCs of what comes out: they must be
+    those of the source rows, so a transpose done wrong (or not done) fails just like a bad write."""
     info = output.tensor(name)
     itemsize = ITEMSIZE[info.dtype]
     if info.shape != (check.cols, check.rows):
@@ -155,12 +157,16 @@ def _strip_crcs(output: TensorFileReader, name: str, check: _Check, transfer: Tr
     for r0 in range(0, check.rows, check.strip_rows):
         n = min(check.strip_rows, check.rows - r0)
         segment = n * itemsize
-        buf = transfer.buffer("b", check.cols * segment)
-        for c in range(check.cols):
-            output.readinto(name, (c * check.rows + r0) * itemsize, buf[c * segment : (c + 1) * segment])
-        crcs.append(zlib.crc32(buf))
+        written = transfer.buffer("b", check.cols * segment)
+        if n == check.rows:
+            output.readinto(name, 0, written)
+        else:
+            for c in range(check.cols):
+                output.readinto(name, (c * check.rows + r0) * itemsize, written[c * segment : (c + 1) * segment])
+        back = transfer.buffer("a", check.cols * segment)
+        _transpose(_matrix(written, itemsize, check.cols, n), _matrix(back, itemsize, n, check.cols), 0)
+        crcs.append(zlib.crc32(back))
     return crcs
-
 
 
 def verify_tensor(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
