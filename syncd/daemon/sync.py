@@ -1,18 +1,20 @@
 """What the daemon does with one candidate path: decide, convert, record, log.
 
 Every decision ends in exactly one sync log line, except the silent ones a person would not want to read
-(an up-to-date file seen again, our own output, an ignored name). A file that failed is logged once per
-version: the state database remembers the failure until the file changes.
+(an up-to-date file seen again, our own output, an ignored name, a file still being written). A file that
+failed is logged once per version: the state database remembers the failure until the file changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import fnmatch
 import logging
 import os
 import re
+import signal
 import stat
 import time
 from dataclasses import dataclass
@@ -44,6 +46,10 @@ EXTENSION = {BURNPACK: ".bpk", SAFETENSORS: ".safetensors"}
 TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EBUSY, errno.ENOMEM, errno.EINTR, errno.EDQUOT})
 # Burn's scratch files (`<name>.<pid>-<n>.tmp`, burn-compat.md §2.2) and editors' temporaries
 _TEMP_NAME = re.compile(r"(\.\d+-\d+\.tmp$)|(^\.#)|(~$)|(\.sw[a-p]$)|(\.tmp$)|(\.part$)|(\.partial$)")
+# A file that does not read, was not seen closed and changed less than this long ago may still be being
+# written (when open_for_writing cannot tell): it is looked at again rather than refused.
+INCOMPLETE_GRACE_SECONDS = 60.0
+BUSY_RETRY_SECONDS = 1.0  # how soon a file still being written is looked at again (its close comes sooner)
 
 
 @dataclass
@@ -110,7 +116,11 @@ class Syncer:
             return Outcome(None)
         if self.state.is_own_output(path, version):
             return Outcome(None)
-        return self._convert(watch, path, version, dest, from_format)
+        writing = open_for_writing(path)
+        if writing:
+            # a writer pausing longer than the settle time; its close brings the file back at once
+            return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
+        return self._convert(watch, path, version, dest, from_format, finished=closed or writing is False)
 
     def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
@@ -129,7 +139,11 @@ class Syncer:
 
     # -- converting
 
-    def _convert(self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: str) -> Outcome:
+    def _convert(
+        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: str, *, finished: bool
+    ) -> Outcome:
+        """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
+        open for writing); otherwise a file that does not read may be one still being written."""
         direction = f"{EXTENSION[from_format][1:]}->{EXTENSION[TARGET[from_format]][1:]}"
         base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         started = time.monotonic()
@@ -154,6 +168,9 @@ class Syncer:
                 )
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
+            if isinstance(exc, FormatError) and not finished and _recently_changed(version):
+                log.debug("%s does not read yet, looking again later: %s", path, exc)
+                return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
             return self._failed(path, version, exc, base, started)
         status = "in_sync" if result.status == "in_sync" else "converted"
         self.state.record(path, version, dest, status=status)
@@ -256,6 +273,34 @@ def _carries_source(dest: Path, source: Path) -> bool:
     if metadata.get(carry.SOURCE) != carry.file_label(source.name) or carry.SOURCE_SHA256 not in metadata:
         return False
     return metadata[carry.SOURCE_SHA256] == file_sha256(source)
+
+
+def open_for_writing(path: Path) -> bool | None:
+    """True if some process has `path` open for writing, False if none has, None if we cannot tell.
+
+    The kernel refuses a read lease (EAGAIN) while any descriptor has the file open for writing. Taking one
+    needs the file's owner or CAP_LEASE and a local file system; without them the settle time has to do.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # A writer opening the file while we hold the lease waits until we drop it (at once) and the kernel
+        # signals us: SIGURG, which is ignored by default, instead of SIGIO, which would end the process.
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as exc:
+        return True if exc.errno == errno.EAGAIN else None
+    else:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _recently_changed(version: FileVersion) -> bool:
+    return time.time() - version.mtime_ns / 1e9 < INCOMPLETE_GRACE_SECONDS
 
 
 def _check_inside(directory: Path, root: Path) -> None:
