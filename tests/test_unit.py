@@ -128,7 +128,8 @@ def test_unit_is_hardened() -> None:
     ):  # fmt: skip
         assert directives.get(key) == ["yes"], key
     assert directives["ProtectSystem"] == ["strict"]
-    assert directives["CapabilityBoundingSet"] == [""] and directives["AmbientCapabilities"] == [""]
+    # nothing but CAP_LEASE, which lets the daemon see whether a checkpoint is still open for writing
+    assert directives["CapabilityBoundingSet"] == ["CAP_LEASE"] and directives["AmbientCapabilities"] == ["CAP_LEASE"]
     assert directives["RestrictAddressFamilies"] == ["AF_UNIX"]
     assert directives["SystemCallArchitectures"] == ["native"]
     assert directives["SystemCallFilter"][0] == "@system-service"

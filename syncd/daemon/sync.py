@@ -93,7 +93,7 @@ class Syncer:
         self.state = state
         self.synclog = synclog
         self.settle_seconds = settle_seconds
-        self._maps: dict[int, ModuleMap | None] = {}
+        self._maps: dict[tuple, ModuleMap | None] = {}
 
     # -- the decision
 
@@ -223,7 +223,7 @@ class Syncer:
     def _module_map(self, watch: Watch) -> ModuleMap | None:
         if not watch.modules:
             return None
-        key = id(watch)
+        key = (watch.path, tuple(sorted(watch.modules.items())))  # not id(): reloads make new Watch objects
         if key not in self._maps:
             self._maps[key] = ModuleMap.from_dict(
                 {"modules": dict(watch.modules)}, source=str(watch.modules_file or "config")
