@@ -1,0 +1,167 @@
+"""Path and resource safety of the running daemon (issue 7): symlinks, FIFOs, odd names, permission bits,
+deep and large trees. Everything runs the real daemon on real files."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+from daemonutil import DaemonRun, scratch_files, wait_until
+
+from syncd.formats import open_checkpoint
+
+
+def write_checkpoint(path: Path, seed: int = 0, mode: int | None = None) -> Path:
+    rng = np.random.default_rng(seed)
+    tensors = {"fc.weight": rng.standard_normal((3, 5), dtype=np.float32), "fc.bias": np.zeros(3, np.float32)}
+    data = safetensors.numpy.save(tensors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    if mode is not None:
+        os.chmod(path, mode)
+    return path
+
+
+def files_below(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+def test_symlinks_are_never_followed_out_of_the_tree(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    secret = write_checkpoint(outside / "secret.safetensors", seed=1)
+    before = files_below(outside)
+    with DaemonRun(tmp_path / "d") as run:
+        runs = run.watch_dir()
+        (runs / "link.safetensors").symlink_to(secret)
+        (runs / "linked_dir").symlink_to(outside, target_is_directory=True)
+        run.start()
+        sentinel = write_checkpoint(runs / "sentinel.safetensors")
+        run.wait_for("converted", [sentinel])
+        run.wait_for("skipped", [runs / "link.safetensors"])
+        run.quiet(0.5)
+        assert files_below(outside) == before  # nothing read into or written beside the outside tree
+        assert not (runs / "link.bpk").exists()
+        assert not run.statuses(source=runs / "linked_dir" / "secret.safetensors")
+        assert run.stop()[0] == 0
+
+
+def test_a_fifo_named_like_a_checkpoint_does_not_block_a_worker(tmp_path: Path) -> None:
+    with DaemonRun(tmp_path / "d", workers=1) as run:
+        runs = run.watch_dir()
+        os.mkfifo(runs / "early.safetensors")
+        run.start()
+        os.mkfifo(runs / "late.safetensors")
+        good = write_checkpoint(runs / "good.safetensors")
+        run.wait_for("converted", [good], timeout=10)
+        run.wait_for("skipped", [runs / "early.safetensors", runs / "late.safetensors"], timeout=10)
+        assert run.stop()[0] == 0
+
+
+def test_names_with_spaces_newlines_and_non_utf8_bytes(tmp_path: Path) -> None:
+    names = [b"with space.safetensors", b"new\nline.safetensors", b"caf\xe9-latin1.safetensors"]
+    with DaemonRun(tmp_path / "d") as run:
+        runs = run.watch_dir()
+        run.start()
+        raw_runs = os.fsencode(runs)
+        for i, name in enumerate(names):
+            write_checkpoint(Path(os.fsdecode(raw_runs + b"/" + name)), seed=i)
+        sources = [Path(os.fsdecode(raw_runs + b"/" + name)) for name in names]
+        run.wait_for("converted", sources)
+        for name in names:
+            output = raw_runs + b"/" + name.replace(b".safetensors", b".bpk")
+            assert os.path.exists(output)
+            with open_checkpoint(os.fsdecode(output)) as reader:
+                assert {t.name for t in reader.tensors} == {"fc.weight", "fc.bias"}
+        # the log keeps every name exactly (fsdecode'd, surrogates and all)
+        logged = {os.fsencode(r["source"]) for r in run.statuses("converted")}
+        assert {raw_runs + b"/" + name for name in names} <= logged
+        assert run.stop()[0] == 0
+
+
+def test_outputs_get_the_source_permission_bits_never_wider(tmp_path: Path) -> None:
+    with DaemonRun(tmp_path / "d") as run:
+        runs = run.watch_dir()
+        run.start()
+        private = write_checkpoint(runs / "private.safetensors", mode=0o600)
+        shared = write_checkpoint(runs / "shared.safetensors", seed=1, mode=0o640)
+        run.wait_for("converted", [private, shared])
+        assert stat.S_IMODE(os.stat(runs / "private.bpk").st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(runs / "shared.bpk").st_mode) == 0o640
+        assert run.stop()[0] == 0
+
+
+def test_a_mirror_subdirectory_that_is_a_symlink_is_not_written_through(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "output": {"mirror": "out"}}]) as run:
+        runs, mirror = run.watch_dir(), run.watch_dir("out")
+        (mirror / "exp").symlink_to(outside, target_is_directory=True)
+        run.start()
+        source = write_checkpoint(runs / "exp" / "model.safetensors")
+        run.wait_for("error", [source])
+        assert list(outside.iterdir()) == []
+        assert not scratch_files(mirror, outside)
+        assert run.stop()[0] == 0
+
+
+def test_a_tree_deeper_than_the_limit_is_reported_and_the_rest_served(tmp_path: Path) -> None:
+    with DaemonRun(tmp_path / "d") as run:
+        runs = run.watch_dir()
+        deep = runs.joinpath(*(f"d{i}" for i in range(70)))
+        deep.mkdir(parents=True)
+        buried = write_checkpoint(deep / "buried.safetensors")
+        top = write_checkpoint(runs / "top.safetensors")
+        run.start()
+        run.wait_for("converted", [top])
+        limit = [r for r in run.statuses("skipped") if "deeper than" in r.get("reason", "")]
+        assert limit, run.log_text()
+        assert not run.statuses("converted", buried)  # not reached by the start-up scan
+        assert run.stop()[0] == 0
+
+
+def test_a_hundred_thousand_files_do_not_exhaust_memory(tmp_path: Path) -> None:
+    with DaemonRun(tmp_path / "d") as run:
+        runs = run.watch_dir()
+        for d in range(100):
+            directory = runs / f"shard{d:03}"
+            directory.mkdir()
+            for f in range(1000):
+                (directory / f"f{f}.txt").touch()
+        checkpoints = [write_checkpoint(runs / f"shard{d:03}" / "model.safetensors", seed=d) for d in range(0, 100, 10)]
+        run.start()
+        run.wait_for("converted", checkpoints, timeout=60)
+        assert run.proc is not None
+        peak_kib = _peak_rss_kib(run.proc.pid)
+        assert peak_kib < 256 * 1024, f"daemon peak RSS {peak_kib} KiB"
+        assert run.stop()[0] == 0
+
+
+def test_running_out_of_inotify_watches_falls_back_to_polling_and_says_so(tmp_path: Path) -> None:
+    limit_file = Path("/proc/sys/fs/inotify/max_user_watches")
+    original = limit_file.read_text()
+    with DaemonRun(tmp_path / "d") as run:
+        runs = run.watch_dir()
+        for d in range(20):
+            (runs / f"sub{d}").mkdir()
+        limit_file.write_text("4\n")  # far fewer than the tree needs
+        try:
+            run.start()
+        finally:
+            limit_file.write_text(original)
+        fallback = wait_until(lambda: [r for r in run.records() if "polling" in r.get("reason", "")], 10,
+                              "a sync log line about the inotify limit")
+        assert "inotify unavailable" in fallback[0]["reason"]
+        source = write_checkpoint(runs / "sub7" / "model.safetensors")
+        run.wait_for("converted", [source], timeout=20)  # served by polling
+        assert run.stop()[0] == 0
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM in /proc status")
