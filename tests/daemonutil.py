@@ -55,6 +55,15 @@ def _drop_capabilities(capabilities: list[int]) -> None:
             raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {capability})")
 
 
+def _become(capabilities: list[int], user: int | None) -> None:
+    """In the child before exec: drop `capabilities`, then switch to `user`."""
+    _drop_capabilities(capabilities)
+    if user is not None:
+        os.setgroups([])
+        os.setgid(user)
+        os.setuid(user)
+
+
 def scratch_files(*roots: Path) -> list[Path]:
     """syncd's scratch files (`.<name>.syncd-<pid>-<n>.tmp`) anywhere below `roots`."""
     return [path for root in roots for path in root.rglob("*") if is_scratch_name(path.name)]
@@ -107,14 +116,18 @@ class DaemonRun:
 
     # -- the process
 
-    def start(self, drop_capabilities: Iterable[int] = ()) -> list[str]:
+    def start(self, drop_capabilities: Iterable[int] = (), user: int | None = None) -> list[str]:
         """Start the daemon and wait for READY=1; returns that notification's lines. `drop_capabilities`
-        (e.g. CAP_LEASE) are removed from its bounding set, so even root runs without them."""
+        (e.g. CAP_LEASE) are removed from its bounding set, so even root runs without them; `user` runs it
+        as that uid (and gid), with no supplementary groups, as the service's own user would run."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         env = {**os.environ, "NOTIFY_SOCKET": os.fspath(self.notify_path), "PYTHONPATH": os.fspath(REPO)}
         env.pop("WATCHDOG_USEC", None)
         started_at = len(self.notifications)
         dropped = list(drop_capabilities)
+        if user is not None:  # the daemon must reach systemd's socket as that user
+            os.chmod(self._socket_dir, 0o755)
+            os.chmod(self.notify_path, 0o777)
         with open(self.stderr_path, "ab") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "syncd", "run", "-c", os.fspath(self.config_path)],
@@ -123,7 +136,7 @@ class DaemonRun:
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
-                preexec_fn=(lambda: _drop_capabilities(dropped)) if dropped else None,
+                preexec_fn=(lambda: _become(dropped, user)) if dropped or user is not None else None,
             )
 
         def ready() -> list[str] | None:

@@ -46,7 +46,6 @@ MNIST_BPK_TENSORS = {
     "fc3.bias": (10,),
 }
 
-pytestmark = pytest.mark.skipif(not MNIST_BPK.exists(), reason="the shared fixtures are not available")
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -277,10 +276,10 @@ def test_checkpoint_written_slowly_in_place_is_converted_once_when_complete(daem
     stop_cleanly(daemon)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the file away and drop CAP_LEASE")
 def test_slow_writer_of_a_file_the_daemon_does_not_own(make_daemon: Callable[..., DaemonRun]) -> None:
     """As the service runs: its own user, without CAP_LEASE, so it cannot ask the kernel whether the file is
     still open for writing. Until the file has been seen closed, a file that does not read yet is not refused."""
+    assert os.geteuid() == 0, "this test gives a file away and drops CAP_LEASE: run the suite as root, as CI does"
     run = make_daemon()
     run.start(drop_capabilities=[CAP_LEASE])
     runs = run.watch_dir("runs")

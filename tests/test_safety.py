@@ -4,12 +4,15 @@ deep and large trees. Everything runs the real daemon on real files."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
-from daemonutil import DaemonRun, scratch_files, wait_until
+from daemonutil import REPO, DaemonRun, scratch_files, wait_until
 
 from syncd.formats import open_checkpoint
 
@@ -165,3 +168,48 @@ def _peak_rss_kib(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     raise AssertionError("no VmHWM in /proc status")
+
+
+NOBODY = 65534
+
+
+def _traversable_by_others(path: Path) -> None:
+    """The unprivileged daemon must reach the code and interpreter it runs: add o+x along their paths."""
+    for directory in [path, *path.parents]:
+        mode = os.stat(directory).st_mode
+        if not mode & stat.S_IXOTH:
+            os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
+
+
+def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tmp_path: Path) -> None:
+    assert os.geteuid() == 0, "this test runs the daemon as another user: run the suite as root, as CI does"
+    _traversable_by_others(REPO)
+    _traversable_by_others(Path(sys.executable).resolve().parent)
+    _traversable_by_others(Path(sys.prefix))
+    root = Path(tempfile.mkdtemp(prefix="syncd-nobody-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o777)
+        with DaemonRun(root / "d") as run:
+            os.chmod(run.root, 0o777)
+            runs = run.watch_dir()
+            os.chmod(runs, 0o777)
+            readable = write_checkpoint(runs / "readable.safetensors", mode=0o644)
+            unreadable = write_checkpoint(runs / "unreadable.safetensors", seed=1, mode=0o600)
+            closed_dir = runs / "closed"
+            write_checkpoint(closed_dir / "hidden.safetensors", seed=2, mode=0o644)
+            os.chmod(closed_dir, 0o700)
+            run.start(user=NOBODY)
+            run.wait_for("converted", [readable])
+            run.wait_for("skipped", [unreadable])
+            late = write_checkpoint(runs / "late.safetensors", seed=3, mode=0o644)
+            run.wait_for("converted", [late])
+            os.utime(unreadable)  # another event for the same version: no second line
+            run.quiet(0.6)
+            assert len(run.statuses("skipped", unreadable)) == 1, run.log_text()
+            assert "Permission denied" in run.statuses("skipped", unreadable)[0]["error"]
+            assert any("cannot list" in r.get("reason", "") for r in run.statuses("skipped", closed_dir))
+            assert os.stat(runs / "readable.bpk").st_uid == NOBODY
+            assert not (runs / "unreadable.bpk").exists()
+            assert run.stop()[0] == 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

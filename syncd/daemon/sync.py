@@ -168,7 +168,8 @@ class Syncer:
                 )
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
-            if isinstance(exc, FormatError) and not finished and _recently_changed(version):
+            content_error = isinstance(exc, FormatError) and exc.__cause__ is None  # not EACCES and the like
+            if content_error and not finished and _recently_changed(version):
                 log.debug("%s does not read yet, looking again later: %s", path, exc)
                 return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
             return self._failed(path, version, exc, base, started)

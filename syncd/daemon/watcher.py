@@ -116,7 +116,8 @@ class Watcher:
             observer = self._observe(watch, Observer())
         except OSError as exc:  # the limit hit at the root, no inotify instances left, or no inotify here
             return exc.strerror or str(exc)
-        wanted = sum(1 for _ in walk_dirs(watch.path, watch.recursive))
+        # inotify can only watch directories we may read; those we may not are reported by the scans
+        wanted = sum(1 for d in walk_dirs(watch.path, watch.recursive) if os.access(d, os.R_OK | os.X_OK))
         added = inotify_watch_count() - before
         if added < wanted:
             observer.stop()
@@ -162,6 +163,8 @@ def walk_files(root: Path, recursive: bool, max_depth: int = MAX_DEPTH,
             entries = list(os.scandir(directory))
         except OSError as exc:
             log.warning("cannot list %s: %s", directory, exc.strerror)
+            if on_limit is not None:
+                on_limit(directory, f"not scanned: cannot list the directory ({exc.strerror})")
             continue
         for entry in entries:
             try:
