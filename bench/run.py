@@ -2,6 +2,7 @@
 
     /work/venv/bin/python bench/run.py            # full run (< 15 min on 2 cores): results in bench/results/
     /work/venv/bin/python bench/run.py --quick    # small files, one timed run (< 1 min): results-quick.*
+    add --snapshot to measure syncd as committed at HEAD instead of the working tree (see README.md)
 
 For every synthetic checkpoint (see gen.py) it measures, each as a subprocess:
 
@@ -14,10 +15,14 @@ For every synthetic checkpoint (see gen.py) it measures, each as a subprocess:
 - `syncd convert SRC.safetensors -o DST.bpk` (PyTorch -> Burn) and `syncd convert SRC.bpk -o DST.safetensors`
   (Burn -> PyTorch). The .bpk source is made by syncd itself before the measurements (untimed).
 
-Each command runs once as a warm-up, then `--reps` (3; quick: 1) timed runs; the table shows the median
-wall time and the highest peak RSS of the timed runs. The source is therefore in the page cache: these are
-warm-cache figures. Before every run (warm-up included) the previous output is deleted and `sync` flushes
-dirty pages, so no run pays for another's writeback. Peak RSS is the command's ru_maxrss as /usr/bin/time
+Commands run interleaved: a warm-up round runs every command of a case once, then `--reps` (3) timed rounds
+each run every command once (so a slow phase of a shared machine hits the floor and the conversions alike);
+the table shows the median wall time and the highest peak RSS of the timed runs. The cp floors pool the
+copies of both sources of a case (their sizes differ by < 2%): ratios divide by the median of those 6 runs.
+After the warm-up the sources are in the page cache: these are warm-cache figures. (--quick: one timed
+round and no warm-up; the sources were just written, so they are in the page cache anyway.) Before every
+run (warm-up included) the previous output is deleted and `sync` flushes dirty pages, so no run pays for
+another's writeback. Peak RSS is the command's ru_maxrss as /usr/bin/time
 reports it (wait4 on a child it forked; see run_once for why not our own wait4). It includes file pages the
 process has mapped, and the children it waited for (cp under sh).
 
@@ -55,9 +60,42 @@ MiB = 1 << 20
 PYTHON = sys.executable
 
 
+SNAPSHOT: Path | None = None  # --snapshot: the `git archive HEAD` copy of syncd/ that is measured
+
+
 def syncd_argv() -> list[str]:
+    if SNAPSHOT is not None:
+        return [PYTHON, str(BENCH / "syncd_at.py"), str(SNAPSHOT)]
     script = Path(sys.executable).parent / "syncd"
     return [str(script)] if script.exists() else [PYTHON, "-m", "syncd"]
+
+
+def make_snapshot() -> tuple[Path, str]:
+    """syncd/ as committed at HEAD, extracted under bench/work/; checked to be what syncd_at.py imports."""
+    root = WORK / "syncd-snapshot"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    commit = head.stdout.strip()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "syncd"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    where = subprocess.run([PYTHON, str(BENCH / "syncd_at.py"), str(root), "--where"], capture_output=True, text=True)
+    if not where.stdout.strip().startswith(str(root)):
+        raise SystemExit(f"--snapshot: syncd_at.py imports {where.stdout.strip() or where.stderr.strip()}, not {root}")
+    return root, commit[:12]
+
+
+def git_state() -> dict:
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--", "syncd"], capture_output=True, text=True
+    ).stdout.splitlines()
+    changed = {}
+    for line in dirty:
+        path = REPO / line[3:]
+        with contextlib.suppress(OSError):
+            changed[line[3:]] = path.stat().st_mtime_ns
+    return {"head": head.stdout.strip(), "uncommitted": changed}
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -137,7 +175,7 @@ class Measurement:
     max_s: float | None = None
     peak_rss_mib: float | None = None
     cpu_s: float | None = None  # median user + system CPU seconds
-    load_before: float | None = None  # 1-minute load average when the command's runs started
+    loads: list[float] = field(default_factory=list)  # 1-minute load average before each timed run
     x_cp: float | None = None
     x_cp_fsync: float | None = None
 
@@ -186,48 +224,84 @@ def run_once(argv: list[str], dst: Path, stderr_path: Path) -> Run:
     return Run(seconds, maxrss, code, cpu)
 
 
-def measure(case: Case, key: str, label: str, src: Path, dst: Path, reps: int, log) -> Measurement:
-    m = Measurement(case.name, key, label, src.stat().st_size if src.exists() else 0)
-    if not src.exists():
-        m.error = f"no source {src.name}"
-        return m
-    argv = command_argv(key, src, dst)
-    m.load_before = os.getloadavg()[0]
-    stderr_path = dst.with_name(dst.name + ".stderr")
-    for i in range(reps + 1):  # the first run is the warm-up
-        run = run_once(argv, dst, stderr_path)
-        if run.status != 0:
-            text = stderr_path.read_text(errors="replace").strip().splitlines()
-            m.error = f"exit {run.status}: {text[-1] if text else 'no output written'}"
-            log(f"    {label}: FAILED {m.error}")
-            break
-        if i:
-            m.runs.append(run)
-    if dst.exists():
-        dst.unlink()
-    m.finish()
-    if m.median_s is not None:
-        times = " ".join(f"{r.seconds:.2f}" for r in m.runs)
-        log(
-            f"    {label:26s} median {m.median_s:7.2f} s  [{times}]  cpu {m.cpu_s or 0:6.2f} s  "
-            f"peak RSS {m.peak_rss_mib:7.1f} MiB  (load {m.load_before:.1f})"
-        )
-    return m
+def _failure(stderr_path: Path, status: int) -> str:
+    text = stderr_path.read_text(errors="replace").strip().splitlines() if stderr_path.exists() else []
+    return f"exit {status}: {text[-1] if text else 'no output written'}"
+
+
+def measure_case(
+    case: Case, sources: dict[str, Path], workdir: Path, reps: int, warmup: bool, log
+) -> list[Measurement]:
+    """Every command of one case, interleaved: a warm-up round, then `reps` rounds each running every command
+    once, so slow phases of a shared machine hit the floor and the conversions alike."""
+    jobs = []
+    for key, label, kind, suffix in COMMANDS:
+        src = sources[kind]
+        m = Measurement(case.name, key, label, src.stat().st_size if src.exists() else 0)
+        if not src.exists():
+            m.error = f"no source {src.name}"
+        dst = workdir / f"out-{key}{suffix}"
+        jobs.append((m, command_argv(key, src, dst), dst, workdir / f"out-{key}.stderr"))
+    for round_ in range(0 if warmup else 1, reps + 1):  # round 0 is the warm-up
+        for m, argv, dst, stderr_path in jobs:
+            if m.error:
+                continue
+            load = os.getloadavg()[0]
+            run = run_once(argv, dst, stderr_path)
+            if run.status != 0:
+                m.error = _failure(stderr_path, run.status)
+                log(f"    {m.label}: FAILED {m.error}")
+            elif round_:
+                m.runs.append(run)
+                m.loads.append(round(load, 2))
+    for m, _, dst, _ in jobs:
+        dst.unlink(missing_ok=True)
+        m.finish()
+        if m.median_s is not None:
+            times = " ".join(f"{r.seconds:.2f}" for r in m.runs)
+            log(
+                f"    {m.label:26s} median {m.median_s:7.2f} s  [{times}]  cpu {m.cpu_s or 0:6.2f} s  "
+                f"peak RSS {m.peak_rss_mib:7.1f} MiB  (load {statistics.median(m.loads):.1f})"
+            )
+    return [m for m, *_ in jobs]
+
+
+def floors(by_key: dict[str, Measurement]) -> dict[str, dict[str, float | None]]:
+    """The cp and cp+fsync floors of each source kind. The .safetensors and .bpk sources of a case differ in
+    size by well under 2%, so both files' copies are pooled into one median: six samples are steadier than
+    three, and both directions are held to the same floor. (Sizes further apart: each its own.)"""
+    sizes = [by_key[k].source_bytes for k in ("cp", "cp_bpk")]
+    pooled = min(sizes) > 0 and (max(sizes) - min(sizes)) / max(sizes) < 0.02
+
+    def median_of(*keys: str) -> float | None:
+        times = [r.seconds for k in keys if not by_key[k].error for r in by_key[k].runs]
+        return statistics.median(times) if times else None
+
+    result: dict[str, dict[str, float | None]] = {}
+    for kind, (cp, cp_fsync) in FLOOR.items():
+        other_cp, other_fsync = FLOOR["bpk" if kind == "st" else "st"]
+        result[kind] = {
+            "cp": median_of(cp, other_cp) if pooled else median_of(cp),
+            "cp_fsync": median_of(cp_fsync, other_fsync) if pooled else median_of(cp_fsync),
+        }
+    return result
 
 
 def startup_cost(reps: int) -> dict:
     """What every `syncd convert` pays before touching a file: interpreter start and imports."""
     argv = [PYTHON, "-c", "import syncd.cli, syncd.convert"]
+    if SNAPSHOT is not None:
+        argv = [PYTHON, str(BENCH / "syncd_at.py"), str(SNAPSHOT), "--where"]
     times = []
     for i in range(reps + 1):
         started = time.perf_counter()
-        subprocess.run(argv, check=True)
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
         if i:
             times.append(time.perf_counter() - started)
-    return {"command": " ".join(argv[1:]), "median_s": statistics.median(times)}
+    return {"command": " ".join(argv), "median_s": statistics.median(times)}
 
 
-def run_case(case: Case, reps: int, keep: bool, log) -> tuple[dict, list[Measurement]]:
+def run_case(case: Case, reps: int, warmup: bool, keep: bool, log) -> tuple[dict, list[Measurement]]:
     workdir = WORK / case.name
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -247,19 +321,17 @@ def run_case(case: Case, reps: int, keep: bool, log) -> tuple[dict, list[Measure
         f"  {case.name}: {info['tensors']} tensors, {info['safetensors_bytes'] / MiB:.0f} MiB, largest tensor "
         f"{info['largest_tensor_bytes'] / MiB:.2f} MiB; generated in {time.perf_counter() - t0:.1f} s"
     )
-    sources = {"st": src, "bpk": bpk}
-    results = []
-    for key, label, kind, suffix in COMMANDS:
-        dst = workdir / f"out-{key}{suffix}"
-        results.append(measure(case, key, label, sources[kind], dst, reps, log))
+    results = measure_case(case, {"st": src, "bpk": bpk}, workdir, reps, warmup, log)
     by_key = {m.command: m for m in results}
+    floor = floors(by_key)
+    info["floors_s"] = floor
     for key, _, kind, _ in COMMANDS:
         m = by_key[key]
-        cp, cp_fsync = (by_key[k] for k in FLOOR[kind])
-        if m.median_s is not None and cp.median_s:
-            m.x_cp = m.median_s / cp.median_s
-        if m.median_s is not None and cp_fsync.median_s:
-            m.x_cp_fsync = m.median_s / cp_fsync.median_s
+        cp, cp_fsync = floor[kind]["cp"], floor[kind]["cp_fsync"]
+        if m.median_s is not None and cp:
+            m.x_cp = m.median_s / cp
+        if m.median_s is not None and cp_fsync:
+            m.x_cp_fsync = m.median_s / cp_fsync
     if not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return info, results
@@ -561,16 +633,10 @@ def environment() -> dict:
     cpu = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
         cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "-C", str(REPO), "status", "--porcelain", "--", "syncd"], capture_output=True, text=True
-    ).stdout.splitlines()
     cp_version = subprocess.run(["cp", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     fs = subprocess.run(["df", "-T", str(BENCH)], capture_output=True, text=True).stdout.splitlines()[1:2]
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "git_head": commit.stdout.strip(),
-        "syncd_uncommitted_changes": [line[3:] for line in dirty],
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1),
@@ -622,7 +688,8 @@ def write_chart(path: Path, cases: list[dict], measurements: list[Measurement], 
     ax_m.set_title("Peak RSS of the process (dashed: 256 MiB)")
     for ax in (ax_t, ax_m):
         ax.set_xticks(range(len(names)), names, fontsize=8)
-        ax.legend(fontsize=8)
+    handles, labels = ax_t.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=len(shown), fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -661,23 +728,26 @@ def report(
     print()
     print(text_table(["target", "measured", "status"], target_rows))
 
-    changed = env["syncd_uncommitted_changes"]
-    dirty = f" + uncommitted changes to {len(changed)} file(s)" if changed else ""
-    mode = "quick (one timed run after a warm-up)" if args.quick else f"full (median of {args.reps} after a warm-up)"
+    mode = (
+        "quick (one timed run, no separate warm-up: the sources were just written)"
+        if args.quick
+        else f"full (median of {args.reps} after a warm-up)"
+    )
     md = [
         f"# syncd benchmark ({'quick' if args.quick else 'full'})",
         "",
-        f"Command: `{shlex_join([Path(PYTHON).as_posix(), 'bench/run.py', *(['--quick'] if args.quick else [])])}` "
+        f"Command: `{shlex_join([Path(PYTHON).as_posix(), 'bench/run.py', *sys.argv[1:]])}` "
         f"— {mode}; warm page cache; outputs deleted and `sync` run before every run.",
         "",
         f"Machine: {env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB RAM, kernel {env['kernel']}, "
         f"{env['filesystem']}; Python {env['python']}, numpy {env['numpy']}, safetensors {env['safetensors']}; "
-        f"{env['cp']}; syncd at {env['git_head']}{dirty}; {env['date']}. Load average (1 min) at the start "
+        f"{env['cp']}; {env['date']}. Measured: {args.under_test}. Load average (1 min) at the start "
         f"{args.load_at_start:.1f}, at the end {env['load_average_1m_at_end']:.1f}: the machine is shared, and "
         "the JSON has the load before each command's runs and every run's time.",
         "",
-        "`x cp`: median wall time over the median of `cp --reflink=never` of the same source file (GNU cp uses "
-        "copy_file_range, an in-kernel copy, and does not fsync). `x cp+fsync`: over cp followed by `sync FILE` "
+        "`x cp`: median wall time over the median of the `cp --reflink=never` runs of the case, both source "
+        "files pooled (6 runs; the .safetensors and .bpk differ in size by < 2%; GNU cp uses copy_file_range, an "
+        "in-kernel copy, and does not fsync). `x cp+fsync`: the same for cp followed by `sync FILE` "
         "(syncd fsyncs its output before publishing). Peak RSS: ru_maxrss of the command (wait4 in /usr/bin/time), "
         "highest of the timed runs. The naive pipeline writes safetensors (numpy; BF16 through safetensors.torch).",
         "",
@@ -730,6 +800,9 @@ def report(
         "reps": args.reps,
         "warm_cache": True,
         "environment": {**env, "load_average_1m_at_start": round(args.load_at_start, 2)},
+        "syncd_under_test": args.under_test,
+        "git_at_start": args.git_start,
+        "git_at_end": args.git_end,
         "checkpoints": infos,
         "measurements": [asdict(m) for m in measurements],
         "daemon": daemon,
@@ -754,6 +827,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", help="comma-separated case names to run (default: all of the mode)")
     parser.add_argument("--daemon-files", type=int, help="files for the daemon latency (default 50; quick 10)")
     parser.add_argument("--no-daemon", action="store_true", help="skip the daemon latency measurement")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="measure syncd as committed at HEAD (git archive into bench/work/) instead of the working tree",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints under bench/work/")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
@@ -767,14 +845,26 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     args.load_at_start = os.getloadavg()[0]
-    log(f"syncd benchmark: {'quick' if args.quick else 'full'} mode, warm-up + {args.reps} timed run(s) per command")
+    plan = f"{args.reps} timed run(s) per command" + ("" if args.quick else " after a warm-up")
+    log(f"syncd benchmark: {'quick' if args.quick else 'full'} mode, {plan}")
+    args.git_start = git_state()
+    if args.snapshot:
+        global SNAPSHOT
+        SNAPSHOT, commit = make_snapshot()
+        args.under_test = f"syncd as committed at {commit} (a snapshot; the working tree is not used)"
+    else:
+        changed = args.git_start["uncommitted"]
+        args.under_test = f"the syncd working tree at {args.git_start['head']}" + (
+            f" with uncommitted changes to {', '.join(changed)}" if changed else ""
+        )
+    log(f"  measuring {args.under_test}")
     WORK.mkdir(parents=True, exist_ok=True)
     infos, measurements = [], []
     startup = startup_cost(args.reps)
     log(f"  python start + import syncd.convert: {startup['median_s']:.2f} s (a fixed cost of every syncd convert)")
     try:
         for case in cases:
-            info, results = run_case(case, args.reps, args.keep, log)
+            info, results = run_case(case, args.reps, not args.quick, args.keep, log)
             infos.append(info)
             measurements += results
         if args.no_daemon:
@@ -787,6 +877,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             for child in WORK.iterdir() if WORK.exists() else []:
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+    args.git_end = git_state()
+    if not args.snapshot and args.git_end != args.git_start:
+        args.under_test += (
+            f" -- WARNING: syncd changed during the run (HEAD {args.git_start['head']} -> {args.git_end['head']}, "
+            "or uncommitted files changed): rows measured different code; use --snapshot"
+        )
+        log(f"  {args.under_test}")
     report(args, cases, infos, measurements, daemon, startup, log)
     log(f"total {time.perf_counter() - started:.0f} s")
     return 0
