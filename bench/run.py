@@ -439,7 +439,10 @@ def _unavailable(reason: str) -> dict:
 def daemon_latency(files: int, log) -> dict:
     root = WORK / "daemon"
     shutil.rmtree(root, ignore_errors=True)
-    probe = subprocess.run([PYTHON, "-c", "import syncd.daemon.service"], capture_output=True, text=True)
+    probe_argv = [PYTHON, "-c", "import syncd.daemon.service"]
+    if SNAPSHOT is not None:
+        probe_argv = [PYTHON, str(BENCH / "syncd_at.py"), str(SNAPSHOT), "--import", "syncd.daemon.service"]
+    probe = subprocess.run(probe_argv, capture_output=True, text=True)
     if probe.returncode != 0:
         return _unavailable((probe.stderr.strip().splitlines() or ["cannot import syncd.daemon.service"])[-1])
     config = daemon_config(root)

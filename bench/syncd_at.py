@@ -2,6 +2,7 @@
 
     python bench/syncd_at.py SRC_ROOT convert A -o B      # as `syncd convert A -o B`, importing SRC_ROOT/syncd
     python bench/syncd_at.py SRC_ROOT --where              # imports syncd.convert, prints syncd's path
+    python bench/syncd_at.py SRC_ROOT --import MODULE      # exit 0 if MODULE imports from SRC_ROOT
 
 `bench/run.py --snapshot` uses it to measure syncd as committed at HEAD (a `git archive` under bench/work/)
 while others keep editing the working tree. The venv's editable install puts a finder on sys.meta_path that
@@ -23,6 +24,11 @@ def main() -> int:
         import syncd.convert  # noqa: F401
 
         print(syncd.__file__)
+        return 0
+    if len(sys.argv) == 4 and sys.argv[2] == "--import":  # can this copy import a module? (run.py's probes)
+        import importlib
+
+        importlib.import_module(sys.argv[3])
         return 0
     from syncd.cli import main as syncd_main
 
