@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+# syncd never multiplies matrices: an idle OpenBLAS thread pool only spins on the other core. Set before
+# numpy is first imported (it is imported lazily, by the commands that need it).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from pathlib import Path
 
 from syncd import __version__
