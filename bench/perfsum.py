@@ -1,7 +1,7 @@
 """Per-thread on-CPU summary of a `perf record` profile: which functions each thread spends its samples in.
 
-    perf record -F 1999 -g -o run.perf -- /work/venv/bin/syncd convert SRC -o DST
-    /work/venv/bin/python bench/perfsum.py run.perf 1999
+    perf record -F 1999 -g -o run.perf -- .venv/bin/syncd convert SRC -o DST
+    .venv/bin/python bench/perfsum.py run.perf 1999
 
 (syncd's hashing thread and numpy's OpenBLAS threads show up as their own threads; cProfile sees only the
 main thread and counts wall time, which on a busy machine includes time spent preempted.)

@@ -1,6 +1,6 @@
 """Profile one `syncd convert` with cProfile (main thread; the sha256 thread runs on the other core).
 
-    /work/venv/bin/python bench/prof.py SRC DST [--top N] [--out FILE.txt] [--at SRC_ROOT]
+    .venv/bin/python bench/prof.py SRC DST [--top N] [--out FILE.txt] [--at SRC_ROOT]
 
 Prints the functions with the most own time and the most cumulative time. The destination is removed
 first (and the profiled conversion runs warm: the source is read once before profiling). `--at ROOT` imports
