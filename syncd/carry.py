@@ -91,18 +91,30 @@ def parse(metadata: dict[str, str], path: str) -> Carried:
     carried = Carried()
     try:
         _parse_into(carried, metadata)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:  # OverflowError: float.fromhex
         raise FormatError(f"malformed syncd metadata: {exc}", path) from None
     return carried
 
 
 def _json(metadata: dict[str, str], key: str) -> Any:
-    return json.loads(metadata[key]) if key in metadata else None
+    if key not in metadata:
+        return None
+    try:
+        value = json.loads(metadata[key])
+        # a \ud800 escape decodes to a lone surrogate, which no writer can encode: refuse it here
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise ValueError(f"{key} is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ValueError(f"{key} holds an escaped lone surrogate, which is not Unicode text") from None
+    return value
 
 
 def _parse_into(c: Carried, md: dict[str, str]) -> None:
     c.layout = md.get(LAYOUT)
     c.burn_layout = md.get(BURN_LAYOUT)
+    if c.burn_layout not in (None, "aligned", "packed"):
+        raise ValueError(f"{BURN_LAYOUT} is {c.burn_layout[:40]!r}, not aligned or packed")
     ids = _json(md, PARAM_IDS) or {}
     c.param_ids = {str(k): _u64(v) for k, v in ids.items()}
     c.dtypes = {str(k): _burn_dtype(v) for k, v in (_json(md, DTYPES) or {}).items()}
@@ -154,6 +166,7 @@ def _scalar(value: Any) -> Scalar:
 def _dropped(value: Any) -> tuple[str, tuple[int, ...], bytes]:
     dtype, shape = value["dtype"], tuple(int(d) for d in value["shape"])
     data = base64.b64decode(value["data"], validate=True)
-    if dtype not in ITEMSIZE or byte_length(dtype, shape) != len(data) or len(data) > MAX_DROPPED_BYTES:
+    fits = dtype in ITEMSIZE and all(d >= 0 for d in shape) and byte_length(dtype, shape) == len(data)
+    if not fits or len(data) > MAX_DROPPED_BYTES:
         raise ValueError(f"carried tensor of dtype {dtype} and shape {list(shape)} does not match its data")
     return dtype, shape, data

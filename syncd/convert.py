@@ -18,7 +18,7 @@ from typing import Any
 
 from syncd import carry
 from syncd.adapters import AdapterPlan, ModuleMap, TensorRef, plan_conversion
-from syncd.errors import FormatError, SyncdError, UnsupportedError, UsageError, VerificationError
+from syncd.errors import FormatError, SyncdError, UnsupportedError, UsageError, VerificationError, one_line
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
 from syncd.formats.burnpack import LAYOUT_ALIGNED, BurnpackReader, write_burnpack
 from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
@@ -350,7 +350,7 @@ def _naming_file(exc: SyncdError, path: str) -> SyncdError:
     error keeps its type and its suggestion for --verbose and the log)."""
     if exc.path is None:
         exc.path = path
-        exc.args = (f"{path}: {exc.message}",)
+        exc.args = (f"{one_line(path)}: {exc.message}",)
     return exc
 
 

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+# what str.splitlines() splits on, shown escaped: a tensor or file name holding one must not break the line
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def one_line(text: object) -> str:
+    return str(text).translate(_LINE_BREAKS)
+
 
 class SyncdError(Exception):
     """Base of every error syncd reports to a user (never shown as a traceback)."""
@@ -9,9 +16,9 @@ class SyncdError(Exception):
     exit_code = 1
 
     def __init__(self, message: str, path: str | None = None) -> None:
-        self.message = message
+        self.message = one_line(message)
         self.path = path
-        super().__init__(f"{path}: {message}" if path else message)
+        super().__init__(f"{one_line(path)}: {self.message}" if path else self.message)
 
 
 class FormatError(SyncdError):

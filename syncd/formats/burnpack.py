@@ -238,8 +238,9 @@ def parse_dtype(raw: Any) -> str | None:
         variant, inner = next(iter(raw.items()))
         if variant == "Bool" and isinstance(inner, str):
             return BOOL_STORES.get(inner)
-        if variant == "QFloat" and isinstance(inner, dict) and inner.get("value") in QUANT_VALUES:
-            return "QFloat"
+        if variant == "QFloat" and isinstance(inner, dict):
+            value = inner.get("value")  # any CBOR value, a list or a map too: test the type before the set
+            return "QFloat" if isinstance(value, str) and value in QUANT_VALUES else None
     return None
 
 

@@ -87,11 +87,33 @@ def parse_header_json(raw: bytes, path: str) -> dict[str, Any]:
         document = json.loads(text, object_pairs_hook=_unique_pairs)
     except RecursionError:
         raise FormatError("header JSON is nested too deeply", path) from None
+    except MemoryError:  # e.g. 100 MB of "[]," builds millions of lists: refuse it as burnpack's decode does
+        raise FormatError(f"header JSON ({len(raw)} bytes) is too large to decode in memory", path) from None
     except ValueError as exc:
         raise FormatError(f"header is not valid JSON: {str(exc).splitlines()[0]}", path) from None
     if not isinstance(document, dict):
         raise FormatError("header is not a JSON object", path)
+    if "\\u" in text and _lone_surrogate(document):  # only an escape can make one; the library refuses them too
+        raise FormatError("header holds a \\u escape of a lone surrogate, which is not Unicode text", path)
     return document
+
+
+def _lone_surrogate(document: Any) -> bool:
+    """Whether any key or text in the decoded header is not encodable (a lone surrogate from a \\u escape)."""
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def parse_metadata(raw: Any, path: str) -> dict[str, str]:
