@@ -15,7 +15,7 @@ another exception, a hang or a crash; a failed conversion publishes nothing and 
   leave an output that re-reads; a SyncdError must leave no output and no `.*.syncd-*.tmp`.
 * The real CLI, `syncd convert`, in a subprocess (SYNCD_FUZZ_CLI_EXAMPLES, default 80, over both formats)
   under RLIMIT_AS = baseline + 256 MiB, where the baseline is the VmPeak of a child that has imported all
-  `convert` uses (measured once per session; ~150 MiB with numpy, which is why RLIMIT_AS is not simply 256 MiB),
+  `convert` uses (measured once per session; ~110 MiB with numpy, which is why RLIMIT_AS is not simply 256 MiB),
   and a timeout of 2 s plus twice the measured import time; exit status in {0,1,2,3}, exactly one stderr line
   on failure, no traceback, nothing published on failure.
 * tests/corpus/: every input that ever failed, replayed through all three (test_corpus_replay).
