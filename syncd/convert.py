@@ -294,9 +294,11 @@ class _Job:
                 header = self._write(scratch.fd)
             except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
                 raise SyncdError(f"cannot write the output ({exc.strerror or exc})", str(self.dest)) from exc
+            # verify while the source is still being hashed on the other core; only the hash's place in the
+            # header changes afterwards, and that is checked on its own
+            self._verify(scratch.path)
             self._fill_in_source_hash(scratch.fd, header, hasher.result())
             _check_source_unchanged(self.reader)
-            self._verify(scratch.path)
             return publish(scratch, replace=self.request.overwrite, source=Path(self.path))
 
     def _write(self, fd: int) -> bytes:
@@ -314,7 +316,10 @@ class _Job:
         if header.count(placeholder) != 1:
             raise SyncdError("cannot place the source hash in the output header", str(self.dest))
         self.metadata[carry.SOURCE_SHA256] = sha
-        pwrite_all(fd, header.replace(placeholder, sha.encode("ascii")), 0)
+        final = header.replace(placeholder, sha.encode("ascii"))
+        pwrite_all(fd, final, 0)
+        if os.pread(fd, len(final), 0) != final:
+            raise VerificationError("the output header reads back different from what was written", str(self.dest))
 
     def _verify(self, written: Path) -> None:
         reader_type = BurnpackReader if self.to_format == BURNPACK else SafetensorsReader

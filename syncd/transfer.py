@@ -15,6 +15,7 @@ does not describe the data, and a transpose done wrong.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,7 +128,7 @@ class Transfer:
         if check is None:
             raise VerificationError(f"tensor '{target}' was never written", output.path)
         if check.source is not None:
-            same = _same_bytes(*check.source, output, target)
+            same = _same_bytes(*check.source, output, target, self)
         else:
             same = (_strip_crcs(output, target, check, self) if check.strip_rows else [0]) == check.crcs
         if not same:
@@ -146,21 +147,34 @@ def _transpose(src: np.ndarray, out: np.ndarray, first_col: int) -> None:
         out[:, first_col + r0 : first_col + r1] = src[r0:r1].T
 
 
-def _same_bytes(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str) -> bool:
+def _same_bytes(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
+                transfer: Transfer) -> bool:
     nbytes = source.tensor(src_name).nbytes
     if output.tensor(out_name).nbytes != nbytes:
         return False
-    chunk = min(BLOCK_BYTES, nbytes)
-    a, b = bytearray(chunk), bytearray(chunk)  # bytearray == is a memcmp; memoryview == is not
-    for done in range(0, nbytes, chunk or 1):
-        n = min(chunk, nbytes - done)
-        if n < chunk:
-            a, b = bytearray(n), bytearray(n)
-        source.readinto(src_name, done, memoryview(a))
-        output.readinto(out_name, done, memoryview(b))
-        if a != b:
+    a = transfer.buffer("a", min(BLOCK_BYTES, nbytes))
+    b = transfer.buffer("b", len(a))
+    for done in range(0, nbytes, len(a) or 1):
+        n = min(len(a), nbytes - done)
+        source.readinto(src_name, done, a[:n])
+        output.readinto(out_name, done, b[:n])
+        if not _equal(a, b, n):
             return False
     return True
+
+
+_libc = ctypes.CDLL(None)
+_libc.memcmp.restype = ctypes.c_int
+_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _equal(a: memoryview, b: memoryview, n: int) -> bool:
+    """memcmp of the first n bytes of two writable buffers: Python's memoryview == compares element by
+    element, and slicing a bytearray to compare it would copy it."""
+    if n == 0:
+        return True
+    address = ctypes.c_char.from_buffer
+    return _libc.memcmp(ctypes.addressof(address(a)), ctypes.addressof(address(b)), n) == 0
 
 
 def _strip_crcs(output: TensorFileReader, name: str, check: _Check, transfer: Transfer) -> list[int]:
