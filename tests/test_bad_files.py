@@ -333,3 +333,18 @@ def test_recipes_only_break_what_they_say(tmp_path: Path) -> None:
             continue
         with open_checkpoint(path) as reader:
             assert reader.tensors
+
+
+def test_a_large_legitimate_tensor_table_is_still_decoded(tmp_path: Path) -> None:
+    """The pricing that refuses hostile metadata (tests/test_fuzz.py) must let a real 100,000-tensor table through."""
+    import cbor2
+
+    from syncd.formats.burnpack import DECODE_BUDGET, SCAN_ABOVE, decoded_cost
+
+    tensors = {
+        f"layers.{i}.attention.weight": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0],
+                                         "param_id": 2**63 + i}
+        for i in range(100_000)
+    }
+    raw = cbor2.dumps({"tensors": tensors})
+    assert len(raw) > SCAN_ABOVE and decoded_cost(raw) < DECODE_BUDGET

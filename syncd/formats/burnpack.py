@@ -170,8 +170,57 @@ class _RejectEveryTag(Mapping):
         return 0
 
 
+# Python objects cost far more than their CBOR bytes (an empty array: 1 byte, ~64 bytes decoded). Metadata
+# larger than SCAN_ABOVE is walked first and refused if decoding it would need more than DECODE_BUDGET.
+SCAN_ABOVE = 1 << 20
+DECODE_BUDGET = 128 << 20
+_HEAD_EXTRA = {24: 1, 25: 2, 26: 4, 27: 8}
+
+
+def decoded_cost(raw: bytes, budget: int = DECODE_BUDGET) -> int:
+    """An upper estimate of the memory cbor2 needs for `raw`, stopping once it passes `budget`.
+
+    One pass without building anything: containers and their slots, text and byte strings, integers beyond
+    CPython's small-int cache and floats are charged what CPython objects of them take.
+    """
+    cost, i, end = 0, 0, len(raw)
+    while i < end and cost <= budget:
+        head = raw[i]
+        major, info = head >> 5, head & 0x1F
+        i += 1
+        if info < 24:
+            arg = info
+        elif info in _HEAD_EXTRA:
+            width = _HEAD_EXTRA[info]
+            arg = int.from_bytes(raw[i : i + width], "big")
+            i += width
+        else:
+            cost += 64  # indefinite lengths, simple values, breaks: small, charged as a container
+            continue
+        if major in (0, 1):
+            cost += 32 if arg > 255 else 8
+        elif major in (2, 3):
+            cost += 56 + arg
+            i += arg
+        elif major == 4:
+            cost += 64 + 8 * min(arg, end)
+        elif major == 5:
+            cost += 232 + 16 * min(arg, end)
+        elif major == 7:
+            cost += 24 + 8
+        else:
+            cost += 64  # tags are refused by the decoder
+    return cost
+
+
 def decode_cbor(raw: bytes, path: str) -> Any:
     """Decode burnpack metadata with Burn's depth limit, refusing tags (bignums) and duplicate keys."""
+    if len(raw) > SCAN_ABOVE and (cost := decoded_cost(raw)) > DECODE_BUDGET:
+        raise FormatError(
+            f"Metadata of {len(raw)} bytes would need more than {DECODE_BUDGET >> 20} MiB to decode "
+            f"(at least {cost >> 20} MiB): too many small items for a tensor table",
+            path,
+        )
     try:
         return cbor2.loads(
             raw,
