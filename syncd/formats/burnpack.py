@@ -64,14 +64,6 @@ def align_up(value: int, alignment: int = TENSOR_ALIGNMENT) -> int:
 class BurnpackReader(TensorFileReader):
     """Parses and validates a burnpack file's header; tensor bytes are read only when asked for."""
 
-    def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
-        super().__init__(path, within)
-        try:
-            self._parse()
-        except BaseException:
-            self.close()
-            raise
-
     def _fail(self, message: str, tensor: str | None = None) -> FormatError:
         return FormatError(message, self.path, tensor)
 

@@ -184,6 +184,15 @@ class TensorFileReader:
         self.tensors: list[TensorInfo] = []
         self._by_name: dict[str, TensorInfo] = {}
         self.header: CheckpointHeader
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self) -> None:
+        """Read and validate the header; fill `header` and, through `_index`, `tensors`."""
+        raise TypeError(f"{type(self).__name__} must define _parse")
 
     def _index(self, tensors: list[TensorInfo]) -> None:
         self.tensors = sorted(tensors, key=lambda t: (t.offset, t.offset + t.nbytes))

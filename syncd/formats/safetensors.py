@@ -34,14 +34,6 @@ U64_LIMIT = 1 << 64
 class SafetensorsReader(TensorFileReader):
     """Parses and validates a safetensors header; tensor bytes are read only when asked for."""
 
-    def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
-        super().__init__(path, within)
-        try:
-            self._parse()
-        except BaseException:
-            self.close()
-            raise
-
     def _parse(self) -> None:
         if self.file_size < 8:
             raise FormatError(f"header too small: file has {self.file_size} bytes, needs at least 8", self.path)
