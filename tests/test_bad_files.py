@@ -339,7 +339,8 @@ def test_a_large_legitimate_tensor_table_is_still_decoded(tmp_path: Path) -> Non
     """The pricing that refuses hostile metadata (tests/test_fuzz.py) must let a real 100,000-tensor table through."""
     import cbor2
 
-    from syncd.formats.burnpack import DECODE_BUDGET, SCAN_ABOVE, decoded_cost
+    from syncd.formats.burnpack import decoded_cost
+    from syncd.formats.fileio import DECODE_BUDGET, DECODE_SCAN_ABOVE
 
     tensors = {
         f"layers.{i}.attention.weight": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0],
@@ -347,4 +348,4 @@ def test_a_large_legitimate_tensor_table_is_still_decoded(tmp_path: Path) -> Non
         for i in range(100_000)
     }
     raw = cbor2.dumps({"tensors": tensors})
-    assert len(raw) > SCAN_ABOVE and decoded_cost(raw) < DECODE_BUDGET
+    assert len(raw) > DECODE_SCAN_ABOVE and decoded_cost(raw) < DECODE_BUDGET

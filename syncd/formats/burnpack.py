@@ -19,7 +19,15 @@ import cbor2
 
 from syncd.errors import FormatError
 from syncd.formats.dtypes import byte_length
-from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, write_tensors, write_zeros
+from syncd.formats.fileio import (
+    DECODE_BUDGET,
+    TensorFileReader,
+    pread_exact,
+    pwrite_all,
+    refuse_costly_decode,
+    write_tensors,
+    write_zeros,
+)
 from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 
 MAGIC = 0x4255524E
@@ -162,10 +170,6 @@ class _RejectEveryTag(Mapping):
         return 0
 
 
-# Python objects cost far more than their CBOR bytes (an empty array: 1 byte, ~64 bytes decoded). Metadata
-# larger than SCAN_ABOVE is walked first and refused if decoding it would need more than DECODE_BUDGET.
-SCAN_ABOVE = 1 << 20
-DECODE_BUDGET = 128 << 20
 _HEAD_EXTRA = {24: 1, 25: 2, 26: 4, 27: 8}
 
 
@@ -207,12 +211,7 @@ def decoded_cost(raw: bytes, budget: int = DECODE_BUDGET) -> int:
 
 def decode_cbor(raw: bytes, path: str) -> Any:
     """Decode burnpack metadata with Burn's depth limit, refusing tags (bignums) and duplicate keys."""
-    if len(raw) > SCAN_ABOVE and (cost := decoded_cost(raw)) > DECODE_BUDGET:
-        raise FormatError(
-            f"Metadata of {len(raw)} bytes would need more than {DECODE_BUDGET >> 20} MiB to decode "
-            f"(at least {cost >> 20} MiB): too many small items for a tensor table",
-            path,
-        )
+    refuse_costly_decode(raw, decoded_cost, "Metadata", path)
     try:
         return cbor2.loads(
             raw,

@@ -53,6 +53,25 @@ def open_regular_file(path: str | os.PathLike[str], within: str | os.PathLike[st
     return fd, info.st_size
 
 
+# Decoded headers cost far more memory than their bytes (an empty CBOR array: 1 byte, ~64 bytes as a Python
+# list). Headers larger than DECODE_SCAN_ABOVE are priced first and refused past DECODE_BUDGET.
+DECODE_SCAN_ABOVE = 1 << 20
+DECODE_BUDGET = 128 << 20
+
+
+def refuse_costly_decode(raw: bytes, price: Callable[[bytes], int], what: str, path: str) -> None:
+    """Raise a FormatError if decoding `raw` (priced by `price`, an upper estimate) could exceed the budget."""
+    if len(raw) <= DECODE_SCAN_ABOVE:
+        return
+    cost = price(raw)
+    if cost > DECODE_BUDGET:
+        raise FormatError(
+            f"{what} of {len(raw)} bytes could need {cost >> 20} MiB to decode, more than the "
+            f"{DECODE_BUDGET >> 20} MiB allowed: too many small items for a tensor table",
+            path,
+        )
+
+
 def _opened_inside(fd: int, directory: str | os.PathLike[str]) -> bool:
     real = os.readlink(f"/proc/self/fd/{fd}")
     root = os.path.realpath(directory)
@@ -139,8 +158,9 @@ class TensorSink:
         """Fill the window from another file inside the kernel (copy_file_range); False, with nothing
         written, where the kernel or file system cannot, so the caller copies through memory instead."""
         if count != self.nbytes or self.written:
-            raise FormatError(f"deferred source has inconsistent length (expected {self.nbytes}, got {count})",
-                              tensor=self.name)
+            raise FormatError(
+                f"deferred source has inconsistent length (expected {self.nbytes}, got {count})", tensor=self.name
+            )
         done = 0
         while done < count:
             try:

@@ -23,7 +23,7 @@ from syncd.formats.dtypes import (
     SAFETENSORS_TO_DTYPE,
     byte_length,
 )
-from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, write_tensors
+from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, refuse_costly_decode, write_tensors
 from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
 
 # the safetensors library's limit on the JSON header
@@ -68,25 +68,15 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-# JSON decodes to far more memory than its text: a header larger than SCAN_ABOVE is priced first (counting
-# its structural characters, an overestimate) and refused if parsing it could need more than DECODE_BUDGET.
-SCAN_ABOVE = 1 << 20
-DECODE_BUDGET = 128 << 20
-
-
 def decoded_cost(raw: bytes) -> int:
+    """An upper estimate of what json.loads needs for `raw`, from its structural characters."""
     containers = raw.count(b"[") + raw.count(b"{")
     strings = raw.count(b'"') // 2
     return 64 * containers + 8 * raw.count(b",") + 56 * strings + 100 * raw.count(b":") + len(raw)
 
 
 def parse_header_json(raw: bytes, path: str) -> dict[str, Any]:
-    if len(raw) > SCAN_ABOVE and (cost := decoded_cost(raw)) > DECODE_BUDGET:
-        raise FormatError(
-            f"header of {len(raw)} bytes could need {cost >> 20} MiB to parse, more than the "
-            f"{DECODE_BUDGET >> 20} MiB allowed: too many small items for a tensor table",
-            path,
-        )
+    refuse_costly_decode(raw, decoded_cost, "header", path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
