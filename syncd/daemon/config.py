@@ -18,7 +18,6 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import math
 import os
@@ -183,14 +182,6 @@ def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None) ->
     count = len(config.watches)
     print(f"{path}: valid ({count} watch{'es' if count != 1 else ''})", file=out)
     return 0
-
-
-def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", nargs="?", default=str(DEFAULT_CONFIG_PATH), help="config file to check")
-
-
-def run_check_config_command(args: argparse.Namespace) -> int:
-    return run_check_config(args.file)
 
 
 # ---------------------------------------------------------------------------------------------- validation
