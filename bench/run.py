@@ -1,7 +1,7 @@
 """syncd benchmark: conversion time and peak memory against `cp`, and the daemon's close-to-publish latency.
 
-    /work/venv/bin/python bench/run.py            # full run (< 15 min on 2 cores): results in bench/results/
-    /work/venv/bin/python bench/run.py --quick    # small files, one timed run (< 1 min): results-quick.*
+    .venv/bin/python bench/run.py            # full run (< 15 min on 2 cores): results in bench/results/
+    .venv/bin/python bench/run.py --quick    # small files, one timed run (< 1 min): results-quick.*
     add --snapshot to measure syncd as committed at HEAD instead of the working tree (see README.md)
 
 For every synthetic checkpoint (see gen.py) it measures, each as a subprocess:

@@ -17,8 +17,8 @@ from typing import Any
 
 import cbor2
 import numpy as np
+from conftest import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SYNCD_PREFIX = "syncd."
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from conftest import REPO  # noqa: E402
 
 from syncd.publish import is_scratch_name
 
-REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 20.0
 POLL = 0.02
 PR_CAPBSET_DROP = 24
@@ -160,7 +160,7 @@ class DaemonRun:
         assert self.proc is not None
         self.proc.send_signal(signum)
 
-    def stop(self, timeout: float = 5.0) -> tuple[int | None, float]:
+    def stop(self, timeout: float = 60.0) -> tuple[int | None, float]:
         """SIGTERM; returns (exit status or None if it did not exit within `timeout`, seconds taken)."""
         assert self.proc is not None
         started = time.monotonic()
@@ -210,7 +210,7 @@ class DaemonRun:
             if (status is None or r["status"] == status) and (source is None or r.get("source") == str(source))
         ]
 
-    def wait_for(self, status: str, sources: Iterable[Path] = (), count: int = 1, timeout: float = 15.0) -> None:
+    def wait_for(self, status: str, sources: Iterable[Path] = (), count: int = 1, timeout: float = 60.0) -> None:
         """Wait until the log has `status` lines for every one of `sources` (or `count` of them if none)."""
         wanted = {str(path) for path in sources}
 

@@ -33,15 +33,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conftest import (  # noqa: E402
+    ASTERINAS_BPK,
+    CORPUS,
+    FIXTURES,
+    MULTI_LAYER_ST,
+    REGRESSIONS,
+    REPO,  # noqa: E402
+)
 from hypothesis import strategies as st
 
 from syncd.errors import SyncdError
 
-REPO = Path(__file__).resolve().parents[1]
-CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
-SHARED = Path("/work/shared")
+CORPUS_DIR = REGRESSIONS
 
-TIME_LIMIT = 2.0  # seconds per input (reader, conversion; a CLI run gets this plus interpreter start-up)
+TIME_LIMIT = 20.0  # seconds per input: catches a hang or a blow-up, not slowness on a loaded machine
 MEMORY_LIMIT = 256 << 20  # address space an input may add to the process's baseline
 MAGIC = 0x4255524E
 U64 = 1 << 64
@@ -1008,12 +1014,12 @@ def tree_mutations(draw: Any, pool: str) -> tuple[str, bytes]:
 
 
 def _small_shared_files() -> list[Path]:
-    files = sorted((SHARED / "fixtures").glob("*/*")) + sorted((SHARED / "corpus").glob("*/*"))
+    files = sorted(FIXTURES.glob("*/*")) + sorted(CORPUS.glob("*/*"))
     return [p for p in files if p.suffix in (".bpk", ".safetensors") and p.stat().st_size <= 20_000]
 
 
 def _large_shared_files() -> list[Path]:
-    files = sorted((SHARED / "fixtures").glob("*/*")) + sorted((SHARED / "corpus").glob("*/*"))
+    files = sorted(FIXTURES.glob("*/*")) + sorted(CORPUS.glob("*/*"))
     return [p for p in files if p.suffix in (".bpk", ".safetensors") and p.stat().st_size > 20_000]
 
 
@@ -1022,7 +1028,7 @@ _SEEDS: dict[str, list[tuple[str, bytes]]] = {}
 
 def seeds(pool: str) -> list[tuple[str, bytes]]:
     """Seed files for mutation; `pool` is "burnpack" or "safetensors", "+large" adds the 1 MB fixtures.
-    Burn's and PyTorch's files from /work/shared, plus files syncd made from them (carried `syncd.*`
+    Burn's and PyTorch's files from tests/data, plus files syncd made from them (carried `syncd.*`
     metadata, every dtype, QFloat, scalars, the packed layout)."""
     if pool not in _SEEDS:
         kind, _, large = pool.partition("+")
@@ -1046,12 +1052,12 @@ def _made_seeds() -> list[tuple[str, bytes]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        multi = SHARED / "corpus/safetensors_py/tracel-ai_burn__safetensors-tests__multi_layer.safetensors"
+        multi = MULTI_LAYER_ST
         bpk = work / "multi.bpk"
         convert(ConvertRequest(source=multi, dest=bpk))  # carries num_batches_tracked, format=pt
         back = work / "multi_back.safetensors"
         convert(ConvertRequest(source=bpk, dest=back))  # carries param ids? (none), data order, layout
-        aster = SHARED / "corpus/bpk/ldos-project_asterinas__mlp_weights.bpk"
+        aster = ASTERINAS_BPK
         aster_st = work / "aster.safetensors"
         convert(ConvertRequest(source=aster, dest=aster_st))  # carries burnpack metadata, param ids, data order
         specs = [
@@ -1156,7 +1162,8 @@ class FuzzFailure(AssertionError):
 
 
 def save_failure(blob: bytes, ext: str) -> Path:
-    """Keep a failing input: in $SYNCD_FUZZ_SAVE (fuzz_long.py sets tests/corpus/incoming), else a temp dir."""
+    """Keep a failing input: in $SYNCD_FUZZ_SAVE (fuzz_long.py sets tests/data/regressions/incoming), else a
+    temp dir."""
     directory = Path(os.environ.get("SYNCD_FUZZ_SAVE") or Path(tempfile.gettempdir()) / "syncd-fuzz-failures")
     directory.mkdir(parents=True, exist_ok=True)
     prefix = "bpk" if ext == ".bpk" else "st"

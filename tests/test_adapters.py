@@ -7,7 +7,6 @@ these tests stand on their own.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import cbor2
 import pytest
 import torch
 import yaml
+from conftest import CORPUS, FIXTURES  # noqa: E402
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -28,12 +28,6 @@ from syncd.adapters import (
 )
 from syncd.errors import AmbiguousLayoutError, ConfigError, SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import SAFETENSORS_TO_DTYPE
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SYNCD_SHARED", REPO.parent / "shared"))
-FIXTURES = SHARED / "fixtures"
-CORPUS = SHARED / "corpus"
-
 
 # ---------------------------------------------------------------------------------------------------------
 # tables from real files and real modules

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import struct
@@ -12,6 +11,9 @@ from typing import Any
 
 import cbor2
 import pytest
+from conftest import ASTERINAS_BPK as ASTERINAS  # noqa: E402
+from conftest import CORPUS as _CORPUS_DIR  # noqa: E402
+from conftest import MNIST_BPK as MNIST  # noqa: E402
 from formatgen import bpk_bytes, cbor_text, descriptor, specs_from_reader, write_bpk
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,9 +31,7 @@ from syncd.formats.burnpack import (
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.table import TensorSpec
 
-MNIST = "/work/shared/fixtures/burn/mnist_web.bpk"
-CORPUS = sorted(glob.glob("/work/shared/corpus/bpk/*.bpk"))
-ASTERINAS = "/work/shared/corpus/bpk/ldos-project_asterinas__mlp_weights.bpk"
+CORPUS = sorted((_CORPUS_DIR / "bpk").glob("*.bpk"))
 
 # ------------------------------------------------------------------------------------------- Burn's files
 

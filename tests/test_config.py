@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO  # noqa: E402
 
 from syncd.daemon.config import (
     DEFAULT_POLL_INTERVAL,
@@ -16,8 +17,6 @@ from syncd.daemon.config import (
     run_check_config,
 )
 from syncd.errors import ConfigError
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def write_config(directory: Path, text: str, name: str = "syncd.yaml", mode: int = 0o644) -> Path:

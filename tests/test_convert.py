@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import MNIST_BPK as MNIST_WEB  # noqa: E402
+from conftest import MNIST_ST as MNIST_PT  # noqa: E402
 from convcheck import (
     Checkpoint,
     assert_one_line_error,
@@ -40,9 +42,6 @@ from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, bytes_
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.transfer import WHOLE_BYTES, verify_tensor
 
-FIXTURES = Path("/work/shared/fixtures")
-MNIST_WEB = FIXTURES / "burn" / "mnist_web.bpk"
-MNIST_PT = FIXTURES / "pytorch" / "mnist.safetensors"
 TO_TORCH_LEAF = {"gamma": "weight", "beta": "bias"}
 
 

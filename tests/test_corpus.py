@@ -1,6 +1,6 @@
 """Issue 3 on the real-world corpus: every file converts and comes back unchanged, or is refused for a stated reason.
 
-The corpus (/work/shared/corpus, see MANIFEST.md) was written by Burn, PyTorch and numpy, never by syncd. Each file
+The corpus (tests/data/corpus, see its MANIFEST.md) was written by Burn, PyTorch and numpy, never by syncd. Each file
 is copied into a temporary directory first (the corpus is read-only). The table below is the expected outcome per
 file; a file added to the corpus without a row fails `test_every_corpus_file_has_an_expected_outcome`.
 """
@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import CORPUS  # noqa: E402
 from convcheck import assert_one_line_error, dir_listing, read_any, read_bpk, read_safetensors, run_cli
 
 from syncd.adapters import ModuleMap
 from syncd.convert import ConvertRequest, convert
-
-CORPUS = Path("/work/shared/corpus")
 
 CONVERTS, REFUSED, AMBIGUOUS = "converts", "refused", "ambiguous"
 

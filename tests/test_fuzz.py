@@ -18,11 +18,11 @@ another exception, a hang or a crash; a failed conversion publishes nothing and 
   `convert` uses (measured once per session; ~110 MiB with numpy, which is why RLIMIT_AS is not simply 256 MiB),
   and a timeout of 2 s plus twice the measured import time; exit status in {0,1,2,3}, exactly one stderr line
   on failure, no traceback, nothing published on failure.
-* tests/corpus/: every input that ever failed, replayed through all three (test_corpus_replay).
+* tests/data/regressions/: every input that ever failed, replayed through all three (test_corpus_replay).
 
 CI runs are derandomized (the same inputs every run, ~1.5 min on 2 cores). For a longer pre-release run with
 fresh inputs: `python tests/fuzz_long.py` (SYNCD_FUZZ_EXAMPLES=100000 SYNCD_FUZZ_RANDOM=1, failures saved
-to tests/corpus/incoming/).
+to tests/data/regressions/incoming/).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ CORPUS = sorted(p for p in CORPUS_DIR.glob("*") if p.suffix in (".bpk", ".safete
 
 
 def test_corpus_is_listed() -> None:
-    """Each saved input has its one-line note in tests/corpus/README.md."""
+    """Each saved input has its one-line note in tests/data/regressions/README.md."""
     readme = (CORPUS_DIR / "README.md").read_text()
     assert [p.name for p in CORPUS if p.name not in readme] == []
 
@@ -242,7 +242,7 @@ def test_large_headers_within_the_limits(name: str, tmp_path: Path) -> None:
 
 
 def test_header_too_big_to_decode_is_a_format_error(tmp_path: Path) -> None:
-    """Regression (too big for tests/corpus/): json.loads' MemoryError escaped the safetensors reader. Here
+    """Regression (too big for tests/data/regressions/): json.loads' MemoryError escaped the safetensors reader. Here
     6 MiB of `[],` under a 64 MiB budget; in the fuzz run it was a 16 MiB header under 256 MiB."""
     blob = LARGE_HEADERS["st-empty-arrays"]()
     assert check_reader(blob, ".safetensors", tmp_path, memory=64 * MIB) == "FormatError"

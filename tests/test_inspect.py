@@ -9,10 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-MNIST_BPK = FIXTURES / "burn" / "mnist_web.bpk"
-MNIST_ST = FIXTURES / "pytorch" / "mnist.safetensors"
+from conftest import MNIST_BPK, MNIST_ST  # noqa: E402
 
 
 def syncd(*args: str) -> subprocess.CompletedProcess[str]:

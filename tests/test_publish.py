@@ -17,6 +17,7 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
+from conftest import REPO  # noqa: E402
 
 from syncd import publish as pub
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
@@ -28,7 +29,6 @@ from syncd.publish import (
     remove_stale_scratch,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
 # Runs in a separate interpreter so that kills and races involve real processes. Modes:

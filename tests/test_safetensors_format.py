@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -16,6 +15,7 @@ import safetensors
 import safetensors.numpy
 import safetensors.torch
 import torch
+from conftest import FIXTURES as _FIXTURES_DIR  # noqa: E402
 from formatgen import bpk_bytes, descriptor, specs_from_reader, write_st
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +29,7 @@ from syncd.formats.dtypes import ITEMSIZE, SAFETENSORS_TO_DTYPE, SUBBYTE_BITS
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.formats.table import TensorSpec
 
-FIXTURES = sorted(glob.glob("/work/shared/fixtures/pytorch/*.safetensors"))
+FIXTURES = sorted((_FIXTURES_DIR / "pytorch").glob("*.safetensors"))
 
 # safetensors dtype -> the name the library's TensorSpec takes (torch's spelling)
 LIB_DTYPE = {

@@ -1,0 +1,48 @@
+"""Where the suite's data lives, and the helpers every test file shares.
+
+Every file a test reads is inside this repository, under `tests/data/` (see its README): a clone anywhere runs
+the suite with nothing beside it. Test modules import these names (`from conftest import MNIST_BPK`) rather than
+spelling paths of their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+DATA = TESTS / "data"
+
+# Real checkpoints written by Burn and PyTorch (tests/data/fixtures/README.md).
+FIXTURES = DATA / "fixtures"
+MNIST_BPK = FIXTURES / "burn" / "mnist_web.bpk"
+MNIST_ST = FIXTURES / "pytorch" / "mnist.safetensors"
+MULTI_LAYER_ST = FIXTURES / "pytorch" / "multi_layer.safetensors"
+
+# Files written by other people's software, copied from public history (tests/data/corpus/MANIFEST.md).
+CORPUS = DATA / "corpus"
+ASTERINAS_BPK = CORPUS / "bpk" / "ldos-project_asterinas__mlp_weights.bpk"
+
+# Inputs that once broke syncd, kept so they never do again (tests/data/regressions/README.md).
+REGRESSIONS = DATA / "regressions"
+
+
+def corpus_files() -> list[Path]:
+    """Every checkpoint in the corpus, in a stable order."""
+    return sorted(p for p in CORPUS.glob("*/*") if p.suffix in (".bpk", ".safetensors"))
+
+
+def fixture_files() -> list[Path]:
+    """Every checkpoint among the fixtures, in a stable order."""
+    return sorted(p for p in FIXTURES.glob("*/*") if p.suffix in (".bpk", ".safetensors"))
+
+
+@pytest.fixture
+def daemon_run(tmp_path: Path):
+    """A real daemon (`python -m syncd run`) on a fresh tree under tmp_path; stopped at the end of the test."""
+    from daemonutil import DaemonRun
+
+    with DaemonRun(tmp_path) as run:
+        yield run
