@@ -18,7 +18,7 @@ from pathlib import Path
 from syncd import __version__
 from syncd.errors import SyncdError, UsageError
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_EXISTS = 0, 1, 2, 3
+EXIT_OK, EXIT_BAD_INPUT = 0, 1  # usage (2) and exists (3) come from the errors' exit_code
 
 
 class _Parser(argparse.ArgumentParser):

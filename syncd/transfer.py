@@ -198,32 +198,3 @@ def _strip_crcs(output: TensorFileReader, name: str, check: _Check, transfer: Tr
         _transpose(_matrix(written, itemsize, check.cols, n), _matrix(back, itemsize, n, check.cols), 0)
         crcs.append(zlib.crc32(back))
     return crcs
-
-
-def verify_tensor(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
-                  transpose: bool) -> None:
-    """Compare one written tensor with its source directly, without any checksum taken while writing:
-    slower than Transfer.verify, for tests and audits."""
-    info, out_info = source.tensor(src_name), output.tensor(out_name)
-    expected_shape = tuple(reversed(info.shape)) if transpose else info.shape
-    if out_info.nbytes != info.nbytes or out_info.shape != expected_shape:
-        raise VerificationError(f"tensor '{out_name}' has shape {list(out_info.shape)}, expected "
-                                f"{list(expected_shape)}", output.path)
-    if not transpose or info.nbytes == 0:
-        if source.read(src_name) != output.read(out_name):
-            raise VerificationError(f"tensor '{out_name}' differs from its source '{src_name}'", output.path)
-        return
-    rows, cols = info.shape
-    itemsize = ITEMSIZE[info.dtype]
-    strip_rows = max(1, BLOCK_BYTES // max(1, cols * itemsize))
-    for r0 in range(0, rows, strip_rows):
-        n = min(strip_rows, rows - r0)
-        src = np.frombuffer(bytearray(n * cols * itemsize), dtype=_UINT[itemsize]).reshape(n, cols)
-        source.readinto(src_name, r0 * cols * itemsize, memoryview(src).cast("B"))
-        got = np.empty((cols, n), dtype=_UINT[itemsize])
-        view = memoryview(got).cast("B")
-        for c in range(cols):
-            output.readinto(out_name, (c * rows + r0) * itemsize, view[c * n * itemsize : (c + 1) * n * itemsize])
-        if not np.array_equal(got.T, src):
-            raise VerificationError(f"tensor '{out_name}' is not the transpose of its source '{src_name}'",
-                                    output.path)

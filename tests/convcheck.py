@@ -19,6 +19,11 @@ import cbor2
 import numpy as np
 from conftest import REPO  # noqa: E402
 
+from syncd import transfer
+from syncd.errors import VerificationError
+from syncd.formats.dtypes import ITEMSIZE
+from syncd.formats.fileio import TensorFileReader
+
 SYNCD_PREFIX = "syncd."
 
 
@@ -127,3 +132,35 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], code: int, *fr
 def dir_listing(path: Path) -> list[str]:
     """Every name in a directory, hidden ones (scratch files) included."""
     return sorted(os.listdir(path))
+
+
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def verify_tensor(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
+                  transpose: bool) -> None:
+    """Compare one written tensor with its source directly, without any checksum taken while writing:
+    slower than Transfer.verify, for tests and audits."""
+    info, out_info = source.tensor(src_name), output.tensor(out_name)
+    expected_shape = tuple(reversed(info.shape)) if transpose else info.shape
+    if out_info.nbytes != info.nbytes or out_info.shape != expected_shape:
+        raise VerificationError(f"tensor '{out_name}' has shape {list(out_info.shape)}, expected "
+                                f"{list(expected_shape)}", output.path)
+    if not transpose or info.nbytes == 0:
+        if source.read(src_name) != output.read(out_name):
+            raise VerificationError(f"tensor '{out_name}' differs from its source '{src_name}'", output.path)
+        return
+    rows, cols = info.shape
+    itemsize = ITEMSIZE[info.dtype]
+    strip_rows = max(1, transfer.BLOCK_BYTES // max(1, cols * itemsize))
+    for r0 in range(0, rows, strip_rows):
+        n = min(strip_rows, rows - r0)
+        src = np.frombuffer(bytearray(n * cols * itemsize), dtype=UINT[itemsize]).reshape(n, cols)
+        source.readinto(src_name, r0 * cols * itemsize, memoryview(src).cast("B"))
+        got = np.empty((cols, n), dtype=UINT[itemsize])
+        view = memoryview(got).cast("B")
+        for c in range(cols):
+            output.readinto(out_name, (c * rows + r0) * itemsize, view[c * n * itemsize : (c + 1) * n * itemsize])
+        if not np.array_equal(got.T, src):
+            raise VerificationError(f"tensor '{out_name}' is not the transpose of its source '{src_name}'",
+                                    output.path)

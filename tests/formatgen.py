@@ -23,12 +23,20 @@ from typing import Any
 
 import cbor2
 
-from syncd.formats.burnpack import MAGIC, Scalar, bytes_spec, write_burnpack
+from syncd.formats.burnpack import MAGIC, Scalar, write_burnpack
 from syncd.formats.fileio import TensorFileReader
 from syncd.formats.safetensors import write_safetensors
 from syncd.formats.table import TensorSpec
 
 __all__ = ["Scalar", "bytes_spec"]
+
+
+def bytes_spec(
+    name: str, dtype: str, shape: Sequence[int], data: Any, param_id: int | None = None, raw_dtype: Any = None
+) -> TensorSpec:
+    """A spec for bytes already in memory."""
+    view = memoryview(data).cast("B")
+    return TensorSpec(name, dtype, tuple(shape), len(view), lambda sink: sink.write(view), param_id, raw_dtype)
 
 # ------------------------------------------------------------------------------------------- raw CBOR
 

@@ -1046,8 +1046,10 @@ _MADE: list[tuple[str, bytes]] = []
 def _made_seeds() -> list[tuple[str, bytes]]:
     if _MADE:
         return _MADE
+    from formatgen import bytes_spec
+
     from syncd.convert import ConvertRequest, convert
-    from syncd.formats.burnpack import LAYOUT_PACKED, Scalar, bytes_spec, write_burnpack
+    from syncd.formats.burnpack import LAYOUT_PACKED, Scalar, write_burnpack
     from syncd.formats.safetensors import write_safetensors
 
     with tempfile.TemporaryDirectory() as tmp:

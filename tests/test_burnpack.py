@@ -14,7 +14,7 @@ import pytest
 from conftest import ASTERINAS_BPK as ASTERINAS  # noqa: E402
 from conftest import CORPUS as _CORPUS_DIR  # noqa: E402
 from conftest import MNIST_BPK as MNIST  # noqa: E402
-from formatgen import bpk_bytes, cbor_text, descriptor, specs_from_reader, write_bpk
+from formatgen import bpk_bytes, bytes_spec, cbor_text, descriptor, specs_from_reader, write_bpk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,6 @@ from syncd.formats.burnpack import (
     MAX_TENSOR_COUNT,
     BurnpackReader,
     Scalar,
-    bytes_spec,
 )
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.table import TensorSpec

@@ -31,16 +31,18 @@ from convcheck import (
     read_safetensors,
     run_cli,
     transposed,
+    verify_tensor,
 )
+from formatgen import bytes_spec
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from syncd.adapters import ModuleMap
 from syncd.convert import ConvertRequest, convert
 from syncd.errors import FormatError, UnsupportedError, VerificationError
-from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, bytes_spec, write_burnpack
+from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
 from syncd.formats.safetensors import SafetensorsReader
-from syncd.transfer import WHOLE_BYTES, verify_tensor
+from syncd.transfer import WHOLE_BYTES
 
 TO_TORCH_LEAF = {"gamma": "weight", "beta": "bias"}
 

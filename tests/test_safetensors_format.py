@@ -16,7 +16,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 from conftest import FIXTURES as _FIXTURES_DIR  # noqa: E402
-from formatgen import bpk_bytes, descriptor, specs_from_reader, write_st
+from formatgen import bpk_bytes, bytes_spec, descriptor, specs_from_reader, write_st
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import TensorSpec as LibSpec
@@ -24,7 +24,6 @@ from safetensors import safe_open
 
 from syncd.errors import FormatError
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint, sniff_format
-from syncd.formats.burnpack import bytes_spec
 from syncd.formats.dtypes import ITEMSIZE, SAFETENSORS_TO_DTYPE, SUBBYTE_BITS
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.formats.table import TensorSpec

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from convcheck import verify_tensor
+from formatgen import bytes_spec
 
 from syncd import transfer
 from syncd.errors import VerificationError
-from syncd.formats.burnpack import BurnpackReader, bytes_spec, write_burnpack
+from syncd.formats.burnpack import BurnpackReader, write_burnpack
 from syncd.formats.table import TensorSpec
 
 
@@ -37,7 +39,7 @@ def test_transpose_is_exact_and_verifies(tmp_path: Path, whole_bytes: int) -> No
         with _write(tmp_path / "out.bpk", "w", (23, 37), matrix.nbytes, mover.transpose_fill(src, "w", "w")) as out:
             assert np.array_equal(np.frombuffer(out.read("w"), np.float32).reshape(23, 37), matrix.T)
             mover.verify(out, "w")
-            transfer.verify_tensor(src, "w", out, "w", transpose=True)
+            verify_tensor(src, "w", out, "w", transpose=True)
 
 
 def test_verification_catches_a_transpose_that_was_not_done(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ Burn 0.19 packs tensors right after the metadata with the same version number (Â
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,7 +27,7 @@ from syncd.formats.fileio import (
     write_tensors,
     write_zeros,
 )
-from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
+from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
 
 MAGIC = 0x4255524E
 FORMAT_VERSION = 1
@@ -506,15 +505,3 @@ def write_burnpack(
     write_zeros(fd, len(plan.header), plan.data_start - len(plan.header))
     write_tensors(fd, ((spec, plan.data_start + start) for spec, start in zip(specs, plan.starts, strict=True)))
     return plan
-
-
-def bytes_spec(
-    name: str, dtype: str, shape: Sequence[int], data: Buffer, param_id: int | None = None, raw_dtype: Any = None
-) -> TensorSpec:
-    """A spec for bytes already in memory (tests, small tensors)."""
-    view = memoryview(data).cast("B")
-    return TensorSpec(name, dtype, tuple(shape), len(view), lambda sink: sink.write(view), param_id, raw_dtype)
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)

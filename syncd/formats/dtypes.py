@@ -58,7 +58,6 @@ BURNPACK_DTYPES = frozenset(
     ]
 )
 BOOL_DTYPES = frozenset(["Bool", "Bool(Native)", "Bool(U8)", "Bool(U32)"])
-FLOAT_DTYPES = frozenset(["F64", "F32", "Flex32", "F16", "BF16"])
 
 # safetensors dtype name -> our name (BOOL is a native 1-byte bool)
 SAFETENSORS_TO_DTYPE: dict[str, str] = {

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 Buffer = bytes | bytearray | memoryview
 
@@ -47,14 +47,3 @@ class CheckpointHeader:
     metadata: dict[str, str] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)  # format-specific, for `syncd inspect`
-
-
-class CheckpointReader(Protocol):
-    header: CheckpointHeader
-    tensors: list[TensorInfo]  # in data order (ascending offset)
-
-    def tensor(self, name: str) -> TensorInfo: ...
-    def read(self, name: str) -> bytes: ...
-    def iter_chunks(self, name: str, chunk_size: int = ...) -> Iterator[memoryview]: ...
-    def readinto(self, name: str, offset: int, buf: memoryview) -> None: ...
-    def close(self) -> None: ...
