@@ -436,9 +436,9 @@ def test_module_map_exact_path_beats_globs_then_first_glob_wins() -> None:
 @pytest.mark.parametrize(
     ("data", "fragment"),
     [
-        ({"modules": {"fc1": "Lineer"}}, "modules.'fc1': unknown kind 'Lineer'"),
-        ({"modules": {"fc1": 3}}, "modules.'fc1': unknown kind 3"),
-        ({"modules": {"a..b": "Linear"}}, "modules.'a..b': empty path segment"),
+        ({"modules": {"fc1": "Lineer"}}, "modules['fc1']: expected a module kind, one of Linear,"),
+        ({"modules": {"fc1": 3}}, "modules['fc1']: expected a module kind, one of Linear,"),
+        ({"modules": {"a..b": "Linear"}}, "modules['a..b']: empty path segment"),
         ({"modules": ["fc1"]}, "modules: expected a mapping"),
         ({"layout": "tensorflow"}, "layout: expected one of pytorch, burn, got 'tensorflow'"),
         ({"modles": {}}, "unknown key 'modles' in module map"),

@@ -151,9 +151,10 @@ def test_global_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, 
         ("output: elsewhere", "watches[0].output: expected 'beside' or {mirror: DIR}, got 'elsewhere'"),
         ("output: {mirror: nowhere}", "watches[0].output.mirror: {tmp}/nowhere does not exist"),
         ("direciton: both", "watches[0].direciton: unknown key (did you mean 'direction'?)"),
-        ("modules: {x: linear}", "watches[0].modules['x']: expected a module kind, one of Linear, Embedding, "
+        ("modules: {x: Lineer}", "watches[0].modules['x']: expected a module kind, one of Linear, Embedding, "
          "Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, BatchNorm, LayerNorm, "
-         "GroupNorm, InstanceNorm, RmsNorm, PRelu, Other, got 'linear' (did you mean 'Linear'?)"),
+         "GroupNorm, InstanceNorm, RmsNorm, PRelu, Other, got 'Lineer' (did you mean 'Linear'?)"),
+        ("modules: {a..b: Linear}", "watches[0].modules['a..b']: empty path segment in pattern"),
         ("modules: [Linear]", "watches[0].modules: expected a mapping of pattern -> kind or a file path, got a list"),
     ],
 )  # fmt: skip
@@ -266,6 +267,27 @@ def test_modules_from_a_file(tmp_path: Path, runs: Path) -> None:
     (watch,) = config.watches
     assert dict(watch.modules) == {"encoder.*": "Linear", "norm": "RmsNorm"}
     assert watch.modules_file == maps.resolve() / "model.yaml"
+
+
+def test_modules_read_as_convert_reads_them(tmp_path: Path, runs: Path) -> None:
+    """One parser for `--modules`, the config and check-config: the spellings `--modules` accepts are
+    accepted inline and in a file, and a module-map file's `layout:` is kept (issue 11)."""
+    text = "watches:\n  - path: runs\n    modules: {fc: linear, bn: BatchNorm2d}\n"
+    inline = load_config(write_config(tmp_path, text))
+    assert inline.watches[0].modules == {"fc": "Linear", "bn": "BatchNorm"}
+    write_config(tmp_path, "layout: pytorch\nmodules:\n  fc: linear\n", name="model.yaml")
+    (watch,) = load_config(write_config(tmp_path, "watches:\n  - path: runs\n    modules: model.yaml\n")).watches
+    assert watch.modules == {"fc": "Linear"}
+    assert watch.module_map is not None and watch.module_map.layout == "pytorch"
+    only_layout = write_config(tmp_path, "layout: burn\n", name="layout.yaml")
+    path = write_config(tmp_path, "watches:\n  - path: runs\n    modules: layout.yaml\n", name="other.yaml")
+    (watch,) = load_config(path).watches
+    assert watch.module_map is not None and watch.module_map.layout == "burn" and watch.modules == {}
+    only_layout.write_text("layout: sideways\nmodules:\n  fc: Linear\n  fc: Linear\n")
+    assert check_config(path) == [
+        f"{only_layout.resolve()}:1: layout: expected one of pytorch, burn, got 'sideways'",
+        f"{only_layout.resolve()}:4: modules['fc']: duplicate key (the earlier one would be ignored)",
+    ]
 
 
 def test_problems_in_a_modules_file_name_that_file(tmp_path: Path, runs: Path) -> None:

@@ -471,6 +471,22 @@ def test_mirror_output(make_daemon: Callable[..., DaemonRun]) -> None:
     stop_cleanly(run, runs, out)
 
 
+def test_a_module_map_files_layout_settles_what_the_tensors_cannot(make_daemon: Callable[..., DaemonRun]) -> None:
+    """A square Linear with bias does not show its layout; the watch's module-map file says `layout: pytorch`,
+    and the daemon must honour it as `syncd convert --modules` does (issue 11)."""
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk", "modules": "model.yaml"}])
+    module_map = run.root / "model.yaml"
+    module_map.write_text("layout: pytorch\nmodules:\n  fc: Linear\n")
+    module_map.chmod(0o644)
+    runs = run.watch_dir("runs")
+    run.start()
+    model = Linear(14, out_features=4, in_features=4)
+    write_file(runs / "square.safetensors", model.bytes())
+    run.wait_for("converted", [runs / "square.safetensors"])
+    model.check_bpk(runs / "square.bpk")
+    stop_cleanly(run)
+
+
 # ------------------------------------------------------------------------------------------ syncd log
 
 

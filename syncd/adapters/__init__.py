@@ -73,7 +73,7 @@ from syncd.adapters.model import (
     PlanEntry,
     TensorRef,
 )
-from syncd.adapters.modulemap import ModuleMap
+from syncd.adapters.modulemap import MapProblem, ModuleMap, parse_module_map
 from syncd.adapters.plan import apply_plan, plan_conversion
 
 __all__ = [
@@ -85,9 +85,11 @@ __all__ = [
     "PYTORCH",
     "AdapterPlan",
     "LayoutAmbiguityError",
+    "MapProblem",
     "ModuleMap",
     "PlanEntry",
     "TensorRef",
     "apply_plan",
+    "parse_module_map",
     "plan_conversion",
 ]

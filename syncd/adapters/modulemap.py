@@ -19,6 +19,7 @@ first matching glob in the map's order wins. Burn itself decides by module type,
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -62,20 +63,11 @@ class ModuleMap:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "module map") -> ModuleMap:
-        """Build from the parsed mapping; every error is a ConfigError naming the offending key."""
-        if data is None:
-            return cls(source=source)
-        if not isinstance(data, Mapping):
-            raise ConfigError(
-                f"a module map must be a mapping with 'modules' (and optionally 'layout'), not {type(data).__name__}",
-                source,
-            )
-        for key in data:
-            if key not in _TOP_LEVEL_KEYS:
-                raise ConfigError(f"unknown key {key!r} in module map (expected: modules, layout)", source)
-        layout = _parse_layout(data.get("layout"), source)
-        rules = _parse_modules(data.get("modules"), source)
-        return cls(rules, layout, source)
+        """Build from the parsed mapping; the first problem is raised as a ConfigError naming the key."""
+        module_map, problems = parse_module_map(data, source=source)
+        if problems:
+            raise ConfigError(problems[0].text, source)
+        return module_map
 
     @classmethod
     def from_yaml_text(cls, text: str, *, source: str = "module map") -> ModuleMap:
@@ -119,47 +111,101 @@ def canonical_kind(name: str) -> str | None:
     return _KIND_ALIASES.get(name.strip().lower())
 
 
-def _parse_layout(value: Any, source: str) -> str | None:
+@dataclass(frozen=True)
+class MapProblem:
+    """One thing wrong in a module map. `key` names it for the message (() the map itself, ("layout",),
+    ("modules",), ("modules", pattern)); `at` is where it is, so a YAML reader can give its line."""
+
+    key: tuple[str, ...]
+    message: str
+    at: tuple[str, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        if not self.key:
+            return ""
+        head, *rest = self.key
+        return head + "".join(f"[{part!r}]" for part in rest)
+
+    @property
+    def location(self) -> tuple[str, ...]:
+        return self.key if self.at is None else self.at
+
+    @property
+    def text(self) -> str:
+        return f"{self.label}: {self.message}" if self.key else self.message
+
+
+def parse_module_map(data: Any, *, source: str = "module map") -> tuple[ModuleMap, list[MapProblem]]:
+    """The one reading of a module map, for `--modules`, the config's `modules:` and `check-config` alike:
+    the valid rules and layout, and every problem found (in the map's order)."""
+    problems: list[MapProblem] = []
+    if data is None:
+        return ModuleMap(source=source), problems
+    if not isinstance(data, Mapping):
+        message = f"a module map must be a mapping with 'modules' (and optionally 'layout'), not {type(data).__name__}"
+        return ModuleMap(source=source), [MapProblem((), message)]
+    for key in data:
+        if key not in _TOP_LEVEL_KEYS:
+            hint = _did_you_mean(key, _TOP_LEVEL_KEYS)
+            message = f"unknown key {key!r} in module map (expected: modules, layout){hint}"
+            problems.append(MapProblem((), message, at=(str(key),)))
+    layout = _parse_layout(data.get("layout"), problems)
+    rules = _parse_modules(data.get("modules"), problems)
+    return ModuleMap(rules, layout, source), problems
+
+
+def _parse_layout(value: Any, problems: list[MapProblem]) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or value.strip().lower() not in LAYOUTS:
-        raise ConfigError(f"layout: expected one of {', '.join(LAYOUTS)}, got {value!r}", source)
+        problems.append(MapProblem(("layout",), f"expected one of {', '.join(LAYOUTS)}, got {value!r}"))
+        return None
     return value.strip().lower()
 
 
-def _parse_modules(value: Any, source: str) -> list[ModuleRule]:
+def _parse_modules(value: Any, problems: list[MapProblem]) -> list[ModuleRule]:
     if value is None:
         return []
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"modules: expected a mapping of module path pattern -> kind, got {type(value).__name__}", source
-        )
+        message = f"expected a mapping of module path pattern -> kind, got {type(value).__name__}"
+        problems.append(MapProblem(("modules",), message))
+        return []
     rules = []
     for key, kind in value.items():
         # YAML reads an unquoted `0:` as an int; a Sequential index is a legitimate module path.
         pattern = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
         if not isinstance(pattern, str):
-            raise ConfigError(f"modules: key {key!r} must be a module path pattern (text)", source)
-        rules.append(ModuleRule(pattern, _parse_kind(pattern, kind, source), _compile(pattern, source)))
+            problems.append(MapProblem(("modules",), f"key {key!r} must be a module path pattern (text)"))
+            continue
+        found = canonical_kind(kind) if isinstance(kind, str) else None
+        if found is None:
+            message = f"expected a module kind, one of {', '.join(MAP_KINDS)}, got {kind!r}"
+            problems.append(MapProblem(("modules", pattern), message + _did_you_mean(kind, MAP_KINDS)))
+            continue
+        regex = _compile(pattern)
+        if regex is None:
+            problems.append(MapProblem(("modules", pattern), "empty path segment in pattern"))
+            continue
+        rules.append(ModuleRule(pattern, found, regex))
     return rules
 
 
-def _parse_kind(pattern: str, kind: Any, source: str) -> str:
-    found = canonical_kind(kind) if isinstance(kind, str) else None
-    if found is None:
-        raise ConfigError(
-            f"modules.{pattern!r}: unknown kind {kind!r} (expected one of {', '.join(MAP_KINDS)})", source
-        )
-    return found
+def _did_you_mean(value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, choices, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _compile(pattern: str, source: str) -> re.Pattern[str]:
-    """Translate a segment glob into a regex matched against '.'+path (see _match_subject)."""
+def _compile(pattern: str) -> re.Pattern[str] | None:
+    """Translate a segment glob into a regex matched against '.'+path (see _match_subject); None when the
+    pattern has an empty segment."""
     if pattern == "":  # the root module: tensors whose name has no '.'
         return re.compile("")
     segments = pattern.split(".")
     if any(segment == "" for segment in segments):
-        raise ConfigError(f"modules.{pattern!r}: empty path segment in pattern", source)
+        return None
     parts = [r"(?:\.[^.]*)*" if seg == "**" else r"\." + _segment_regex(seg) for seg in segments]
     return re.compile("".join(parts))
 

@@ -13,7 +13,8 @@ Decisions worth knowing:
   directory, or one inside another watch that is recursive), since their settings could disagree.
 - With `output: beside` and `direction: both`, outputs land in the watched tree by design; the watcher tells
   its own outputs apart through the state database, not through the config.
-- The module map is kept as a plain dict of pattern -> kind; the adapters module gives kinds their meaning.
+- A watch's module map (inline, or a module-map file as `syncd convert --modules` reads it, `layout:` included)
+  is read by the adapters' one parser, `parse_module_map`; this module only puts line numbers on its problems.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from syncd.adapters import MapProblem, ModuleMap, parse_module_map
 from syncd.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")
@@ -40,23 +42,6 @@ DIRECTIONS = ("bpk->safetensors", "safetensors->bpk", "both")
 ON_EXISTS = ("skip", "error", "overwrite")
 LAYOUTS = ("auto", "pytorch", "burn", "keep")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MODULE_KINDS = (
-    "Linear",
-    "Embedding",
-    "Conv1d",
-    "Conv2d",
-    "Conv3d",
-    "ConvTranspose1d",
-    "ConvTranspose2d",
-    "ConvTranspose3d",
-    "BatchNorm",
-    "LayerNorm",
-    "GroupNorm",
-    "InstanceNorm",
-    "RmsNorm",
-    "PRelu",
-    "Other",
-)
 
 TOP_LEVEL_KEYS = ("workers", "settle_seconds", "state_dir", "log", "poll_interval", "watches")
 LOG_KEYS = ("path", "max_bytes", "backups", "level")
@@ -92,11 +77,16 @@ class Watch:
     mirror: Path | None = None  # None: outputs go beside their sources
     on_exists: str = "skip"
     layout: str = "auto"
-    modules: Mapping[str, str] = field(default_factory=dict, hash=False)
-    modules_file: Path | None = None  # where `modules` came from when given as a file path
+    module_map: ModuleMap | None = field(default=None, compare=False)
+    modules_file: Path | None = None  # where the module map came from when given as a file path
     poll: bool = False
     line: int = 0  # the line of its `path:`, for messages
     index: int = 0  # its position in the config's `watches:` list, for messages
+
+    @property
+    def modules(self) -> dict[str, str]:
+        """The module map's pattern -> kind rules, in order."""
+        return {rule.pattern: rule.kind for rule in self.module_map.rules} if self.module_map else {}
 
     @property
     def output(self) -> str:
@@ -491,7 +481,7 @@ class _ConfigBuilder:
             return None
         if self.check_filesystem:
             self._check_directory(section.node("path"), f"{prefix}.path", path)
-        modules, modules_file = self._modules(section)
+        module_map, modules_file = self._modules(section)
         output_node = section.node("output")
         if output_node is not None:
             self.mirror_lines[index] = output_node.start_mark.line + 1
@@ -504,7 +494,7 @@ class _ConfigBuilder:
             mirror=self._mirror(section),
             on_exists=section.choice("on_exists", "skip", ON_EXISTS),
             layout=section.choice("layout", "auto", LAYOUTS),
-            modules=modules,
+            module_map=module_map,
             modules_file=modules_file,
             poll=section.boolean("poll", False),
             line=items["path"][1].start_mark.line + 1,
@@ -533,66 +523,78 @@ class _ConfigBuilder:
         self.file.problem(node, key, f"expected 'beside' or {{mirror: DIR}}, got {_describe(value)}")
         return None
 
-    def _modules(self, section: _Section) -> tuple[dict[str, str], Path | None]:
+    def _modules(self, section: _Section) -> tuple[ModuleMap | None, Path | None]:
         node = section.node("modules")
         value = section.raw("modules")
         key = section.key("modules")
-        if value is _MISSING or value is None:
-            return {}, None
+        if value is _MISSING or value is None or node is None:
+            return None, None
         if isinstance(value, str) and value:
             modules_file = _resolve(self.file.dir, value)
             return _load_modules_file(modules_file, self.file, node, key, self.check_filesystem), modules_file
-        if isinstance(value, dict) and node is not None:
-            return _module_map(self.file, node, key), None
+        if isinstance(value, dict):
+            # an inline map is the `modules:` part of a module-map file; its problems carry the watch's prefix
+            module_map, problems = parse_module_map({"modules": value}, source=str(self.file.path))
+            _report_map_problems(self.file, problems, key[: -len("modules")], whole=None, modules=node)
+            return module_map, None
         self.file.problem(node, key, f"expected a mapping of pattern -> kind or a file path, got {_describe(value)}")
-        return {}, None
-
-
-def _module_map(file: _YamlFile, node: yaml.Node, key: str) -> dict[str, str]:
-    """A validated pattern -> kind mapping; problems are recorded against `file`."""
-    items = file.entries(node, key)
-    modules: dict[str, str] = {}
-    for pattern, (key_node, value_node) in (items or {}).items():
-        kind = file.value(value_node)
-        label = f"{key}[{pattern!r}]"
-        if not pattern:
-            file.problem(key_node, key, "a module pattern must not be empty")
-        elif kind not in MODULE_KINDS:
-            file.problem(
-                value_node,
-                label,
-                f"expected a module kind, one of {', '.join(MODULE_KINDS)}, got "
-                f"{_describe(kind)}{_did_you_mean(kind, MODULE_KINDS)}",
-            )
-        else:
-            modules[pattern] = kind
-    return modules
+        return None, None
 
 
 def _load_modules_file(
-    path: Path, parent: _YamlFile, node: yaml.Node | None, key: str, check_filesystem: bool
-) -> dict[str, str]:
-    """The `modules:` mapping of a module-map file (the format `syncd convert --modules FILE` reads).
-
-    Problems name that file and its lines. Other top-level keys of that file belong to the converter and
-    are not checked here.
-    """
+    path: Path, parent: _YamlFile, node: yaml.Node, key: str, check_filesystem: bool
+) -> ModuleMap | None:
+    """A module-map file, read exactly as `syncd convert --modules FILE` reads it (`layout:` included).
+    Problems name that file and its lines."""
     if not path.is_file():
         parent.problem(node, key, f"module map file {path} does not exist")
-        return {}
+        return None
     file = _YamlFile(path)
-    modules: dict[str, str] = {}
+    module_map = None
     root = file.load()
     if root is not None:
         if check_filesystem:
             file.check_not_writable_by_others()
-        items = file.entries(root, "")
-        if items is not None and "modules" not in items:
-            file.problem(root, "modules", "missing: a module map file needs a `modules:` mapping")
-        elif items is not None:
-            modules = _module_map(file, items["modules"][1], "modules")
+        module_map, problems = parse_module_map(file.value(root), source=str(path))
+        _report_map_problems(file, problems, "", whole=root, modules=_child(file, root, "modules"))
     parent.problems.extend(file.problems)
-    return modules
+    return module_map
+
+
+def _report_map_problems(
+    file: _YamlFile, problems: list[MapProblem], prefix: str, whole: yaml.Node | None, modules: yaml.Node | None
+) -> None:
+    """Record the module-map parser's problems against `file`, each on the line of the node it is about.
+    `whole` is the node of the whole map (a module-map file), `modules` that of its `modules:` mapping."""
+    if modules is not None:
+        _duplicate_patterns(file, modules, prefix + "modules")
+    for problem in problems:
+        location = problem.location
+        node, rest = (modules, location[1:]) if location[:1] == ("modules",) and modules else (whole, location)
+        for part in rest:
+            node = _child(file, node, part) if node is not None else None
+        label = prefix + problem.label if problem.key else None
+        file.problem(node or modules or whole, label, problem.message)
+
+
+def _duplicate_patterns(file: _YamlFile, node: yaml.Node, key: str) -> None:
+    """YAML keeps the last of two equal keys; the earlier rule would silently vanish."""
+    seen: set[str] = set()
+    for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+        pattern = str(file.value(key_node))
+        if pattern in seen:
+            file.problem(key_node, f"{key}[{pattern!r}]", "duplicate key (the earlier one would be ignored)")
+        seen.add(pattern)
+
+
+def _child(file: _YamlFile, node: yaml.Node, name: str) -> yaml.Node | None:
+    """The value node under key `name` of a mapping node (keys compared as text: `0:` is the path '0')."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    for key_node, value_node in node.value:
+        if str(file.value(key_node)) == name:
+            return value_node
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- safety

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from syncd import carry
-from syncd.adapters import ModuleMap
 from syncd.convert import ConvertRequest, convert, file_sha256
 from syncd.daemon.config import Watch
 from syncd.daemon.state import FileVersion, StateDB
@@ -93,7 +92,6 @@ class Syncer:
         self.state = state
         self.synclog = synclog
         self.settle_seconds = settle_seconds
-        self._maps: dict[tuple, ModuleMap | None] = {}
 
     # -- the decision
 
@@ -161,7 +159,7 @@ class Syncer:
                     dest=dest,
                     to_format=TARGET[from_format],
                     layout=watch.layout,
-                    module_map=self._module_map(watch),
+                    module_map=watch.module_map,
                     overwrite=watch.on_exists == "overwrite",
                     fail_early_if_exists=False,
                     within=watch.path,
@@ -220,16 +218,6 @@ class Syncer:
             attempts = self.state.get(path).attempts if self.state.get(path) else 1
             return Outcome(status, retry_in=min(60.0, 2.0 ** min(attempts, 6)))
         return Outcome(status)
-
-    def _module_map(self, watch: Watch) -> ModuleMap | None:
-        if not watch.modules:
-            return None
-        key = (watch.path, tuple(sorted(watch.modules.items())))  # not id(): reloads make new Watch objects
-        if key not in self._maps:
-            self._maps[key] = ModuleMap.from_dict(
-                {"modules": dict(watch.modules)}, source=str(watch.modules_file or "config")
-            )
-        return self._maps[key]
 
 
 def classify(exc: BaseException) -> tuple[str, bool]:
