@@ -27,6 +27,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from syncd.adapters import LAYOUT_CHOICES
+    from syncd.formats.registry import BY_SHORT
+
     parser = _Parser(prog="syncd", description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.")
     parser.add_argument("--version", action="version", version=f"syncd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -39,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="convert one checkpoint to the other format and layout")
     convert.add_argument("source", type=Path)
     convert.add_argument("-o", "--output", type=Path, help="destination (default: SOURCE with the other extension)")
-    convert.add_argument("--to", choices=["bpk", "safetensors"], help="output format (default: the other one)")
+    convert.add_argument("--to", choices=list(BY_SHORT), help="output format (default: the other one)")
     convert.add_argument(
         "--layout",
-        choices=["auto", "pytorch", "burn", "keep"],
+        choices=LAYOUT_CHOICES,
         default="auto",
         help="layout of the source (auto: decide from the tensors); keep: convert the container only",
     )
@@ -125,12 +128,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     from syncd.adapters import ModuleMap
     from syncd.convert import ConvertRequest, convert
-    from syncd.formats import BURNPACK, SAFETENSORS
+    from syncd.formats.registry import BY_SHORT
 
     request = ConvertRequest(
         source=args.source,
         dest=args.output,
-        to_format={"bpk": BURNPACK, "safetensors": SAFETENSORS}.get(args.to or ""),
+        to_format=BY_SHORT[args.to].name if args.to else None,
         layout=args.layout,
         module_map=ModuleMap.from_yaml_file(args.modules) if args.modules else None,
         overwrite=args.overwrite,

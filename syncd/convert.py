@@ -17,22 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from syncd import carry
-from syncd.adapters import AdapterPlan, ModuleMap, TensorRef, plan_conversion
+from syncd.adapters import LAYOUT_CHOICES, AdapterPlan, ModuleMap, TensorRef, plan_conversion
 from syncd.errors import FormatError, SyncdError, UnsupportedError, UsageError, VerificationError, one_line
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
 from syncd.formats.burnpack import LAYOUT_ALIGNED, BurnpackReader, write_burnpack
 from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader, pwrite_all
+from syncd.formats.registry import BY_NAME
 from syncd.formats.safetensors import SafetensorsReader, write_safetensors
 from syncd.formats.table import TensorSpec
 from syncd.publish import PublishResult, ensure_destination_free, open_scratch, publish
 from syncd.transfer import Transfer
 
-EXTENSION = {BURNPACK: ".bpk", SAFETENSORS: ".safetensors"}
-OTHER_FORMAT = {BURNPACK: SAFETENSORS, SAFETENSORS: BURNPACK}
-TARGET_LAYOUT = {BURNPACK: "burn", SAFETENSORS: "pytorch"}
 SHA_PLACEHOLDER = "sha256-of-the-source-pending".ljust(64, "0")  # exactly as long as a hex sha256
-LAYOUT_CHOICES = ("auto", "pytorch", "burn", "keep")
 
 
 @dataclass
@@ -64,7 +61,8 @@ class ConvertResult:
 
 
 def default_destination(source: Path, to_format: str) -> Path:
-    return source.with_suffix(EXTENSION[to_format]) if source.suffix else Path(f"{source}{EXTENSION[to_format]}")
+    extension = BY_NAME[to_format].extension
+    return source.with_suffix(extension) if source.suffix else Path(f"{source}{extension}")
 
 
 def convert(request: ConvertRequest) -> ConvertResult:
@@ -73,7 +71,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
     if request.layout not in LAYOUT_CHOICES:
         raise UsageError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {request.layout!r}")
     with open_checkpoint(source, request.within) as reader:
-        to_format = request.to_format or OTHER_FORMAT[reader.header.format]
+        to_format = request.to_format or BY_NAME[reader.header.format].converts_to
         dest = Path(request.dest) if request.dest else default_destination(source, to_format)
         _check_distinct(source, dest)
         if request.fail_early_if_exists and not request.overwrite:
@@ -132,7 +130,7 @@ class _Job:
 
     def _plan(self) -> AdapterPlan:
         layout = self.request.layout
-        to_layout = "keep" if layout == "keep" else TARGET_LAYOUT[self.to_format]
+        to_layout = "keep" if layout == "keep" else BY_NAME[self.to_format].native_layout
         source_layout = layout if layout in ("pytorch", "burn") else "auto"
         if source_layout == "auto" and self.carried.layout in ("pytorch", "burn"):
             source_layout = self.carried.layout  # our own record of what we wrote beats inference

@@ -1226,7 +1226,8 @@ def _scratch_files(directory: Path) -> list[str]:
 def check_convert(blob: bytes, ext: str, workdir: Path, to_format: str | None = None, layout: str = "auto") -> str:
     """The conversion property: success and a re-readable output, or a one-line SyncdError and nothing
     published (no output, no scratch file). Returns "ok" or the error class name."""
-    from syncd.convert import EXTENSION, OTHER_FORMAT, ConvertRequest, convert
+    from syncd.convert import ConvertRequest, convert
+    from syncd.formats.registry import BY_EXTENSION, BY_NAME
 
     source = workdir / f"source{ext}"
     source.write_bytes(blob)
@@ -1234,8 +1235,8 @@ def check_convert(blob: bytes, ext: str, workdir: Path, to_format: str | None = 
     out_dir.mkdir(exist_ok=True)
     for leftover in out_dir.iterdir():
         leftover.unlink()
-    src_format = "burnpack" if ext == ".bpk" else "safetensors"
-    dest = out_dir / f"dest{EXTENSION[to_format or OTHER_FORMAT[src_format]]}"
+    target = BY_NAME[to_format] if to_format else BY_NAME[BY_EXTENSION[ext].converts_to]
+    dest = out_dir / f"dest{target.extension}"
     outcome = "ok"
     try:
         with budget():

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from syncd.errors import AmbiguousLayoutError
+from syncd.formats.registry import BURN_LAYOUT, PYTORCH_LAYOUT
 
 # Layout names. A file is in one layout (a converter never mixes them inside one file).
-PYTORCH = "pytorch"
-BURN = "burn"
+PYTORCH = PYTORCH_LAYOUT  # the layout names belong to the formats (registry.py), whose native layouts they are
+BURN = BURN_LAYOUT
 KEEP = "keep"  # to_layout only: copy names and shapes as they are
 AUTO = "auto"  # source_layout only: decide from the tensors
 # source_layout of a plan whose file holds nothing that differs between the layouts (only convs, buffers,
@@ -18,6 +19,8 @@ NEUTRAL = "neutral"
 LAYOUTS = (PYTORCH, BURN)
 TARGET_LAYOUTS = (BURN, PYTORCH, KEEP)
 SOURCE_LAYOUTS = (AUTO, PYTORCH, BURN)
+# what `--layout` and a watch's `layout:` accept: a source layout, or keep (convert the container only)
+LAYOUT_CHOICES = (AUTO, PYTORCH, BURN, KEEP)
 
 # Module kinds a module map may name (burn-compat.md §3.5 lists their parameters on both sides).
 LINEAR = "Linear"

@@ -31,16 +31,15 @@ from typing import Any, TextIO
 
 import yaml
 
-from syncd.adapters import MapProblem, ModuleMap, parse_module_map
+from syncd.adapters import LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
 from syncd.errors import ConfigError
+from syncd.formats.registry import DIRECTIONS, FORMATS
 
 DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")
 # used when a watch sets `poll: true` but the global poll_interval is null
 DEFAULT_POLL_INTERVAL = 2.0
 
-DIRECTIONS = ("bpk->safetensors", "safetensors->bpk", "both")
 ON_EXISTS = ("skip", "error", "overwrite")
-LAYOUTS = ("auto", "pytorch", "burn", "keep")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 TOP_LEVEL_KEYS = ("workers", "settle_seconds", "state_dir", "log", "poll_interval", "watches")
@@ -71,7 +70,7 @@ class LogSettings:
 class Watch:
     path: Path
     recursive: bool = True
-    include: tuple[str, ...] = ("*.bpk", "*.safetensors")
+    include: tuple[str, ...] = tuple(f"*{fmt.extension}" for fmt in FORMATS)
     exclude: tuple[str, ...] = ()
     direction: str = "both"
     mirror: Path | None = None  # None: outputs go beside their sources
@@ -488,12 +487,12 @@ class _ConfigBuilder:
         return Watch(
             path=path,
             recursive=section.boolean("recursive", True),
-            include=section.string_list("include", ("*.bpk", "*.safetensors")),
+            include=section.string_list("include", Watch.include),
             exclude=section.string_list("exclude", ()),
-            direction=section.choice("direction", "both", DIRECTIONS),
+            direction=section.choice("direction", "both", tuple(DIRECTIONS)),
             mirror=self._mirror(section),
             on_exists=section.choice("on_exists", "skip", ON_EXISTS),
-            layout=section.choice("layout", "auto", LAYOUTS),
+            layout=section.choice("layout", "auto", LAYOUT_CHOICES),
             module_map=module_map,
             modules_file=modules_file,
             poll=section.boolean("poll", False),

@@ -34,14 +34,12 @@ from syncd.errors import (
     UnsupportedError,
     VerificationError,
 )
-from syncd.formats import BURNPACK, SAFETENSORS, format_for_path, open_checkpoint
+from syncd.formats import Format, format_for_path, open_checkpoint
+from syncd.formats.registry import BY_NAME, DIRECTIONS
 from syncd.publish import is_scratch_name
 
 log = logging.getLogger("syncd.sync")
 
-DIRECTIONS = {"bpk->safetensors": {BURNPACK}, "safetensors->bpk": {SAFETENSORS}, "both": {BURNPACK, SAFETENSORS}}
-TARGET = {BURNPACK: SAFETENSORS, SAFETENSORS: BURNPACK}
-EXTENSION = {BURNPACK: ".bpk", SAFETENSORS: ".safetensors"}
 TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EBUSY, errno.ENOMEM, errno.EINTR, errno.EDQUOT})
 # Burn's scratch files (`<name>.<pid>-<n>.tmp`, burn-compat.md §2.2) and editors' temporaries
 _TEMP_NAME = re.compile(r"(\.\d+-\d+\.tmp$)|(^\.#)|(~$)|(\.sw[a-p]$)|(\.tmp$)|(\.part$)|(\.partial$)")
@@ -76,13 +74,13 @@ def matches_patterns(watch: Watch, path: Path) -> bool:
 def is_candidate(watch: Watch, path: Path) -> bool:
     """A checkpoint name this watch converts in its direction (decided from the name alone)."""
     from_format = format_for_path(path)
-    if from_format is None or from_format not in DIRECTIONS[watch.direction] or is_ignored_name(path.name):
+    if from_format is None or from_format.name not in DIRECTIONS[watch.direction] or is_ignored_name(path.name):
         return False
     return matches_patterns(watch, path)
 
 
-def destination_for(watch: Watch, source: Path, to_format: str) -> Path:
-    return watch.output_dir_for(source) / (source.stem + EXTENSION[to_format])
+def destination_for(watch: Watch, source: Path, to_format: Format) -> Path:
+    return watch.output_dir_for(source) / (source.stem + to_format.extension)
 
 
 class Syncer:
@@ -99,6 +97,7 @@ class Syncer:
         if not is_candidate(watch, path):
             return Outcome(None)
         from_format = format_for_path(path)
+        assert from_format is not None  # is_candidate checked it
         try:
             info = os.lstat(path)
         except FileNotFoundError:
@@ -109,7 +108,7 @@ class Syncer:
         if wait > 0:
             return Outcome(None, retry_in=wait)
         version = FileVersion.from_stat(info)
-        dest = destination_for(watch, path, TARGET[from_format])
+        dest = destination_for(watch, path, BY_NAME[from_format.converts_to])
         if self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version):
             return Outcome(None)
         if self.state.is_own_output(path, version):
@@ -138,11 +137,11 @@ class Syncer:
     # -- converting
 
     def _convert(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: str, *, finished: bool
+        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: Format, *, finished: bool
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
         open for writing); otherwise a file that does not read may be one still being written."""
-        direction = f"{EXTENSION[from_format][1:]}->{EXTENSION[TARGET[from_format]][1:]}"
+        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
         base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         started = time.monotonic()
         try:
@@ -157,7 +156,7 @@ class Syncer:
                 ConvertRequest(
                     source=path,
                     dest=dest,
-                    to_format=TARGET[from_format],
+                    to_format=from_format.converts_to,
                     layout=watch.layout,
                     module_map=watch.module_map,
                     overwrite=watch.on_exists == "overwrite",

@@ -29,6 +29,7 @@ from syncd.formats.fileio import (
 )
 from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
 
+NAME = "burnpack"  # described in registry.py
 MAGIC = 0x4255524E
 FORMAT_VERSION = 1
 HEADER_SIZE = 10
@@ -106,7 +107,7 @@ class BurnpackReader(TensorFileReader):
         self._index(tensors)
         top_keys = [k for k in document if isinstance(k, str)]
         self.header = CheckpointHeader(
-            format="burnpack",
+            format=NAME,
             path=self.path,
             file_size=self.file_size,
             metadata=metadata,

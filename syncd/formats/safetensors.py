@@ -27,6 +27,7 @@ from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, refu
 from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
 
 # the safetensors library's limit on the JSON header
+NAME = "safetensors"  # described in registry.py
 MAX_HEADER_SIZE = 100_000_000
 U64_LIMIT = 1 << 64
 
@@ -51,7 +52,7 @@ class SafetensorsReader(TensorFileReader):
         check_coverage(tensors, self.file_size - data_start, data_start, self.path)
         self._index(tensors)
         self.header = CheckpointHeader(
-            format="safetensors",
+            format=NAME,
             path=self.path,
             file_size=self.file_size,
             metadata=metadata,
