@@ -4,6 +4,9 @@ burnpack has param_ids, Burn-only dtypes, a data order, a metadata map and scala
 string-to-string `__metadata__` and PyTorch-only tensors (BatchNorm `num_batches_tracked`) that a Burn model
 has no slot for. Each is written as a JSON string value so it survives any safetensors or burnpack reader,
 and read back strictly: a malformed carried value is a FormatError, never silently half-applied.
+
+This module owns the protocol in both directions: `for_safetensors`/`for_burnpack`/`stamp` write it, `parse`
+reads it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncd.errors import FormatError
-from syncd.formats.burnpack import Scalar
+from syncd.formats import BURNPACK, SAFETENSORS
+from syncd.formats.burnpack import LAYOUT_ALIGNED, LAYOUT_PACKED, Scalar
 from syncd.formats.dtypes import ITEMSIZE, byte_length
+from syncd.formats.registry import BURN_LAYOUT as BURN
+from syncd.formats.registry import PYTORCH_LAYOUT as PYTORCH
+from syncd.formats.table import CheckpointHeader, TensorInfo
 
 PREFIX = "syncd."
 SOURCE = "syncd.source"
@@ -87,6 +94,76 @@ def encode_dropped(dropped: dict[str, tuple[str, tuple[int, ...], bytes]]) -> st
     )
 
 
+Dropped = dict[str, tuple[str, tuple[int, ...], bytes]]  # name -> (dtype, shape, bytes)
+CARRIED_LAYOUTS = (PYTORCH, BURN)  # syncd.layout is written only for a decided layout, never "keep"
+
+
+def for_safetensors(
+    header: CheckpointHeader, tensors: list[TensorInfo], carried: Carried, target_of: dict[str, str], layout: str
+) -> dict[str, str]:
+    """The `__metadata__` of a safetensors output (before `stamp`). `target_of`: source name -> output name;
+    `layout`: the output's tensor layout."""
+    if header.format == SAFETENSORS:
+        metadata = own_metadata(header.metadata)
+    else:
+        metadata = dict(carried.safetensors_metadata or {})
+        metadata.update(_burnpack_facts(header, tensors, target_of))
+        if carried.dropped and layout != PYTORCH:
+            # only a PyTorch-layout file takes the counters back; a Burn-layout one carries them further
+            metadata[DROPPED] = encode_dropped(carried.dropped)
+    if layout == PYTORCH:
+        metadata["format"] = "pt"  # what Hugging Face loaders require of a PyTorch-layout file
+    return metadata
+
+
+def _burnpack_facts(header: CheckpointHeader, tensors: list[TensorInfo], target_of: dict[str, str]) -> dict[str, str]:
+    """What a burnpack source has and safetensors cannot hold, keyed by output names."""
+    facts = {}
+    burn_metadata = own_metadata(header.metadata)
+    if burn_metadata:
+        facts[BURN_METADATA] = dumps(burn_metadata)
+    if header.scalars:
+        facts[SCALARS] = encode_scalars(header.scalars)
+    if header.facts.get("layout") != LAYOUT_ALIGNED:
+        facts[BURN_LAYOUT] = header.facts["layout"]
+    kept = [t for t in tensors if t.name in target_of]
+    ids = {target_of[t.name]: str(t.param_id) for t in kept if t.param_id is not None}
+    if ids:
+        facts[PARAM_IDS] = dumps(ids)
+    dtypes = {target_of[t.name]: t.dtype for t in kept if t.dtype in LOSSY_IN_SAFETENSORS}
+    if dtypes:
+        facts[DTYPES] = dumps(dtypes)
+    facts[DATA_ORDER] = dumps([target_of[t.name] for t in kept])
+    return facts
+
+
+def for_burnpack(
+    header: CheckpointHeader, carried: Carried, dropped: Dropped, layout: str
+) -> tuple[dict[str, str], dict[str, Scalar]]:
+    """The metadata and scalars of a burnpack output (before `stamp`). `dropped`: source tensors with no Burn
+    slot, to be carried; `layout`: the output's tensor layout."""
+    if header.format == BURNPACK:
+        return own_metadata(header.metadata), dict(header.scalars)
+    metadata = dict(carried.burn_metadata or {})
+    own = own_metadata(header.metadata)
+    if own.get("format") == "pt" and layout == BURN:
+        del own["format"]  # the way back to PyTorch layout adds it again; a keep round trip must not lose it
+    if own:
+        metadata[SAFETENSORS_METADATA] = dumps(own)
+    everything_dropped = {**carried.dropped, **dropped}
+    if everything_dropped:
+        metadata[DROPPED] = encode_dropped(everything_dropped)
+    return metadata, dict(carried.scalars)
+
+
+def stamp(metadata: dict[str, str], layout: str, source_name: str, source_sha256: str) -> None:
+    """What every output records: its tensor layout when decided, its source's name and sha256."""
+    if layout in CARRIED_LAYOUTS:
+        metadata[LAYOUT] = layout
+    metadata[SOURCE] = file_label(source_name)
+    metadata[SOURCE_SHA256] = source_sha256
+
+
 def parse(metadata: dict[str, str], path: str) -> Carried:
     carried = Carried()
     try:
@@ -113,7 +190,7 @@ def _json(metadata: dict[str, str], key: str) -> Any:
 def _parse_into(c: Carried, md: dict[str, str]) -> None:
     c.layout = md.get(LAYOUT)
     c.burn_layout = md.get(BURN_LAYOUT)
-    if c.burn_layout not in (None, "aligned", "packed"):
+    if c.burn_layout not in (None, LAYOUT_ALIGNED, LAYOUT_PACKED):
         raise ValueError(f"{BURN_LAYOUT} is {c.burn_layout[:40]!r}, not aligned or packed")
     ids = _json(md, PARAM_IDS) or {}
     c.param_ids = {str(k): _u64(v) for k, v in ids.items()}

@@ -1,8 +1,9 @@
-"""One source checkpoint to one published output: read, adapt, write, verify, publish.
+"""One source checkpoint to one published output: open -> plan -> write -> verify -> publish.
 
 Used by `syncd convert` and by the daemon's workers. The adapters decide names, shapes and transposes
-from the tensor table alone; this module moves the bytes, carries what the target format cannot hold in
-`syncd.*` metadata (see carry.py), re-reads the written file to check every tensor, and only then publishes.
+from the tensor table alone; `rename` may then rewrite output names; the target format's type (targets.py)
+turns the plan into specs and metadata (what it cannot hold travels in `syncd.*` metadata, see carry.py).
+This module moves the bytes, re-reads the written file to check every tensor, and only then publishes.
 """
 
 from __future__ import annotations
@@ -12,22 +13,34 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from syncd import carry
-from syncd.adapters import LAYOUT_CHOICES, AdapterPlan, ModuleMap, TensorRef, plan_conversion
-from syncd.errors import FormatError, SyncdError, UnsupportedError, UsageError, VerificationError, one_line
-from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
-from syncd.formats.burnpack import LAYOUT_ALIGNED, BurnpackReader, write_burnpack
-from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
+from syncd.adapters import (
+    AUTO,
+    BURN,
+    KEEP,
+    LAYOUT_CHOICES,
+    PYTORCH,
+    AdapterPlan,
+    ModuleMap,
+    PlanEntry,
+    TensorRef,
+    plan_conversion,
+)
+from syncd.errors import FormatError, SyncdError, UsageError, VerificationError, one_line
+from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader, pwrite_all
 from syncd.formats.registry import BY_NAME
-from syncd.formats.safetensors import SafetensorsReader, write_safetensors
-from syncd.formats.table import TensorSpec
+from syncd.formats.table import TensorInfo, TensorSpec
 from syncd.publish import PublishResult, ensure_destination_free, open_scratch, publish
+from syncd.targets import TARGETS, Target
 from syncd.transfer import Transfer
+
+# The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
+Rename = Callable[[list[tuple[str, str]]], list[tuple[str, str]]]
 
 SHA_PLACEHOLDER = "sha256-of-the-source-pending".ljust(64, "0")  # exactly as long as a hex sha256
 
@@ -42,6 +55,7 @@ class ConvertRequest:
     overwrite: bool = False
     fail_early_if_exists: bool = True  # the daemon turns this off to tell "already in sync" from a conflict
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
+    rename: Rename | None = None  # rewrites output names after the adapters (see `rename`)
 
 
 @dataclass
@@ -66,31 +80,32 @@ def default_destination(source: Path, to_format: str) -> Path:
 
 
 def convert(request: ConvertRequest) -> ConvertResult:
+    """open -> plan -> write -> verify -> publish."""
     started = time.monotonic()
-    source = Path(request.source)
+    source_path = Path(request.source)
     if request.layout not in LAYOUT_CHOICES:
         raise UsageError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {request.layout!r}")
-    with open_checkpoint(source, request.within) as reader:
-        to_format = request.to_format or BY_NAME[reader.header.format].converts_to
-        dest = Path(request.dest) if request.dest else default_destination(source, to_format)
-        _check_distinct(source, dest)
+    with open_source(source_path, request.within) as source:
+        to_format = request.to_format or BY_NAME[source.header.format].converts_to
+        dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
+        _check_distinct(source_path, dest)
         if request.fail_early_if_exists and not request.overwrite:
             ensure_destination_free(dest)
-        job = _Job(reader, request, to_format, dest)
-        outcome = job.run()
+        conversion = plan(source, request, TARGETS[to_format](), dest)
+        outcome = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,
-        source=source,
+        source=source_path,
         dest=dest,
         to_format=to_format,
-        tensors=len(job.specs),
-        bytes=job.output_size,
+        tensors=len(conversion.specs),
+        bytes=conversion.output_size,
         seconds=time.monotonic() - started,
-        source_layout=job.plan.source_layout,
-        target_layout=job.plan.target_layout,
-        decisions=job.plan.decisions,
-        dropped=job.plan.dropped,
-        restored=job.restored,
+        source_layout=conversion.plan.source_layout,
+        target_layout=conversion.plan.target_layout,
+        decisions=conversion.plan.decisions,
+        dropped=conversion.plan.dropped,
+        restored=conversion.restored,
     )
 
 
@@ -99,253 +114,172 @@ def _check_distinct(source: Path, dest: Path) -> None:
         raise UsageError(f"the output would overwrite its own source {source}")
 
 
-class _Job:
-    """The state of one conversion: plan, output specs and metadata, then write, verify, publish."""
+# -- open
 
-    def __init__(self, reader: TensorFileReader, request: ConvertRequest, to_format: str, dest: Path) -> None:
-        self.reader = reader
-        self.request = request
-        self.to_format = to_format
-        self.dest = dest
-        self.path = reader.path
-        self.carried = carry.parse(reader.header.metadata, self.path)
-        self._check_dtypes()
-        self.plan = self._plan()
-        self.restored: list[str] = []
-        self.transfer = Transfer()
-        self.specs = self._specs()
-        self.metadata, self.scalars = self._metadata(SHA_PLACEHOLDER)
-        self.layout = self._burn_layout()
-        self.output_size = 0
 
-    # -- planning
+class Source:
+    """The tensors a conversion reads, behind one interface. Today one checkpoint file; a checkpoint in
+    several files (sharded safetensors) is several readers here: `reader_of` says which file holds a tensor,
+    and the header (format, metadata, scalars) is the first file's. Hashing, the permission bits and the
+    unchanged-size check still look at `primary` only; a multi-file source must extend those three."""
 
-    def _check_dtypes(self) -> None:
-        allowed = BURNPACK_DTYPES if self.to_format == BURNPACK else DTYPE_TO_SAFETENSORS.keys()
-        for info in self.reader.tensors:
-            if info.dtype not in allowed:
-                side = "Burn has no dtype" if self.to_format == BURNPACK else "safetensors has no form"
-                hint = " (quantized tensors stay in .bpk)" if info.dtype == "QFloat" else ""
-                raise UnsupportedError(f"{side} for {info.dtype} (tensor '{info.name}'){hint}", self.path)
+    def __init__(self, readers: list[TensorFileReader]) -> None:
+        self.readers = readers
+        self.primary = readers[0]
+        self.header = self.primary.header
+        self.path = self.primary.path
+        self.tensors = [info for reader in readers for info in reader.tensors]
+        self._reader_of = {info.name: reader for reader in readers for info in reader.tensors}
+        if len(self._reader_of) != len(self.tensors):
+            raise FormatError("a tensor name occurs in more than one file of the checkpoint", self.path)
 
-    def _plan(self) -> AdapterPlan:
-        layout = self.request.layout
-        to_layout = "keep" if layout == "keep" else BY_NAME[self.to_format].native_layout
-        source_layout = layout if layout in ("pytorch", "burn") else "auto"
-        if source_layout == "auto" and self.carried.layout in ("pytorch", "burn"):
-            source_layout = self.carried.layout  # our own record of what we wrote beats inference
-        refs = [TensorRef(t.name, t.dtype, t.shape) for t in self.reader.tensors]
+    def reader_of(self, name: str) -> TensorFileReader:
+        return self._reader_of[name]
+
+    def tensor(self, name: str) -> TensorInfo:
+        return self._reader_of[name].tensor(name)
+
+    def read(self, name: str) -> bytes:
+        return self._reader_of[name].read(name)
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def open_source(path: Path, within: Path | None) -> Source:
+    return Source([open_checkpoint(path, within)])
+
+
+# -- plan
+
+
+@dataclass
+class Conversion:
+    """One planned conversion: what is read, what is written under which name, the output's metadata."""
+
+    request: ConvertRequest
+    source: Source
+    target: Target
+    dest: Path
+    carried: carry.Carried
+    plan: AdapterPlan
+    entries: list[PlanEntry] = field(default_factory=list)  # after renaming, in output data order
+    specs: list[TensorSpec] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+    restored: list[str] = field(default_factory=list)  # carried tensors written back
+    transfer: Transfer = field(default_factory=Transfer)
+    output_size: int = 0
+
+
+def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) -> Conversion:
+    """Adapt names and shapes, let `request.rename` rewrite output names, then build the target's specs and
+    metadata. Nothing is written yet."""
+    carried = carry.parse(source.header.metadata, source.path)
+    target.check_dtypes(source.tensors, source.path)
+    adapted = _adapt(source, request, target, carried)
+    c = Conversion(request, source, target, dest, carried, adapted)
+    c.entries = target.order(rename(adapted.entries, request.rename, source.path), c)
+    c.specs = [target.tensor_spec(c, entry, _fill(c, entry)) for entry in c.entries]
+    c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
+    c.metadata, c.scalars = target.metadata(c)
+    carry.stamp(c.metadata, adapted.target_layout, os.path.basename(source.path), SHA_PLACEHOLDER)
+    return c
+
+
+def _adapt(source: Source, request: ConvertRequest, target: Target, carried: carry.Carried) -> AdapterPlan:
+    layout = request.layout
+    to_layout = KEEP if layout == KEEP else target.format.native_layout
+    source_layout = layout if layout in (PYTORCH, BURN) else AUTO
+    if source_layout == AUTO and carried.layout in (PYTORCH, BURN):
+        source_layout = carried.layout  # our own record of what we wrote beats inference
+    refs = [TensorRef(t.name, t.dtype, t.shape) for t in source.tensors]
+    try:
+        return plan_conversion(refs, to_layout=to_layout, source_layout=source_layout, module_map=request.module_map)
+    except SyncdError as exc:
+        raise _naming_file(exc, source.path) from None
+
+
+def rename(entries: list[PlanEntry], hook: Rename | None, path: str) -> list[PlanEntry]:
+    """The seam for key remapping: `hook` gets the (source name, output name) pairs the adapters planned and
+    returns them with output names rewritten (same sources, same order, output names unique)."""
+    if hook is None:
+        return entries
+    pairs = hook([(e.source, e.target) for e in entries])
+    if [s for s, _ in pairs] != [e.source for e in entries]:
+        raise UsageError("a rename must keep every source tensor, in order", path)
+    if len({t for _, t in pairs}) != len(pairs):
+        raise UsageError("a rename gives two tensors the same output name", path)
+    return [replace(entry, target=new) for entry, (_, new) in zip(entries, pairs, strict=True)]
+
+
+def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
+    mover = c.transfer.transpose_fill if entry.transpose else c.transfer.copy_fill
+    return mover(c.source.reader_of(entry.source), entry.source, entry.target)
+
+
+# -- write, verify, publish
+
+
+def write_verify_publish(c: Conversion) -> PublishResult:
+    mode = os.fstat(c.source.primary.fd).st_mode & 0o777
+    hasher = _SourceHasher(c.source.primary)
+    with open_scratch(c.dest, mode) as scratch:
         try:
-            return plan_conversion(
-                refs, to_layout=to_layout, source_layout=source_layout, module_map=self.request.module_map
-            )
-        except SyncdError as exc:
-            raise _naming_file(exc, self.path) from None
+            header, c.output_size = c.target.write(scratch.fd, c)
+        except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
+            raise SyncdError(f"cannot write the output ({exc.strerror or exc})", str(c.dest)) from exc
+        # verify while the source is still being hashed on the other core; only the hash's place in the
+        # header changes afterwards, and that is checked on its own
+        verify(c, scratch.path)
+        _fill_in_source_hash(c, scratch.fd, header, hasher.result())
+        _check_source_unchanged(c.source.primary)
+        return publish(scratch, replace=c.request.overwrite, source=Path(c.source.path))
 
-    def _specs(self) -> list[TensorSpec]:
-        entries = self._ordered_entries()
-        specs = [self._spec(entry.source, entry.target, entry.shape, entry.transpose) for entry in entries]
-        if self.to_format == SAFETENSORS and self.plan.target_layout == "pytorch":
-            specs += self._restored_specs({spec.name for spec in specs})
-        return specs
 
-    def _ordered_entries(self) -> list[Any]:
-        """Data order: the carried order of the original burnpack when there is one, else the source's."""
-        entries = list(self.plan.entries)
-        order = self.carried.data_order
-        if self.to_format != BURNPACK or not order:
-            return entries
-        rank = {name: i for i, name in enumerate(order)}
-        return sorted(entries, key=lambda e: rank.get(e.source, len(rank)))
+def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, sha: str) -> None:
+    """The source hash is computed while the tensors are written, so the header went out with a placeholder
+    of the same length: patching it in place keeps the header's size and every offset where it is."""
+    placeholder = SHA_PLACEHOLDER.encode("ascii")
+    if header.count(placeholder) != 1:
+        raise SyncdError("cannot place the source hash in the output header", str(c.dest))
+    c.metadata[carry.SOURCE_SHA256] = sha
+    final = header.replace(placeholder, sha.encode("ascii"))
+    pwrite_all(fd, final, 0)
+    if os.pread(fd, len(final), 0) != final:
+        raise VerificationError("the output header reads back different from what was written", str(c.dest))
 
-    def _spec(self, source: str, target: str, shape: tuple[int, ...], transpose: bool) -> TensorSpec:
-        info = self.reader.tensor(source)
-        fill = (self.transfer.transpose_fill if transpose else self.transfer.copy_fill)(self.reader, source, target)
-        dtype, raw = self._target_dtype(info.name, info.dtype, info.raw_dtype)
-        param_id = info.param_id if info.param_id is not None else self.carried.param_ids.get(source)
-        return TensorSpec(
-            target,
-            dtype,
-            shape,
-            info.nbytes,
-            fill,
-            param_id if self.to_format == BURNPACK else None,
-            raw if self.to_format == BURNPACK else None,
-        )
 
-    def _target_dtype(self, name: str, dtype: str, raw: Any) -> tuple[str, Any]:
-        if self.to_format != BURNPACK:
-            return dtype, None
-        if self.reader.header.format == BURNPACK:
-            return dtype, raw
-        restored = self.carried.dtypes.get(name)
-        if restored is None:
-            return dtype, None
-        if DTYPE_TO_SAFETENSORS[restored] != DTYPE_TO_SAFETENSORS[dtype]:
-            raise FormatError(f"syncd metadata says {restored} but the tensor is {dtype}", self.path, name)
-        return restored, None
+def verify(c: Conversion, written: Path) -> None:
+    """Read the written file back: its table must be the plan's, every tensor its source's."""
+    try:
+        output = c.target.format.reader(written)
+    except FormatError as exc:
+        raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
+    with output:
+        _verify_table(c, output)
+        c.target.check_written(c, output)
+        for entry in c.entries:
+            c.transfer.verify(output, entry.target)
+        for name in c.restored:
+            if output.read(name) != c.carried.dropped[name][2]:
+                raise VerificationError(f"restored tensor '{name}' differs after writing", str(c.dest))
 
-    def _restored_specs(self, taken: set[str]) -> list[TensorSpec]:
-        """PyTorch-only tensors dropped on the way to Burn (BatchNorm counters) come back on the way out."""
-        specs = []
-        for name, (dtype, shape, data) in self.carried.dropped.items():
-            if name in taken:
-                raise FormatError(f"carried tensor '{name}' collides with a converted tensor", self.path)
-            specs.append(TensorSpec(name, dtype, shape, len(data), _bytes_fill(data)))
-            self.restored.append(name)
-        return specs
 
-    # -- metadata
-
-    def _metadata(self, sha: str) -> tuple[dict[str, str], dict[str, Any]]:
-        if self.to_format == SAFETENSORS:
-            metadata = self._safetensors_metadata()
-            scalars: dict[str, Any] = {}
-        else:
-            metadata, scalars = self._burnpack_metadata()
-        if self.plan.target_layout in ("pytorch", "burn"):
-            metadata[carry.LAYOUT] = self.plan.target_layout
-        metadata[carry.SOURCE] = carry.file_label(os.path.basename(self.path))
-        metadata[carry.SOURCE_SHA256] = sha
-        return metadata, scalars
-
-    def _safetensors_metadata(self) -> dict[str, str]:
-        header = self.reader.header
-        if header.format == SAFETENSORS:
-            metadata = carry.own_metadata(header.metadata)
-        else:
-            metadata = dict(self.carried.safetensors_metadata or {})
-            self._carry_burnpack_facts(metadata)
-        if self.plan.target_layout == "pytorch":
-            metadata["format"] = "pt"  # what Hugging Face loaders require of a PyTorch-layout file
-        return metadata
-
-    def _carry_burnpack_facts(self, metadata: dict[str, str]) -> None:
-        header = self.reader.header
-        target_of = {e.source: e.target for e in self.plan.entries}
-        burn_metadata = carry.own_metadata(header.metadata)
-        if burn_metadata:
-            metadata[carry.BURN_METADATA] = carry.dumps(burn_metadata)
-        if header.scalars:
-            metadata[carry.SCALARS] = carry.encode_scalars(header.scalars)
-        if header.facts.get("layout") != LAYOUT_ALIGNED:
-            metadata[carry.BURN_LAYOUT] = header.facts["layout"]
-        ids = {
-            target_of[t.name]: str(t.param_id)
-            for t in self.reader.tensors
-            if t.param_id is not None and t.name in target_of
-        }
-        if ids:
-            metadata[carry.PARAM_IDS] = carry.dumps(ids)
-        dtypes = {
-            target_of[t.name]: t.dtype
-            for t in self.reader.tensors
-            if t.dtype in carry.LOSSY_IN_SAFETENSORS and t.name in target_of
-        }
-        if dtypes:
-            metadata[carry.DTYPES] = carry.dumps(dtypes)
-        metadata[carry.DATA_ORDER] = carry.dumps(
-            [target_of[t.name] for t in self.reader.tensors if t.name in target_of]
-        )
-        if self.carried.dropped and self.plan.target_layout != "pytorch":
-            # only a PyTorch-layout file takes the counters back; a Burn-layout one carries them further
-            metadata[carry.DROPPED] = carry.encode_dropped(self.carried.dropped)
-
-    def _burnpack_metadata(self) -> tuple[dict[str, str], dict[str, Any]]:
-        header = self.reader.header
-        if header.format == BURNPACK:
-            return carry.own_metadata(header.metadata), dict(header.scalars)
-        metadata = dict(self.carried.burn_metadata or {})
-        own = carry.own_metadata(header.metadata)
-        if own.get("format") == "pt" and self.plan.target_layout == "burn":
-            del own["format"]  # the way back to PyTorch layout adds it again; a keep round trip must not lose it
-        if own:
-            metadata[carry.SAFETENSORS_METADATA] = carry.dumps(own)
-        dropped = {**self.carried.dropped, **self._dropped_tensors()}
-        if dropped:
-            metadata[carry.DROPPED] = carry.encode_dropped(dropped)
-        return metadata, dict(self.carried.scalars)
-
-    def _dropped_tensors(self) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-        dropped = {}
-        for name in self.plan.dropped:
-            info = self.reader.tensor(name)
-            if info.nbytes > carry.MAX_DROPPED_BYTES:
-                raise UnsupportedError(f"tensor '{name}' has no Burn counterpart and is too large to carry", self.path)
-            dropped[name] = (info.dtype, info.shape, self.reader.read(name))
-        return dropped
-
-    def _burn_layout(self) -> str:
-        if self.to_format != BURNPACK:
-            return LAYOUT_ALIGNED
-        if self.reader.header.format == BURNPACK:
-            return self.reader.header.facts["layout"]
-        return self.carried.burn_layout or LAYOUT_ALIGNED
-
-    # -- writing
-
-    def run(self) -> PublishResult:
-        mode = os.fstat(self.reader.fd).st_mode & 0o777
-        hasher = _SourceHasher(self.reader)
-        with open_scratch(self.dest, mode) as scratch:
-            try:
-                header = self._write(scratch.fd)
-            except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
-                raise SyncdError(f"cannot write the output ({exc.strerror or exc})", str(self.dest)) from exc
-            # verify while the source is still being hashed on the other core; only the hash's place in the
-            # header changes afterwards, and that is checked on its own
-            self._verify(scratch.path)
-            self._fill_in_source_hash(scratch.fd, header, hasher.result())
-            _check_source_unchanged(self.reader)
-            return publish(scratch, replace=self.request.overwrite, source=Path(self.path))
-
-    def _write(self, fd: int) -> bytes:
-        if self.to_format == BURNPACK:
-            plan = write_burnpack(fd, self.specs, self.metadata, self.scalars, self.layout)
-        else:
-            plan = write_safetensors(fd, self.specs, self.metadata)
-        self.output_size = plan.file_size
-        return plan.header
-
-    def _fill_in_source_hash(self, fd: int, header: bytes, sha: str) -> None:
-        """The source hash is computed while the tensors are written, so the header went out with a placeholder
-        of the same length: patching it in place keeps the header's size and every offset where it is."""
-        placeholder = SHA_PLACEHOLDER.encode("ascii")
-        if header.count(placeholder) != 1:
-            raise SyncdError("cannot place the source hash in the output header", str(self.dest))
-        self.metadata[carry.SOURCE_SHA256] = sha
-        final = header.replace(placeholder, sha.encode("ascii"))
-        pwrite_all(fd, final, 0)
-        if os.pread(fd, len(final), 0) != final:
-            raise VerificationError("the output header reads back different from what was written", str(self.dest))
-
-    def _verify(self, written: Path) -> None:
-        reader_type = BurnpackReader if self.to_format == BURNPACK else SafetensorsReader
-        try:
-            output = reader_type(written)
-        except FormatError as exc:
-            raise VerificationError(f"the written file does not read back: {exc.message}", str(self.dest)) from None
-        with output:
-            self._verify_table(output)
-            for entry in self.plan.entries:
-                self.transfer.verify(output, entry.target)
-            for name in self.restored:
-                if output.read(name) != self.carried.dropped[name][2]:
-                    raise VerificationError(f"restored tensor '{name}' differs after writing", str(self.dest))
-
-    def _verify_table(self, output: TensorFileReader) -> None:
-        expected = {s.name: (s.dtype, s.shape) for s in self.specs}
-        found = {t.name: (t.dtype, t.shape) for t in output.tensors}
-        if self.to_format == SAFETENSORS:
-            expected = {n: (DTYPE_TO_SAFETENSORS[d], s) for n, (d, s) in expected.items()}
-            found = {n: (DTYPE_TO_SAFETENSORS[d], s) for n, (d, s) in found.items()}
-        if expected != found:
-            missing = sorted(set(expected) ^ set(found)) or sorted(n for n in expected if expected[n] != found[n])
-            raise VerificationError(f"the written tensor table differs from the plan at {missing[:5]}", str(self.dest))
-        if self.to_format == BURNPACK:
-            ids = {s.name: s.param_id for s in self.specs}
-            if any(ids[t.name] != t.param_id for t in output.tensors):
-                raise VerificationError("param_ids differ after writing", str(self.dest))
+def _verify_table(c: Conversion, output: TensorFileReader) -> None:
+    same = c.target.comparable
+    expected = {s.name: (same(s.dtype), s.shape) for s in c.specs}
+    found = {t.name: (same(t.dtype), t.shape) for t in output.tensors}
+    if expected != found:
+        missing = sorted(set(expected) ^ set(found)) or sorted(n for n in expected if expected[n] != found[n])
+        raise VerificationError(f"the written tensor table differs from the plan at {missing[:5]}", str(c.dest))
 
 
 def _naming_file(exc: SyncdError, path: str) -> SyncdError:
@@ -355,10 +289,6 @@ def _naming_file(exc: SyncdError, path: str) -> SyncdError:
         exc.path = path
         exc.args = (f"{one_line(path)}: {exc.message}",)
     return exc
-
-
-def _bytes_fill(data: bytes) -> Callable[[Any], None]:
-    return lambda sink: sink.write(data)
 
 
 class _SourceHasher:

@@ -39,7 +39,7 @@ from torch import nn
 
 from syncd.adapters import ModuleMap
 from syncd.convert import ConvertRequest, convert
-from syncd.errors import FormatError, UnsupportedError, VerificationError
+from syncd.errors import FormatError, UnsupportedError, UsageError, VerificationError
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.transfer import WHOLE_BYTES
@@ -553,6 +553,33 @@ def test_qfloat_is_refused_for_safetensors(tmp_path: Path) -> None:
     assert dir_listing(tmp_path) == ["quant.bpk"]
     with pytest.raises(UnsupportedError):
         convert(ConvertRequest(source=source))
+
+
+def test_rename_rewrites_output_names_and_the_carried_facts_follow(tmp_path: Path) -> None:
+    """The key-remapping seam: a rename hook sees the planned (source, output) pairs; the written file, its
+    data order and its carried param_ids use the new names, and the tensors are still verified."""
+    source = _copy(MNIST_WEB, tmp_path)
+    dest = tmp_path / "renamed.safetensors"
+    seen: list[tuple[str, str]] = []
+
+    def prefix(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        seen.extend(pairs)
+        return [(s, f"model.{t}") for s, t in pairs]
+
+    convert(ConvertRequest(source=source, dest=dest, rename=prefix))
+    plain = tmp_path / "plain.safetensors"
+    convert(ConvertRequest(source=source, dest=plain))
+    renamed, reference = read_safetensors(dest), read_safetensors(plain)
+    assert {f"model.{name}" for name in reference.tensors} == set(renamed.tensors)
+    assert all(renamed.tensors[f"model.{n}"] == tensor for n, tensor in reference.tensors.items())
+    assert ("fc1.weight", "fc1.weight") in seen
+    order = json.loads(renamed.metadata["syncd.data_order"])
+    assert order == [f"model.{name}" for name in json.loads(reference.metadata["syncd.data_order"])]
+    assert set(json.loads(renamed.metadata["syncd.param_ids"])) == set(order)
+    clash = ConvertRequest(source=source, dest=tmp_path / "x.safetensors", rename=lambda p: [(s, "w") for s, _ in p])
+    with pytest.raises(UsageError, match="same output name"):
+        convert(clash)
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 def test_large_and_empty_linear_weights_transpose_exactly(tmp_path: Path) -> None:

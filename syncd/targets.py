@@ -1,0 +1,163 @@
+"""What writing one target format takes, one small type per format: which dtypes it refuses, how a planned
+tensor becomes a spec of that format, the output's metadata (the `syncd.*` protocol itself is carry.py's),
+the writer, and the format-specific checks of the read-back table.
+
+convert.py runs the pipeline and knows no format; `TARGETS` maps a format name (registry.py) to its type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from syncd import carry
+from syncd.adapters import PlanEntry
+from syncd.errors import FormatError, UnsupportedError, VerificationError
+from syncd.formats import BURNPACK, SAFETENSORS
+from syncd.formats.burnpack import LAYOUT_ALIGNED, write_burnpack
+from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS
+from syncd.formats.fileio import TensorFileReader
+from syncd.formats.registry import BY_NAME, PYTORCH_LAYOUT, Format
+from syncd.formats.safetensors import write_safetensors
+from syncd.formats.table import TensorSpec
+
+if TYPE_CHECKING:  # the pipeline's state; convert.py imports this module, not the other way round at run time
+    from syncd.convert import Conversion
+
+Fill = Callable[[Any], None]
+
+
+class Target:
+    """The per-format half of a conversion. Subclasses set `format` and override what differs."""
+
+    format: Format
+    missing_dtype = "has no form"  # "<format> has no form for <dtype>"
+
+    def check_dtypes(self, tensors: list[Any], path: str) -> None:
+        for info in tensors:
+            if info.dtype not in self.format.dtypes:
+                hint = " (quantized tensors stay in .bpk)" if info.dtype == "QFloat" else ""
+                raise UnsupportedError(f"{self.missing_dtype} for {info.dtype} (tensor '{info.name}'){hint}", path)
+
+    def order(self, entries: list[PlanEntry], c: Conversion) -> list[PlanEntry]:
+        """The output's data order (default: the source's)."""
+        return entries
+
+    def tensor_spec(self, c: Conversion, entry: PlanEntry, fill: Fill) -> TensorSpec:
+        info = c.source.tensor(entry.source)
+        return TensorSpec(entry.target, info.dtype, entry.shape, info.nbytes, fill)
+
+    def extra_specs(self, c: Conversion, taken: set[str]) -> list[TensorSpec]:
+        """Tensors written besides the planned ones (default: none)."""
+        return []
+
+    def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
+        raise NotImplementedError
+
+    def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
+        """Write the whole output to `fd`; returns (its header bytes, its size)."""
+        raise NotImplementedError
+
+    def comparable(self, dtype: str) -> str:
+        """A dtype as this format stores it, for comparing the written table with the plan."""
+        return dtype
+
+    def check_written(self, c: Conversion, output: TensorFileReader) -> None:
+        """Format-specific checks of the read-back output, after the table and the tensors."""
+
+
+class BurnpackTarget(Target):
+    format = BY_NAME[BURNPACK]
+    missing_dtype = "Burn has no dtype"
+
+    def order(self, entries: list[PlanEntry], c: Conversion) -> list[PlanEntry]:
+        """The carried order of the original burnpack when there is one, else the source's."""
+        order = c.carried.data_order
+        if not order:
+            return entries
+        rank = {name: i for i, name in enumerate(order)}
+        return sorted(entries, key=lambda e: rank.get(e.source, len(rank)))
+
+    def tensor_spec(self, c: Conversion, entry: PlanEntry, fill: Fill) -> TensorSpec:
+        info = c.source.tensor(entry.source)
+        dtype, raw = self._dtype(c, info)
+        param_id = info.param_id if info.param_id is not None else c.carried.param_ids.get(entry.source)
+        return TensorSpec(entry.target, dtype, entry.shape, info.nbytes, fill, param_id, raw)
+
+    def _dtype(self, c: Conversion, info: Any) -> tuple[str, Any]:
+        """A burnpack source keeps its exact DType; a safetensors one gets back a Burn-only dtype it carried."""
+        if c.source.header.format == BURNPACK:
+            return info.dtype, info.raw_dtype
+        restored = c.carried.dtypes.get(info.name)
+        if restored is None:
+            return info.dtype, None
+        if DTYPE_TO_SAFETENSORS[restored] != DTYPE_TO_SAFETENSORS[info.dtype]:
+            message = f"syncd metadata says {restored} but the tensor is {info.dtype}"
+            raise FormatError(message, c.source.path, info.name)
+        return restored, None
+
+    def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
+        dropped = {} if c.source.header.format == BURNPACK else self._dropped_tensors(c)
+        return carry.for_burnpack(c.source.header, c.carried, dropped, c.plan.target_layout)
+
+    def _dropped_tensors(self, c: Conversion) -> carry.Dropped:
+        dropped = {}
+        for name in c.plan.dropped:
+            info = c.source.tensor(name)
+            if info.nbytes > carry.MAX_DROPPED_BYTES:
+                raise UnsupportedError(
+                    f"tensor '{name}' has no Burn counterpart and is too large to carry", c.source.path
+                )
+            dropped[name] = (info.dtype, info.shape, c.source.read(name))
+        return dropped
+
+    def _data_layout(self, c: Conversion) -> str:
+        """aligned (Burn >= 0.20) or packed (0.19): a burnpack source's own, else the one it carried."""
+        if c.source.header.format == BURNPACK:
+            return c.source.header.facts["layout"]
+        return c.carried.burn_layout or LAYOUT_ALIGNED
+
+    def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
+        plan = write_burnpack(fd, c.specs, c.metadata, c.scalars, self._data_layout(c))
+        return plan.header, plan.file_size
+
+    def check_written(self, c: Conversion, output: TensorFileReader) -> None:
+        ids = {s.name: s.param_id for s in c.specs}
+        if any(ids[t.name] != t.param_id for t in output.tensors):
+            raise VerificationError("param_ids differ after writing", str(c.dest))
+
+
+class SafetensorsTarget(Target):
+    format = BY_NAME[SAFETENSORS]
+    missing_dtype = "safetensors has no form"
+
+    def extra_specs(self, c: Conversion, taken: set[str]) -> list[TensorSpec]:
+        """PyTorch-only tensors dropped on the way to Burn (BatchNorm counters) come back on the way out."""
+        if c.plan.target_layout != PYTORCH_LAYOUT:
+            return []
+        specs = []
+        for name, (dtype, shape, data) in c.carried.dropped.items():
+            if name in taken:
+                raise FormatError(f"carried tensor '{name}' collides with a converted tensor", c.source.path)
+            specs.append(TensorSpec(name, dtype, shape, len(data), _bytes_fill(data)))
+            c.restored.append(name)
+        return specs
+
+    def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
+        target_of = {e.source: e.target for e in c.entries}
+        header = c.source.header
+        return carry.for_safetensors(header, c.source.tensors, c.carried, target_of, c.plan.target_layout), {}
+
+    def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
+        plan = write_safetensors(fd, c.specs, c.metadata)
+        return plan.header, plan.file_size
+
+    def comparable(self, dtype: str) -> str:
+        return DTYPE_TO_SAFETENSORS[dtype]  # Flex32 is written as F32, the Bool stores as BOOL...
+
+
+def _bytes_fill(data: bytes) -> Fill:
+    return lambda sink: sink.write(data)
+
+
+TARGETS: dict[str, type[Target]] = {target.format.name: target for target in (BurnpackTarget, SafetensorsTarget)}
