@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from syncd.adapters import LAYOUT_CHOICES
+    from syncd.adapters import AUTO, LAYOUT_CHOICES
     from syncd.formats.registry import BY_SHORT
 
     parser = _Parser(prog="syncd", description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.")
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--layout",
         choices=LAYOUT_CHOICES,
-        default="auto",
+        default=AUTO,
         help="layout of the source (auto: decide from the tensors); keep: convert the container only",
     )
     convert.add_argument("--modules", type=Path, help="YAML module map (path pattern -> module kind)")

@@ -50,7 +50,7 @@ class ConvertRequest:
     source: Path
     dest: Path | None = None
     to_format: str | None = None  # default: the other format
-    layout: str = "auto"  # the source's layout: auto | pytorch | burn; keep = convert the container only
+    layout: str = AUTO  # the source's layout: auto | pytorch | burn; keep = convert the container only
     module_map: ModuleMap | None = None
     overwrite: bool = False
     fail_early_if_exists: bool = True  # the daemon turns this off to tell "already in sync" from a conflict

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from syncd.adapters import LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
+from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
 from syncd.errors import ConfigError
 from syncd.formats.registry import DIRECTIONS, FORMATS
 
@@ -75,7 +75,7 @@ class Watch:
     direction: str = "both"
     mirror: Path | None = None  # None: outputs go beside their sources
     on_exists: str = "skip"
-    layout: str = "auto"
+    layout: str = AUTO
     module_map: ModuleMap | None = field(default=None, compare=False)
     modules_file: Path | None = None  # where the module map came from when given as a file path
     poll: bool = False
@@ -492,7 +492,7 @@ class _ConfigBuilder:
             direction=section.choice("direction", "both", tuple(DIRECTIONS)),
             mirror=self._mirror(section),
             on_exists=section.choice("on_exists", "skip", ON_EXISTS),
-            layout=section.choice("layout", "auto", LAYOUT_CHOICES),
+            layout=section.choice("layout", AUTO, LAYOUT_CHOICES),
             module_map=module_map,
             modules_file=modules_file,
             poll=section.boolean("poll", False),
