@@ -13,7 +13,7 @@ API::
     is_scratch_name(name: str) -> bool
 
     with open_scratch(dest, mode=src_mode & 0o777) as scratch:
-        scratch.write(data)                # or scratch.pwrite(data, offset) / scratch.truncate(size)
+        write_the_output(scratch.fd)       # the writer names the destination in its own errors
         result = publish(scratch, source=src)   # result.status: "published" | "in_sync" | "replaced"
 
 * The scratch file is ``.<name>.syncd-<pid>-<n>.tmp`` in the destination's directory, created with
@@ -41,11 +41,10 @@ import platform
 import re
 import stat
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
 
@@ -98,25 +97,6 @@ class Scratch:
         self.dest = dest
         self.published = False
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append all of `data` (os.write may write less than asked, so loop)."""
-        view = memoryview(data).cast("B")
-        while view:
-            written = self._io("write", os.write, self.fd, view)
-            view = view[written:]
-
-    def pwrite(self, data: bytes | bytearray | memoryview, offset: int) -> None:
-        """Write all of `data` at `offset`, leaving the file position alone."""
-        view = memoryview(data).cast("B")
-        while view:
-            written = self._io("write", os.pwrite, self.fd, view, offset)
-            view = view[written:]
-            offset += written
-
-    def truncate(self, size: int) -> None:
-        """Set the file size, e.g. to reserve the full length before pwrite-ing parts."""
-        self._io("resize", os.ftruncate, self.fd, size)
-
     def discard(self) -> None:
         """Close and delete the scratch file (best effort: it may already be gone)."""
         self.close()
@@ -129,13 +109,6 @@ class Scratch:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
-
-    def _io(self, what: str, func: Callable[..., Any], *args: Any) -> Any:
-        """Run one I/O call; an OSError (ENOSPC, EIO, ...) becomes a one-line SyncdError naming the file."""
-        try:
-            return func(*args)
-        except OSError as e:
-            raise SyncdError(f"cannot {what} the output being built ({e.strerror})", str(self.dest)) from e
 
     def __enter__(self) -> Scratch:
         return self

@@ -22,6 +22,7 @@ from conftest import REPO  # noqa: E402
 from syncd import publish as pub
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
 from syncd.publish import (
+    Scratch,
     ensure_destination_free,
     is_scratch_name,
     open_scratch,
@@ -36,13 +37,18 @@ MIB = 1 << 20
 #   put DEST SIZE SEED -- say "open" once the scratch exists, write content(SEED, SIZE), publish
 # Prints "result <status>" or "error <ExceptionClass> <message>".
 WORKER = r"""
-import random, sys
+import os, random, sys
 from pathlib import Path
 from syncd.errors import SyncdError
 from syncd.publish import ensure_destination_free, open_scratch, publish
 
 def content(seed, size):
     return random.Random(seed).randbytes(size)
+
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 mode, dest = sys.argv[1], Path(sys.argv[2])
 try:
@@ -54,12 +60,12 @@ try:
                 if i == chunks // 2:
                     print("half", flush=True)
                     sys.stdin.readline()
-                scratch.write(bytes([i % 251]) * (1 << 20))
+                write_all(scratch.fd, bytes([i % 251]) * (1 << 20))
         else:
             print("open", flush=True)
             data = memoryview(content(int(sys.argv[4]), int(sys.argv[3])))
             for start in range(0, len(data), 1 << 16):
-                scratch.write(data[start:start + (1 << 16)])
+                write_all(scratch.fd, data[start:start + (1 << 16)])
         result = publish(scratch, source=Path("source.safetensors"))
     print("result", result.status, flush=True)
 except SyncdError as e:
@@ -87,6 +93,17 @@ def _scratch_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if is_scratch_name(p.name))
 
 
+def _append(scratch: Scratch, data: bytes) -> None:
+    """Append all of `data` to the scratch file as a writer does, naming the output in its error as convert
+    does (the package's writers take `scratch.fd`)."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(scratch.fd, view) :]
+    except OSError as e:
+        raise SyncdError(f"cannot write the output being built ({e.strerror})", str(scratch.dest)) from e
+
+
 def _write_file(path: Path, data: bytes) -> os.stat_result:
     path.write_bytes(data)
     return path.stat()
@@ -94,7 +111,7 @@ def _write_file(path: Path, data: bytes) -> os.stat_result:
 
 def _publish_bytes(dest: Path, data: bytes, *, replace: bool = False, mode: int = 0o644) -> pub.PublishResult:
     with open_scratch(dest, mode) as scratch:
-        scratch.write(data)
+        _append(scratch, data)
         return publish(scratch, replace=replace, source=Path("in.safetensors"))
 
 
@@ -270,7 +287,7 @@ def test_enospc_midway_keeps_previous_destination(small_fs: Path, replace: bool)
     before = _write_file(dest, b"previous good checkpoint" * 10000)
     with pytest.raises(SyncdError) as info, open_scratch(dest) as scratch:
         for _ in range(4):
-            scratch.write(b"\xab" * (256 << 10))
+            _append(scratch, b"\xab" * (256 << 10))
         publish(scratch, replace=replace)
     assert isinstance(info.value.__cause__, OSError)
     assert info.value.__cause__.errno == errno.ENOSPC
@@ -286,7 +303,7 @@ def test_keyboard_interrupt_midway_removes_scratch(tmp_path: Path) -> None:
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt), open_scratch(dest) as scratch:
-            scratch.write(b"x" * MIB)
+            _append(scratch, b"x" * MIB)
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(1000):  # the handler runs between bytecodes; give it some
                 time.sleep(0.001)
@@ -300,7 +317,7 @@ def test_keyboard_interrupt_midway_removes_scratch(tmp_path: Path) -> None:
 def test_scratch_left_unpublished_is_removed(tmp_path: Path) -> None:
     dest = tmp_path / "model.bpk"
     with open_scratch(dest) as scratch:
-        scratch.write(b"data")
+        _append(scratch, b"data")
         assert scratch.path.parent == tmp_path and is_scratch_name(scratch.path.name)
     assert list(tmp_path.iterdir()) == []
 
@@ -320,7 +337,7 @@ def test_symlinks_planted_at_scratch_names_are_never_followed(tmp_path: Path) ->
     planted[5].symlink_to(tmp_path / "nowhere")  # dangling: O_CREAT must not create its target
     with open_scratch(dest, 0o600) as scratch:
         assert scratch.path.name == f".model.bpk.syncd-{os.getpid()}-{n + 6}.tmp"
-        scratch.write(b"new")
+        _append(scratch, b"new")
         assert publish(scratch).status == "published"
     assert dest.read_bytes() == b"new"
     assert target.read_bytes() == b"victim's data"
@@ -378,16 +395,6 @@ def test_publish_new_and_replace(tmp_path: Path) -> None:
     assert _scratch_files(tmp_path) == []
 
 
-def test_pwrite_and_truncate(tmp_path: Path) -> None:
-    dest = tmp_path / "model.bpk"
-    with open_scratch(dest) as scratch:
-        scratch.truncate(10)
-        scratch.pwrite(b"tail", 6)
-        scratch.pwrite(bytearray(b"head"), 0)
-        publish(scratch)
-    assert dest.read_bytes() == b"head\0\0tail"
-
-
 def test_identical_destination_is_in_sync_and_untouched(tmp_path: Path) -> None:
     dest = tmp_path / "model.bpk"
     data = _content(1, 3 * MIB + 5)  # more than one comparison chunk
@@ -417,7 +424,7 @@ def test_link_that_reports_eexist_after_succeeding_is_a_success(tmp_path: Path) 
     # NFS replays a link whose reply was lost: the destination is already our scratch inode.
     dest = tmp_path / "model.bpk"
     with open_scratch(dest) as scratch:
-        scratch.write(b"ours")
+        _append(scratch, b"ours")
         os.link(scratch.path, dest)
         assert publish(scratch).status == "published"
     assert dest.read_bytes() == b"ours"
@@ -430,11 +437,11 @@ def test_link_that_reports_eexist_after_succeeding_is_a_success(tmp_path: Path) 
 def test_rename_noreplace_fallback(tmp_path: Path) -> None:
     dest = tmp_path / "model.bpk"
     with open_scratch(dest) as scratch:
-        scratch.write(b"first")
+        _append(scratch, b"first")
         assert pub._place_new_by_rename(scratch) is True
     assert dest.read_bytes() == b"first"
     with open_scratch(dest) as scratch:
-        scratch.write(b"second")
+        _append(scratch, b"second")
         assert pub._place_new_by_rename(scratch) is False
         assert scratch.path.read_bytes() == b"second"
     assert dest.read_bytes() == b"first"
@@ -472,7 +479,7 @@ def test_mode_is_exactly_the_requested_bits(
     try:
         with open_scratch(dest, mode) as scratch:
             assert stat.S_IMODE(os.fstat(scratch.fd).st_mode) == expected
-            scratch.write(b"data")
+            _append(scratch, b"data")
             publish(scratch, replace=replace)
     finally:
         os.umask(old)

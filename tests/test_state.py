@@ -155,13 +155,6 @@ def test_unsigned_64_bit_device_and_inode_numbers_round_trip(db: StateDB, pair: 
     assert db.is_up_to_date(source, huge, dest)
 
 
-def test_forget(db: StateDB, pair: tuple[Path, Path]) -> None:
-    source, dest = pair
-    db.record(source, FileVersion.of(source), dest)
-    db.forget(source)
-    assert db.get(source) is None
-
-
 def test_threads_share_one_database(db: StateDB, tmp_path: Path) -> None:
     dest = tmp_path / "out"
     dest.write_bytes(b"")
@@ -192,7 +185,8 @@ def test_corrupt_database_is_moved_aside_and_replaced(tmp_path: Path, caplog: py
     (state_dir / DB_NAME).write_bytes(garbage)
     with caplog.at_level(logging.WARNING, logger="syncd.state"), StateDB(state_dir) as db:
         assert db.get("/anything") is None
-        db.forget("/anything")
+        db.record_failure("/anything", FileVersion(1, 2, 3, 4), "written to the new database", transient=False)
+        assert db.get("/anything") is not None
     aside = [p for p in state_dir.iterdir() if p.name.startswith(f"{DB_NAME}.corrupt-")]
     assert len(aside) == 1 and aside[0].read_bytes() == garbage
     assert "unusable" in caplog.text and str(aside[0]) in caplog.text

@@ -208,10 +208,6 @@ class StateDB:
         self._upsert(values)
         return not repeated
 
-    def forget(self, source: PathArg) -> None:
-        """Drop what is known about `source` (it was deleted, or its watch removed)."""
-        self._run(lambda db: db.execute("DELETE FROM sources WHERE source = ?", (_key(source),)))
-
     def close(self) -> None:
         with self._lock:
             self._conn.close()
