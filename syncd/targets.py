@@ -19,7 +19,7 @@ from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader
 from syncd.formats.registry import BY_NAME, PYTORCH_LAYOUT, Format
 from syncd.formats.safetensors import write_safetensors
-from syncd.formats.table import TensorSpec
+from syncd.formats.table import TensorInfo, TensorSpec
 
 if TYPE_CHECKING:  # the pipeline's state; convert.py imports this module, not the other way round at run time
     from syncd.convert import Conversion
@@ -33,7 +33,7 @@ class Target:
     format: Format
     missing_dtype = "has no form"  # "<format> has no form for <dtype>"
 
-    def check_dtypes(self, tensors: list[Any], path: str) -> None:
+    def check_dtypes(self, tensors: list[TensorInfo], path: str) -> None:
         for info in tensors:
             if info.dtype not in self.format.dtypes:
                 hint = " (quantized tensors stay in .bpk)" if info.dtype == "QFloat" else ""
@@ -84,7 +84,7 @@ class BurnpackTarget(Target):
         param_id = info.param_id if info.param_id is not None else c.carried.param_ids.get(entry.source)
         return TensorSpec(entry.target, dtype, entry.shape, info.nbytes, fill, param_id, raw)
 
-    def _dtype(self, c: Conversion, info: Any) -> tuple[str, Any]:
+    def _dtype(self, c: Conversion, info: TensorInfo) -> tuple[str, Any]:
         """A burnpack source keeps its exact DType; a safetensors one gets back a Burn-only dtype it carried."""
         if c.source.header.format == BURNPACK:
             return info.dtype, info.raw_dtype
