@@ -32,23 +32,36 @@ from typing import Any, TextIO
 import yaml
 
 from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
+from syncd.daemon.names import DEFAULT_IGNORE
 from syncd.errors import ConfigError
 from syncd.formats.registry import DIRECTIONS, FORMATS
 
 DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")
 # used when a watch sets `poll: true` but the global poll_interval is null
 DEFAULT_POLL_INTERVAL = 2.0
+# seconds between safety rescans of every watch, which find what inotify events missed
+DEFAULT_RESCAN_INTERVAL = 600.0
 
 ON_EXISTS = ("skip", "error", "overwrite")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-TOP_LEVEL_KEYS = ("workers", "settle_seconds", "state_dir", "log", "poll_interval", "watches")
+TOP_LEVEL_KEYS = (
+    "workers",
+    "settle_seconds",
+    "state_dir",
+    "log",
+    "poll_interval",
+    "rescan_interval",
+    "ignore",
+    "watches",
+)
 LOG_KEYS = ("path", "max_bytes", "backups", "level")
 WATCH_KEYS = (
     "path",
     "recursive",
     "include",
     "exclude",
+    "ignore",
     "direction",
     "output",
     "on_exists",
@@ -72,6 +85,7 @@ class Watch:
     recursive: bool = True
     include: tuple[str, ...] = tuple(f"*{fmt.extension}" for fmt in FORMATS)
     exclude: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = DEFAULT_IGNORE  # file-name globs of temporary names (syncd.daemon.names)
     direction: str = "both"
     mirror: Path | None = None  # None: outputs go beside their sources
     on_exists: str = "skip"
@@ -107,6 +121,7 @@ class Config:
     workers: int = 2
     settle_seconds: float = 1.0
     poll_interval: float | None = None
+    rescan_interval: float | None = DEFAULT_RESCAN_INTERVAL  # None: no periodic safety rescan
 
     def polling_interval_for(self, watch: Watch) -> float | None:
         """Seconds between polls when `watch` must be polled, None when inotify serves it."""
@@ -419,9 +434,13 @@ class _ConfigBuilder:
         workers = top.integer("workers", 2, minimum=1)
         settle = top.number("settle_seconds", 1.0, minimum=0.0)
         poll_interval = top.number("poll_interval", None, minimum=0.0, allow_null=True, strictly_positive=True)
+        rescan_interval = top.number(
+            "rescan_interval", DEFAULT_RESCAN_INTERVAL, minimum=0.0, allow_null=True, strictly_positive=True
+        )
         state_dir = top.path("state_dir", "./state")
         log = self._log(top)
-        watches = self._watches(top, root)
+        ignore = _ignore_list(top, DEFAULT_IGNORE)
+        watches = self._watches(top, root, ignore)
         assert state_dir is not None and settle is not None
         return Config(
             path=Path(os.path.abspath(self.file.path)),
@@ -431,6 +450,7 @@ class _ConfigBuilder:
             workers=workers,
             settle_seconds=settle,
             poll_interval=poll_interval,
+            rescan_interval=rescan_interval,
         )
 
     def _log(self, top: _Section) -> LogSettings:
@@ -452,7 +472,7 @@ class _ConfigBuilder:
             level=section.choice("level", "info", LOG_LEVELS),
         )
 
-    def _watches(self, top: _Section, root: yaml.Node) -> tuple[Watch, ...]:
+    def _watches(self, top: _Section, root: yaml.Node, ignore: tuple[str, ...]) -> tuple[Watch, ...]:
         node = top.node("watches")
         if node is None:
             self.file.problem(root, "watches", "missing: at least one watch is required")
@@ -462,10 +482,11 @@ class _ConfigBuilder:
                 node, "watches", f"expected a non-empty list of watches, got {_describe(self.file.value(node))}"
             )
             return ()
-        watches = [self._watch(item, index) for index, item in enumerate(node.value)]
+        watches = [self._watch(item, index, ignore) for index, item in enumerate(node.value)]
         return tuple(watch for watch in watches if watch is not None)
 
-    def _watch(self, node: yaml.Node, index: int) -> Watch | None:
+    def _watch(self, node: yaml.Node, index: int, ignore: tuple[str, ...]) -> Watch | None:
+        """One watch; `ignore` is the config's global list, which the watch's own `ignore:` replaces."""
         prefix = f"watches[{index}]"
         items = self.file.entries(node, prefix)
         if items is None:
@@ -489,6 +510,7 @@ class _ConfigBuilder:
             recursive=section.boolean("recursive", True),
             include=section.string_list("include", Watch.include),
             exclude=section.string_list("exclude", ()),
+            ignore=_ignore_list(section, ignore),
             direction=section.choice("direction", "both", tuple(DIRECTIONS)),
             mirror=self._mirror(section),
             on_exists=section.choice("on_exists", "skip", ON_EXISTS),
@@ -538,6 +560,13 @@ class _ConfigBuilder:
             return module_map, None
         self.file.problem(node, key, f"expected a mapping of pattern -> kind or a file path, got {_describe(value)}")
         return None, None
+
+
+def _ignore_list(section: _Section, default: tuple[str, ...]) -> tuple[str, ...]:
+    """`ignore:` as a list of file-name globs; an empty list (or null) ignores nothing."""
+    if section.raw("ignore") is None:
+        return ()
+    return section.string_list("ignore", default)
 
 
 def _load_modules_file(

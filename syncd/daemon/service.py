@@ -17,9 +17,10 @@ from pathlib import Path
 
 from syncd.daemon import notify
 from syncd.daemon.config import Config, Watch, load_config
+from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
 from syncd.daemon.state import StateDB
-from syncd.daemon.sync import Syncer, is_candidate, is_ignored_name
+from syncd.daemon.sync import Syncer
 from syncd.daemon.synclog import SyncLog
 from syncd.daemon.watcher import CLOSED, Watcher, walk_files
 from syncd.errors import SyncdError
@@ -57,7 +58,7 @@ class Daemon:
         return outcome.retry_in
 
     def _on_event(self, watch: Watch, path: Path, how: str) -> None:
-        if is_ignored_name(path.name):
+        if not is_candidate(watch, path):
             return
         closed = how == CLOSED
         delay = 0.0 if closed else self.config.settle_seconds

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import fnmatch
 import logging
 import os
-import re
 import signal
 import stat
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 from syncd import carry
 from syncd.convert import ConvertRequest, convert, file_sha256
 from syncd.daemon.config import Watch
+from syncd.daemon.names import is_candidate
 from syncd.daemon.state import FileVersion, StateDB
 from syncd.daemon.synclog import SyncLog
 from syncd.errors import (
@@ -35,14 +34,11 @@ from syncd.errors import (
     VerificationError,
 )
 from syncd.formats import Format, format_for_path, open_checkpoint
-from syncd.formats.registry import BY_NAME, DIRECTIONS
-from syncd.publish import is_scratch_name
+from syncd.formats.registry import BY_NAME
 
 log = logging.getLogger("syncd.sync")
 
 TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EBUSY, errno.ENOMEM, errno.EINTR, errno.EDQUOT})
-# Burn's scratch files (`<name>.<pid>-<n>.tmp`, burn-compat.md §2.2) and editors' temporaries
-_TEMP_NAME = re.compile(r"(\.\d+-\d+\.tmp$)|(^\.#)|(~$)|(\.sw[a-p]$)|(\.tmp$)|(\.part$)|(\.partial$)")
 # A file that does not read, was not seen closed and changed less than this long ago may still be being
 # written (when open_for_writing cannot tell): it is looked at again rather than refused.
 INCOMPLETE_GRACE_SECONDS = 60.0
@@ -55,28 +51,6 @@ class Outcome:
 
     status: str | None  # the sync log status written, or None for a silent decision
     retry_in: float | None = None
-
-
-def is_ignored_name(name: str) -> bool:
-    return is_scratch_name(name) or bool(_TEMP_NAME.search(name))
-
-
-def matches_patterns(watch: Watch, path: Path) -> bool:
-    rel = os.fsdecode(path.relative_to(watch.path)) if path.is_relative_to(watch.path) else path.name
-    name = path.name
-
-    def hit(patterns: tuple[str, ...]) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(rel, p) for p in patterns)
-
-    return hit(watch.include) and not hit(watch.exclude)
-
-
-def is_candidate(watch: Watch, path: Path) -> bool:
-    """A checkpoint name this watch converts in its direction (decided from the name alone)."""
-    from_format = format_for_path(path)
-    if from_format is None or from_format.name not in DIRECTIONS[watch.direction] or is_ignored_name(path.name):
-        return False
-    return matches_patterns(watch, path)
 
 
 def destination_for(watch: Watch, source: Path, to_format: Format) -> Path:

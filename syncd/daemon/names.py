@@ -1,0 +1,62 @@
+"""Which file names are conversion candidates for a watch, decided from the name alone, in one place.
+
+The watcher's event handler, the catch-up scans and the daemon's decision code all ask `is_candidate`, so a
+name that one of them skips is skipped by all three. A candidate:
+
+* announces a format by its extension (`syncd.formats.format_for_path`) that the watch converts in its
+  direction;
+* is not one of syncd's own scratch files (`.<name>.syncd-<pid>-<n>.tmp`, `syncd.publish`), whatever the
+  configuration says;
+* does not match the watch's `ignore` globs: names that are temporary by convention. By default dotfiles
+  (a writer's `.tmp-1.safetensors`, renamed into place when complete), `*.tmp*` (a writer's
+  `model.tmp.safetensors`; Burn's own scratch `<name>.<pid>-<n>.tmp`, burn-compat.md §2.2), `*.part` and
+  `.~*`. They match the file name only, never a directory on the way, so a tree below a hidden directory is
+  still served;
+* matches the watch's `include` patterns and none of its `exclude` patterns (each tried on the name and on
+  the path relative to the watch).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from syncd.formats import format_for_path
+from syncd.formats.registry import DIRECTIONS
+from syncd.publish import is_scratch_name
+
+if TYPE_CHECKING:
+    from syncd.daemon.config import Watch
+
+# File-name globs ignored when neither the watch nor the config sets `ignore:` (`.~*` is inside `.*`, and is
+# named for when a configuration keeps it but lets other dotfiles through).
+DEFAULT_IGNORE = (".*", "*.tmp*", "*.part", ".~*")
+
+
+def is_candidate(watch: Watch, path: Path) -> bool:
+    """True if `path` names a checkpoint this watch converts (decided from the name alone)."""
+    name = path.name
+    from_format = format_for_path(name)
+    if from_format is None or from_format.name not in DIRECTIONS[watch.direction]:
+        return False
+    if is_scratch_name(name) or is_ignored(watch, name):
+        return False
+    return matches_patterns(watch, path)
+
+
+def is_ignored(watch: Watch, name: str) -> bool:
+    """True if the file name `name` matches one of the watch's `ignore` globs (temporary names)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in watch.ignore)
+
+
+def matches_patterns(watch: Watch, path: Path) -> bool:
+    """The watch's `include` and `exclude` patterns, each tried on the name and the path below the watch."""
+    rel = os.fsdecode(path.relative_to(watch.path)) if path.is_relative_to(watch.path) else path.name
+    name = path.name
+
+    def hit(patterns: tuple[str, ...]) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(rel, p) for p in patterns)
+
+    return hit(watch.include) and not hit(watch.exclude)
