@@ -2,7 +2,8 @@
 
 Start-up removes stale scratch files, starts the watchers, scans every watch for sources without an
 up-to-date output, then tells systemd READY=1. The main thread only handles signals, watchdog pings,
-status lines and rescans; workers do the conversions. SIGHUP reloads a valid configuration (an invalid one
+status lines and rescans (after a directory appears, after lost events, and every `rescan_interval` as a
+safety net); workers do the conversions. SIGHUP reloads a valid configuration (an invalid one
 is reported and the old one kept); SIGTERM stops taking work, gives running conversions a moment, removes
 the scratch files of any it abandons, and exits 0.
 """
@@ -13,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from syncd.daemon import notify
@@ -22,7 +24,7 @@ from syncd.daemon.queue import WorkQueue
 from syncd.daemon.state import StateDB
 from syncd.daemon.sync import Syncer
 from syncd.daemon.synclog import SyncLog
-from syncd.daemon.watcher import CLOSED, Watcher, walk_files
+from syncd.daemon.watcher import Watcher, walk_files
 from syncd.errors import SyncdError
 from syncd.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
 
@@ -45,6 +47,7 @@ class Daemon:
         self._reload = False
         self._rescan: set[Path] = set()
         self._rescan_lock = threading.Lock()
+        self._next_safety_rescan: float | None = None
         self.counts = {"converted": 0, "failed": 0}
 
     # -- wiring
@@ -57,23 +60,23 @@ class Daemon:
             self.counts["failed"] += 1
         return outcome.retry_in
 
-    def _on_event(self, watch: Watch, path: Path, how: str) -> None:
-        if not is_candidate(watch, path):
-            return
-        closed = how == CLOSED
+    # the watcher's listener (syncd.daemon.watcher.WatchListener), called from observer threads
+
+    def on_file(self, watch: Watch, path: Path, closed: bool) -> None:
         delay = 0.0 if closed else self.config.settle_seconds
         if not self.queue.put(watch, path, closed, delay):
             self._request_rescan(watch.path)
 
-    def _on_subtree(self, watch: Watch, directory: Path) -> None:
+    def on_directory(self, watch: Watch, directory: Path) -> None:
         self._request_rescan(directory)
 
-    def _on_overflow(self) -> None:
-        self.synclog.log("error", reason="inotify event queue overflowed; rescanning every watch")
-        for watch in self.config.watches:
-            self._request_rescan(watch.path)
+    def on_overflow(self, watch: Watch) -> None:
+        self.synclog.log(
+            "error", watch=str(watch.path), reason="inotify event queue overflowed (events were lost); rescanning"
+        )
+        self._request_rescan(watch.path)
 
-    def _on_limit(self, watch: Watch, reason: str) -> None:
+    def on_fallback(self, watch: Watch, reason: str) -> None:
         self.synclog.log("error", watch=str(watch.path), reason=reason)
 
     def _walk_limit(self, directory: Path, reason: str) -> None:
@@ -88,8 +91,7 @@ class Daemon:
 
     def start(self) -> None:
         self._clean_stale_scratch()
-        self.watcher = Watcher(self.config, self._on_event, self._on_subtree, self._on_overflow, self._on_limit)
-        self.watcher.start()
+        self._start_watcher()
         self.queue.start()
         queued = self._scan_all()
         self.synclog.log(
@@ -98,6 +100,13 @@ class Daemon:
             config=str(self.config.path),
         )
         notify.ready(self._status())
+
+    def _start_watcher(self) -> None:
+        """Watch every tree of the current configuration (at start-up and after a reload)."""
+        self.watcher = Watcher(self.config, self)
+        self.watcher.start()
+        interval = self.config.rescan_interval
+        self._next_safety_rescan = None if interval is None else time.monotonic() + interval
 
     def _clean_stale_scratch(self) -> None:
         directories: set[Path] = set()
@@ -144,6 +153,13 @@ class Daemon:
             notify.status(self._status())
 
     def _run_rescans(self) -> None:
+        if self._next_safety_rescan is not None and time.monotonic() >= self._next_safety_rescan:
+            # events can be lost without an overflow (a watch added a moment late, a filesystem that does not
+            # report everything); a scan queues every candidate and the up-to-date ones are dropped quickly
+            log.debug("safety rescan of every watch")
+            self._next_safety_rescan = time.monotonic() + (self.config.rescan_interval or 0.0)
+            for watch in self.config.watches:
+                self._request_rescan(watch.path)
         if self.queue.overflowed and self.queue.pending() < self.queue.capacity // 2:
             self.queue.overflowed = False
             for watch in self.config.watches:
@@ -173,8 +189,7 @@ class Daemon:
             self.watcher.stop()
         self.config = new
         self.syncer.settle_seconds = new.settle_seconds
-        self.watcher = Watcher(new, self._on_event, self._on_subtree, self._on_overflow, self._on_limit)
-        self.watcher.start()
+        self._start_watcher()
         queued = self._scan_all()
         self.synclog.log(
             "reloaded", reason=f"watching {len(new.watches)} tree(s); {queued} file(s) to check", config=str(new.path)

@@ -1,8 +1,11 @@
 """Filesystem events in, candidate paths out: watchdog's inotify observer, or polling where configured or
 where inotify cannot serve (watch limit reached, unsupported filesystem).
 
-The watcher knows nothing about conversion; it reports paths with how sure we are that the writer is done:
-`closed` (close-after-write or a rename into place) or `changed` (created/modified: wait for it to settle).
+The watcher knows nothing about conversion. It tells its `WatchListener` what happened, by name: a candidate
+file appeared or changed (and whether its writer is known to be done), a directory appeared (its files make
+no events of their own), events were lost (the kernel's inotify queue overflowed), or a watch fell back to
+polling. Which names are candidates is decided by `syncd.daemon.names`, the same test the scans and the
+daemon's decision code apply.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 from watchdog.events import (
     DirCreatedEvent,
@@ -23,25 +27,44 @@ from watchdog.events import (
     FileSystemEvent,
     FileSystemEventHandler,
 )
-from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+from watchdog.observers.inotify import InotifyEmitter
+from watchdog.observers.inotify_c import InotifyEvent, InotifyFD
 from watchdog.observers.polling import PollingObserver
 
 from syncd.daemon.config import Config, Watch
+from syncd.daemon.names import is_candidate
 
 log = logging.getLogger("syncd.watcher")
 
-CLOSED, CHANGED = "closed", "changed"
 FALLBACK_POLL_SECONDS = 2.0
 MAX_DEPTH = 64  # directory levels scanned below a watch; deeper trees are reported, not walked
-Notify = Callable[[Watch, Path, str], None]
 EVENTS = [FileClosedEvent, FileCreatedEvent, FileModifiedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
 
 
+class WatchListener(Protocol):
+    """What the watcher reports, from its observer threads (implementations must be thread-safe)."""
+
+    def on_file(self, watch: Watch, path: Path, closed: bool) -> None:
+        """A candidate file appeared or changed. `closed`: its writer is done (close-after-write, or a rename
+        into place); otherwise it must stay unchanged for the settle time."""
+
+    def on_directory(self, watch: Watch, directory: Path) -> None:
+        """A directory appeared (created or moved in): the files it brought need a scan."""
+
+    def on_overflow(self, watch: Watch) -> None:
+        """The kernel dropped events of this watch (inotify queue overflow): only a scan finds what changed."""
+
+    def on_fallback(self, watch: Watch, reason: str) -> None:
+        """inotify cannot serve this watch (`reason`); it is polled instead."""
+
+
 class _Handler(FileSystemEventHandler):
-    def __init__(self, watch: Watch, notify: Notify, rescan: Callable[[Watch, Path], None]) -> None:
+    """Turns one watch's watchdog events into listener calls, for candidate names only."""
+
+    def __init__(self, watch: Watch, listener: WatchListener) -> None:
         self.watch = watch
-        self.notify = notify
-        self.rescan = rescan
+        self.listener = listener
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         try:
@@ -51,47 +74,60 @@ class _Handler(FileSystemEventHandler):
 
     def _dispatch(self, event: FileSystemEvent) -> None:
         if isinstance(event, DirCreatedEvent | DirMovedEvent):
-            # files that arrive with a directory produce no events of their own
             target = event.dest_path if isinstance(event, DirMovedEvent) else event.src_path
-            self.rescan(self.watch, Path(os.fsdecode(target)))
+            self.listener.on_directory(self.watch, Path(os.fsdecode(target)))
         elif isinstance(event, FileMovedEvent):
-            self.notify(self.watch, Path(os.fsdecode(event.dest_path)), CLOSED)
+            self._file(event.dest_path, closed=True)
         elif isinstance(event, FileClosedEvent):
-            self.notify(self.watch, Path(os.fsdecode(event.src_path)), CLOSED)
+            self._file(event.src_path, closed=True)
         elif isinstance(event, FileCreatedEvent | FileModifiedEvent):
-            self.notify(self.watch, Path(os.fsdecode(event.src_path)), CHANGED)
+            self._file(event.src_path, closed=False)
+
+    def _file(self, raw_path: bytes | str, closed: bool) -> None:
+        path = Path(os.fsdecode(raw_path))
+        if is_candidate(self.watch, path):
+            self.listener.on_file(self.watch, path, closed)
 
 
-class _OverflowListener(logging.Handler):
-    """watchdog reports a kernel queue overflow only through its logger; we turn it into a rescan."""
+class _OverflowReportingInotify(InotifyFD):
+    """watchdog's inotify reader, also telling us when the kernel's event queue overflowed.
+
+    watchdog >= 7.1 reads the kernel's IN_Q_OVERFLOW event and answers it itself only by re-adding its
+    recursive watches (`WatchCallback.on_queue_overflow`); the events lost meanwhile are ours to find.
+    """
 
     def __init__(self, on_overflow: Callable[[], None]) -> None:
-        super().__init__(logging.WARNING)
-        self.on_overflow = on_overflow
+        super().__init__()
+        self._on_overflow = on_overflow
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if "overflow" in record.getMessage().lower():
-            self.on_overflow()
+    def handle_event(self, event: InotifyEvent) -> None:
+        super().handle_event(event)  # first: watches are whole again before we rescan
+        if event.is_queue_overflow:
+            self._on_overflow()
+
+
+class _InotifyObserver(BaseObserver):
+    """watchdog's `InotifyObserver`, over an inotify reader that reports queue overflows."""
+
+    def __init__(self, on_overflow: Callable[[], None]) -> None:
+        self._inotify = _OverflowReportingInotify(on_overflow)  # OSError when no inotify instance is left
+        self._inotify.start()
+        super().__init__(InotifyEmitter, inotify_fd=self._inotify)
+
+    def on_thread_stop(self) -> None:
+        super().on_thread_stop()
+        self._inotify.stop()
+        self._inotify.join()
 
 
 class Watcher:
-    def __init__(
-        self,
-        config: Config,
-        notify: Notify,
-        rescan: Callable[[Watch, Path], None],
-        on_overflow: Callable[[], None],
-        on_limit: Callable[[Watch, str], None],
-    ) -> None:
+    """Every watch of a configuration, each with its own observer, reporting to one listener."""
+
+    def __init__(self, config: Config, listener: WatchListener) -> None:
         self.config = config
-        self.notify = notify
-        self.rescan = rescan
-        self.on_limit = on_limit
-        self.observers: list[Observer] = []
+        self.listener = listener
+        self.observers: list[BaseObserver] = []
         self.polled: list[Watch] = []
-        self._overflow = _OverflowListener(on_overflow)
-        logging.getLogger("watchdog.observers.inotify_c").addHandler(self._overflow)
-        logging.getLogger("watchdog.observers.inotify").addHandler(self._overflow)
 
     def start(self) -> None:
         for watch in self.config.watches:
@@ -103,7 +139,9 @@ class Watcher:
             reason = self._try_inotify(watch)
             if reason is None:
                 return
-            self.on_limit(watch, f"inotify unavailable ({reason}); polling every {FALLBACK_POLL_SECONDS:g} s instead")
+            self.listener.on_fallback(
+                watch, f"inotify unavailable ({reason}); polling every {FALLBACK_POLL_SECONDS:g} s instead"
+            )
             interval = FALLBACK_POLL_SECONDS
         self.polled.append(watch)
         self._observe(watch, PollingObserver(timeout=interval))
@@ -113,7 +151,7 @@ class Watcher:
         cannot watch once the kernel's watch limit is reached, so we count the watches it really added."""
         before = inotify_watch_count()
         try:
-            observer = self._observe(watch, Observer())
+            observer = self._observe(watch, _InotifyObserver(lambda: self.listener.on_overflow(watch)))
         except OSError as exc:  # the limit hit at the root, no inotify instances left, or no inotify here
             return exc.strerror or str(exc)
         # inotify can only watch directories we may read; those we may not are reported by the scans
@@ -125,15 +163,12 @@ class Watcher:
             return f"watch limit reached: {added} of {wanted} directories watched (fs.inotify.max_user_watches)"
         return None
 
-    def _observe(self, watch: Watch, observer: Observer) -> Observer:
-        observer.schedule(
-            _Handler(watch, self.notify, self.rescan),
-            os.fspath(watch.path),
-            recursive=watch.recursive,
-            event_filter=EVENTS,
-        )
+    def _observe(self, watch: Watch, observer: BaseObserver) -> BaseObserver:
         observer.daemon = True
         try:
+            observer.schedule(
+                _Handler(watch, self.listener), os.fspath(watch.path), recursive=watch.recursive, event_filter=EVENTS
+            )
             observer.start()
         except BaseException:
             observer.stop()
@@ -147,8 +182,6 @@ class Watcher:
         for observer in self.observers:
             observer.join(timeout=2)
         self.observers.clear()
-        for name in ("watchdog.observers.inotify_c", "watchdog.observers.inotify"):
-            logging.getLogger(name).removeHandler(self._overflow)
 
 
 def walk_files(root: Path, recursive: bool, max_depth: int = MAX_DEPTH,
