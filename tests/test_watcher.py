@@ -1,0 +1,190 @@
+"""The watcher against the real daemon: names that are temporary by convention, events the kernel dropped
+(a real inotify queue overflow), events that never came (the periodic safety rescan). Real files, real
+inotify, real signals; see daemonutil.py for the harness."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from daemonutil import DaemonRun, scratch_files
+from safetensors.torch import save
+
+from syncd.formats import BURNPACK, open_checkpoint
+
+MAX_QUEUED_EVENTS = Path("/proc/sys/fs/inotify/max_queued_events")
+
+
+def checkpoint(seed: int) -> bytes:
+    """A small PyTorch checkpoint: one Linear (`fc.weight` [4, 3], `fc.bias` [4])."""
+    generator = torch.Generator().manual_seed(seed)
+    return save({"fc.weight": torch.randn(4, 3, generator=generator), "fc.bias": torch.randn(4, generator=generator)})
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def check_converted(source: Path, data: bytes) -> None:
+    """`source`'s output beside it is the Burn form of `data` (the Linear weight transposed)."""
+    with open_checkpoint(source.with_suffix(".bpk")) as reader:
+        assert reader.header.format == BURNPACK
+        assert {t.name: t.shape for t in reader.tensors} == {"fc.weight": (3, 4), "fc.bias": (4,)}
+        assert reader.header.metadata["syncd.source"] == source.name
+    assert source.read_bytes() == data
+
+
+def names(directory: Path) -> set[str]:
+    return {path.name for path in directory.iterdir()}
+
+
+def mentioning(run: DaemonRun, text: str) -> list[dict]:
+    return [r for r in run.records() if text in json.dumps(r)]
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
+    runs: list[DaemonRun] = []
+
+    def make(watches: list[dict] | None = None, **settings: object) -> DaemonRun:
+        run = DaemonRun(tmp_path / f"d{len(runs)}", watches, **settings)
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+def stop_cleanly(run: DaemonRun) -> None:
+    code, seconds = run.stop()
+    assert code == 0, f"exit status {code} after {seconds:.1f} s\n{run.stderr()}"
+    assert scratch_files(run.root) == []
+
+
+# ------------------------------------------------------------------------------------------ temporary names
+
+
+def test_a_writers_temporary_names_are_never_converted(make_daemon: Callable[..., DaemonRun]) -> None:
+    """Writers that save under a temporary name and rename when done: only the final names are converted,
+    nothing is left beside the temporary names, and no line speaks of them."""
+    run = make_daemon()
+    run.start()
+    runs = run.watch_dir("runs")
+    settled = {".tmp-1.safetensors": "model.safetensors", "ckpt.tmp.safetensors": "ckpt.safetensors"}
+    data = {final: checkpoint(seed) for seed, final in enumerate(settled.values())}
+    for temporary, final in settled.items():
+        write_file(runs / temporary, data[final])
+    run.quiet(1.5)  # several settle periods: a daemon that takes temporary names has converted them by now
+    for temporary, final in settled.items():
+        os.rename(runs / temporary, runs / final)
+    # renamed away at once, before any settle time: a daemon that queued the temporary name finds it gone
+    data["quick.safetensors"] = checkpoint(7)
+    write_file(runs / ".quick.safetensors.part.safetensors", data["quick.safetensors"])
+    os.rename(runs / ".quick.safetensors.part.safetensors", runs / "quick.safetensors")
+
+    run.wait_for("converted", [runs / final for final in data])
+    run.quiet(1.0)
+    assert [r["status"] for r in run.records()] == ["started"] + ["converted"] * len(data), run.log_text()
+    assert names(runs) == set(data) | {Path(final).with_suffix(".bpk").name for final in data}
+    for final, content in data.items():
+        check_converted(runs / final, content)
+    for temporary in [*settled, ".quick"]:
+        assert mentioning(run, temporary) == []
+    stop_cleanly(run)
+
+
+def test_the_ignore_setting_replaces_the_default(make_daemon: Callable[..., DaemonRun]) -> None:
+    """A global `ignore:` replaces the default list (dotfiles are converted then); a watch's own `ignore:`
+    replaces the global one."""
+    run = make_daemon([{"path": "runs"}, {"path": "other", "ignore": []}], ignore=["draft-*"])
+    run.start()
+    runs, other = run.watch_dir("runs"), run.watch_dir("other")
+    data = {name: checkpoint(seed) for seed, name in enumerate(["draft-1.safetensors", ".hidden.safetensors"])}
+    for directory in (runs, other):
+        for name, content in data.items():
+            write_file(directory / name, content)
+    converted = [runs / ".hidden.safetensors", other / ".hidden.safetensors", other / "draft-1.safetensors"]
+    run.wait_for("converted", converted)
+    run.quiet(1.0)
+    assert sorted(r["source"] for r in run.statuses("converted")) == sorted(map(str, converted))
+    assert names(runs) == {"draft-1.safetensors", ".hidden.safetensors", ".hidden.bpk"}
+    for source in converted:
+        check_converted(source, data[source.name])
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ lost events
+
+
+@contextlib.contextmanager
+def stopped(run: DaemonRun) -> Iterator[None]:
+    """The daemon held with SIGSTOP: nothing reads its inotify queue until the block ends."""
+    run.send(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        run.send(signal.SIGCONT)
+
+
+def test_a_real_inotify_queue_overflow_is_caught_up_by_a_rescan(make_daemon: Callable[..., DaemonRun]) -> None:
+    """While the daemon is stopped, more files appear than the kernel queues events for (each new file makes
+    at least two: create and close); the checkpoints written last find the queue full and their events are
+    dropped. The daemon learns of the overflow from inotify itself, logs it and rescans: every checkpoint is
+    converted. The periodic safety rescan is far off, so only the overflow can have found them."""
+    run = make_daemon(rescan_interval=3600)
+    run.start()
+    runs = run.watch_dir("runs")
+    noise = runs / "noise"
+    noise.mkdir()
+    run.quiet(0.5)  # the new directory is watched
+    flood = int(MAX_QUEUED_EVENTS.read_text()) + 1000
+    data = {runs / f"late-{index}.safetensors": checkpoint(index) for index in range(5)}
+    with stopped(run):
+        for index in range(flood):
+            (noise / f"{index}.txt").touch()
+        for path, content in data.items():
+            write_file(path, content)
+    run.wait_for("converted", data, timeout=180)
+    overflow = [r for r in run.statuses("error") if "overflowed" in r.get("reason", "")]
+    assert [r["watch"] for r in overflow] == [str(runs)], run.log_text()
+    run.quiet(1.0)
+    assert {r["status"] for r in run.records()} == {"started", "error", "converted"}, run.log_text()
+    for path, content in data.items():
+        check_converted(path, content)
+    stop_cleanly(run)
+
+
+@contextlib.contextmanager
+def bind_mounted(source: Path, target: Path) -> Iterator[None]:
+    subprocess.run(["mount", "--bind", os.fspath(source), os.fspath(target)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", os.fspath(target)], check=True)
+
+
+def test_the_safety_rescan_finds_files_no_event_announced(make_daemon: Callable[..., DaemonRun]) -> None:
+    """A directory mounted over a watched subdirectory: inotify watches the directory underneath, so files
+    written into the mounted one make no event at all. Only the periodic rescan finds them."""
+    run = make_daemon(rescan_interval=1)
+    runs = run.watch_dir("runs")
+    (runs / "sub").mkdir()
+    elsewhere = run.root / "elsewhere"
+    elsewhere.mkdir()
+    run.start()
+    with bind_mounted(elsewhere, runs / "sub"):
+        data = checkpoint(3)
+        write_file(runs / "sub" / "unseen.safetensors", data)
+        run.wait_for("converted", [runs / "sub" / "unseen.safetensors"], timeout=60)
+        check_converted(runs / "sub" / "unseen.safetensors", data)
+        stop_cleanly(run)
+    assert names(elsewhere) == {"unseen.safetensors", "unseen.bpk"}
