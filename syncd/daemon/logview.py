@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, TextIO
 from syncd.daemon.config import DEFAULT_CONFIG_PATH, load_config
 from syncd.daemon.synclog import STATUSES, backup_path, parse_timestamp
 from syncd.errors import SyncdError, UsageError
+from syncd.progress import human_bytes
 
 _SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _RELATIVE_SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -52,6 +53,9 @@ def parse_statuses(values: Iterable[str] | None) -> frozenset[str] | None:
     if not values:
         return None
     statuses = frozenset(part.strip() for value in values for part in value.split(",") if part.strip())
+    unknown = sorted(statuses - set(STATUSES))
+    if unknown:
+        raise UsageError(f"--status: unknown status {', '.join(unknown)} (known: {', '.join(STATUSES)})")
     return statuses or None
 
 
@@ -202,17 +206,6 @@ class _Tail:
 # ---------------------------------------------------------------------------------------------- rendering
 
 
-def human_bytes(count: int) -> str:
-    if count < 1024:
-        return f"{count} B"
-    value = float(count)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
 def human_duration(milliseconds: float) -> str:
     if milliseconds < 1000:
         return f"{milliseconds:.0f} ms"
@@ -247,6 +240,14 @@ COLUMNS = ("TIME (UTC)", "STATUS", "SOURCE -> DEST", "TENSORS", "SIZE", "DURATIO
 _RIGHT_ALIGNED = {"TENSORS", "SIZE", "DURATION"}
 
 
+def short_path(path: object, watch: object) -> str:
+    """A path relative to its watch (`run1/ckpt.bpk`), or as logged when it lies elsewhere (a mirror)."""
+    text = str(path)
+    if isinstance(watch, str) and watch and text.startswith(watch.rstrip("/") + "/"):
+        return text[len(watch.rstrip("/")) + 1 :]
+    return text
+
+
 def table_row(entry: Entry) -> tuple[str, ...]:
     record = entry.record
 
@@ -255,18 +256,29 @@ def table_row(entry: Entry) -> tuple[str, ...]:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         return render(value) if ok else ""
 
+    watch = record.get("watch")
     source, dest = record.get("source"), record.get("dest")
-    files = " -> ".join(printable(str(path)) for path in (source, dest) if path is not None)
-    reason = record.get("reason") or record.get("error") or ""
+    files = " -> ".join(printable(short_path(path, watch)) for path in (source, dest) if path is not None)
     return (
         entry.moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
         printable(record["status"]),
-        files or printable(str(record.get("watch") or "")),
+        files or printable(str(watch or "")),
         number("tensors", lambda v: str(int(v))),
         number("bytes", lambda v: human_bytes(int(v))),
         number("duration_ms", human_duration),
-        printable(str(reason)),
+        reason_text(record)[0],
     )
+
+
+def reason_text(record: dict[str, Any]) -> list[str]:
+    """The REASON cell, then any lines to print under the row: the error first (what went wrong), then the
+    reason's first line; the rest of a multi-line reason (a suggested module map) on lines of its own."""
+    error, reason = record.get("error"), record.get("reason")
+    reason_lines = str(reason).split("\n") if reason else []
+    head = [printable(str(error))] if error else []
+    if reason_lines:
+        head.append(printable(reason_lines[0]))
+    return ["; ".join(head), *(f"    {printable(line)}" for line in reason_lines[1:])]
 
 
 @dataclass
@@ -325,13 +337,12 @@ def show_log(
             path_glob=path_glob,
         )
     except UsageError as exc:
-        print(f"syncd log: {exc}", file=err)
-        return exc.exit_code
+        return _error(out if as_json else err, as_json, str(exc), exc.exit_code)
     path = Path(log_path)
     files = log_files(path)
     if not files and not follow:
-        print(f"syncd log: {path}: no sync log yet (the daemon writes it when it starts)", file=err)
-        return 1
+        message = f"{path}: no sync log yet (the daemon writes it when it starts)"
+        return _error(out if as_json else err, as_json, message, 1)
     parser = _Parser()
     printer = _Printer(out, as_json, log_filter)
     tail = _Tail(path)
@@ -354,6 +365,16 @@ def show_log(
         plural = "s" if parser.corrupt != 1 else ""
         print(f"syncd log: {path}: skipped {parser.corrupt} corrupt line{plural}", file=err)
     return 0
+
+
+def _error(stream: TextIO, as_json: bool, message: str, code: int) -> int:
+    """One error line, or with --json one JSON document (on stdout, where the records would have gone)."""
+    if as_json:
+        stream.write(json.dumps({"status": "error", "error": message, "exit_code": code}) + "\n")
+    else:
+        stream.write(f"syncd log: {message}\n")
+    stream.flush()
+    return code
 
 
 def _silence(out: TextIO) -> None:
@@ -386,9 +407,21 @@ class _Printer:
             lines = [entry.raw for entry in matching]
         else:
             lines = self.table.render([table_row(entry) for entry in matching])
+            if lines and len(lines) > len(matching):  # the header came first
+                lines = lines[:1] + _with_extra_lines(lines[1:], matching)
+            else:
+                lines = _with_extra_lines(lines, matching)
         for line in lines:
             self.out.write(line + "\n")
         self.out.flush()
+
+
+def _with_extra_lines(rows: list[str], entries: list[Entry]) -> list[str]:
+    out = []
+    for row, entry in zip(rows, entries, strict=True):
+        out.append(row)
+        out.extend(reason_text(entry.record)[1:])
+    return out
 
 
 def _follow(
@@ -430,8 +463,7 @@ def run_log_command(args: argparse.Namespace, out: TextIO | None = None, err: Te
         try:
             config = load_config(args.config or DEFAULT_CONFIG_PATH, check_filesystem=False)
         except SyncdError as exc:
-            print(f"syncd log: {exc}", file=err)
-            return exc.exit_code
+            return _error((out or sys.stdout) if args.json else err, args.json, str(exc), exc.exit_code)
         log_path = config.log.path
     return show_log(
         log_path,
