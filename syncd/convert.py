@@ -35,6 +35,7 @@ from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader, pwrite_all
 from syncd.formats.registry import BY_NAME
 from syncd.formats.table import TensorInfo, TensorSpec
+from syncd.progress import ProgressCallback, track
 from syncd.publish import PublishResult, ensure_destination_free, open_scratch, publish
 from syncd.targets import TARGETS, Target
 from syncd.transfer import Transfer
@@ -56,6 +57,7 @@ class ConvertRequest:
     fail_early_if_exists: bool = True  # the daemon turns this off to tell "already in sync" from a conflict
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
     rename: Rename | None = None  # rewrites output names after the adapters (see `rename`)
+    progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
 
 
 @dataclass
@@ -92,6 +94,8 @@ def convert(request: ConvertRequest) -> ConvertResult:
         if request.fail_early_if_exists and not request.overwrite:
             ensure_destination_free(dest)
         conversion = plan(source, request, TARGETS[to_format](), dest)
+        if request.progress is not None:
+            conversion.specs = track(conversion.specs, request.progress)
         outcome = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,
