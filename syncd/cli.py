@@ -1,12 +1,14 @@
-"""The `syncd` command line: convert, inspect, run (the daemon), log, check-config.
+"""The `syncd` command line: convert, inspect, run (the daemon), status, log, check-config, completion.
 
-Every error a user sees is one line naming the file and what is wrong; exit status 1 for bad input or a
-refused conversion, 2 for usage and configuration errors, 3 when the destination already exists.
+Every error a user sees is one line naming the file and what is wrong (a JSON document with `--json`); exit
+status 1 for bad input or a refused conversion, 2 for usage and configuration errors, 3 when the destination
+already exists. A reader that goes away (`syncd log | head`) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -23,26 +25,52 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 1  # usage (2) and exists (3) come from the errors'
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own usage errors: one line, status 2
-        raise UsageError(f"{self.prog}: {message}")
+        command = self.prog.removeprefix("syncd").strip()
+        hint = f" (see syncd {command} --help)" if command else " (see syncd --help)"
+        raise UsageError(f"{command + ': ' if command else ''}{message}{hint}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from syncd.adapters import AUTO, LAYOUT_CHOICES
-    from syncd.formats.registry import BY_SHORT
-
     parser = _Parser(prog="syncd", description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.")
     parser.add_argument("--version", action="version", version=f"syncd {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_convert(commands)
 
     inspect = commands.add_parser("inspect", help="show a checkpoint's header, metadata and tensors")
     inspect.add_argument("file", type=Path)
     inspect.add_argument("--json", action="store_true", help="one JSON document")
     inspect.add_argument("--hash", action="store_true", help="add a sha256 per tensor")
 
+    run = commands.add_parser("run", help="run the daemon")
+    run.add_argument("-c", "--config", type=Path, required=True)
+
+    from syncd.daemon.config import DEFAULT_CONFIG_PATH
+
+    status = commands.add_parser("status", help="what the running daemon does now, what waits, what failed")
+    status.add_argument("-c", "--config", type=Path, default=Path(DEFAULT_CONFIG_PATH), help="daemon config")
+    status.add_argument("--json", action="store_true", help="one JSON document")
+
+    check = commands.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("config", type=Path)
+
+    from syncd.daemon.logview import add_log_arguments
+
+    add_log_arguments(commands.add_parser("log", help="show the sync log"))
+    completion = commands.add_parser("completion", help="print a shell completion script")
+    completion.add_argument("shell", choices=["bash"])
+    return parser
+
+
+def _add_convert(commands: argparse._SubParsersAction) -> None:
+    from syncd.adapters import AUTO, LAYOUT_CHOICES
+    from syncd.formats.registry import BY_SHORT
+
     convert = commands.add_parser("convert", help="convert one checkpoint to the other format and layout")
     convert.add_argument("source", type=Path)
     convert.add_argument("-o", "--output", type=Path, help="destination (default: SOURCE with the other extension)")
-    convert.add_argument("--to", choices=list(BY_SHORT), help="output format (default: the other one)")
+    convert.add_argument(
+        "--to", choices=list(BY_SHORT), help="output format (default: from -o's extension, else the other one)"
+    )
     convert.add_argument(
         "--layout",
         choices=LAYOUT_CHOICES,
@@ -51,44 +79,70 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--modules", type=Path, help="YAML module map (path pattern -> module kind)")
     convert.add_argument("--overwrite", action="store_true", help="replace the destination if it exists")
-    convert.add_argument("--json", action="store_true", help="print the result as JSON")
+    convert.add_argument("--json", action="store_true", help="print the result (or the error) as JSON")
     convert.add_argument("-v", "--verbose", action="store_true", help="print every layout decision")
-
-    run = commands.add_parser("run", help="run the daemon")
-    run.add_argument("-c", "--config", type=Path, required=True)
-
-    check = commands.add_parser("check-config", help="validate a configuration file")
-    check.add_argument("config", type=Path)
-
-    from syncd.daemon.logview import add_log_arguments
-
-    add_log_arguments(commands.add_parser("log", help="show the sync log"))
-    return parser
+    convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def main(argv: list[str] | None = None) -> int:
-    verbose = False
+    argv = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in argv  # known before parsing, so argparse's own errors come out as JSON too
     try:
-        args = build_parser().parse_args(argv)
-        verbose = getattr(args, "verbose", False)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return UsageError.exit_code
         return _dispatch(args)
     except SyncdError as exc:
-        print(f"syncd: {_one_line(str(exc))}", file=sys.stderr)
-        details = getattr(exc, "details", None)  # e.g. the module map that would settle an ambiguous layout
-        if verbose and details:
-            print(details, file=sys.stderr)
-        return exc.exit_code
+        # a refusal's module map that would settle it is what the user acts on: always printed; -v adds the
+        # per-module reasons before it
+        verbose = "-v" in argv or "--verbose" in argv
+        details = getattr(exc, "details" if verbose else "suggestion", None) or getattr(exc, "details", None)
+        return _report(as_json, exc.exit_code, str(exc), exc.path, details)
+    except BrokenPipeError:
+        return _reader_gone()
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"syncd: {where}{exc.strerror or exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _report(as_json, EXIT_BAD_INPUT, f"{where}{exc.strerror or exc}", exc.filename, None)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a bug of ours: still one line for the user; SYNCD_DEBUG=1 shows the traceback
         if os.environ.get("SYNCD_DEBUG"):
             raise
-        print(f"syncd: internal error: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _report(as_json, EXIT_BAD_INPUT, f"internal error: {type(exc).__name__}: {exc}", None, None)
+
+
+def _report(as_json: bool, code: int, message: str, path: object, details: str | None) -> int:
+    """An error for the user: one line on stderr (then any details), or one JSON document on stdout."""
+    line = _one_line(message)
+    try:
+        if as_json:
+            doc = {
+                "status": "error",
+                "error": line,
+                "file": None if path is None else os.fsdecode(path),
+                "exit_code": code,
+            }
+            if details:
+                doc["details"] = details
+            print(json.dumps(doc), flush=True)
+        else:
+            print(f"syncd: {line}", file=sys.stderr)
+            if details:
+                print(details, file=sys.stderr)
+    except BrokenPipeError:
+        return _reader_gone(code)
+    return code
+
+
+def _reader_gone(code: int = EXIT_OK) -> int:
+    """stdout's reader went away (`| head`): not worth a message. Point stdout at /dev/null so the
+    interpreter's final flush does not complain either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return code
 
 
 def _one_line(text: str) -> str:
@@ -104,6 +158,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from syncd.daemon.service import run_daemon
 
         return run_daemon(args.config)
+    if args.command == "status":
+        from syncd.daemon.status import run_status_command
+
+        return run_status_command(args.config, as_json=args.json)
     if args.command == "check-config":
         from syncd.daemon.config import run_check_config
 
@@ -112,6 +170,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from syncd.daemon.logview import run_log_command
 
         return run_log_command(args)
+    if args.command == "completion":
+        from syncd.completion import bash_completion
+
+        sys.stdout.write(bash_completion(build_parser()))
+        return EXIT_OK
     raise UsageError(f"unknown command {args.command}")
 
 
@@ -120,43 +183,45 @@ def _inspect(args: argparse.Namespace) -> int:
 
     doc = describe(str(args.file), with_hash=args.hash)
     (print_json if args.json else print_table)(doc, sys.stdout)
+    sys.stdout.flush()  # a closed pipe shows here, inside main's handler, not at the interpreter's exit
     return EXIT_OK
 
 
-def _convert(args: argparse.Namespace) -> int:
-    import json
+def target_format(to: str | None, output: Path | None) -> str | None:
+    """The output format: `--to`, else what `-o`'s extension names, else None (the other format). An
+    extension naming the other format than `--to` is refused: the file's name would lie about its bytes."""
+    from syncd.formats.registry import BY_SHORT, format_for_path
 
+    named = format_for_path(output) if output is not None else None
+    wanted = BY_SHORT[to] if to else None
+    if wanted and named and wanted != named:
+        raise UsageError(f"--to {to} contradicts the extension of the output {output} ({named.name})")
+    chosen = wanted or named
+    return chosen.name if chosen else None
+
+
+def _convert(args: argparse.Namespace) -> int:
     from syncd.adapters import ModuleMap
     from syncd.convert import ConvertRequest, convert
-    from syncd.formats.registry import BY_SHORT
+    from syncd.progress import ProgressBar
 
+    bar = ProgressBar.for_stream(sys.stderr, label=args.source.name, enabled=not (args.quiet or args.json))
     request = ConvertRequest(
         source=args.source,
         dest=args.output,
-        to_format=BY_SHORT[args.to].name if args.to else None,
+        to_format=target_format(args.to, args.output),
         layout=args.layout,
         module_map=ModuleMap.from_yaml_file(args.modules) if args.modules else None,
         overwrite=args.overwrite,
+        progress=bar.update if bar else None,
     )
-    result = convert(request)
+    try:
+        result = convert(request)
+    finally:
+        if bar:
+            bar.close()
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "status": result.status,
-                    "source": str(result.source),
-                    "dest": str(result.dest),
-                    "tensors": result.tensors,
-                    "bytes": result.bytes,
-                    "seconds": round(result.seconds, 4),
-                    "source_layout": result.source_layout,
-                    "target_layout": result.target_layout,
-                    "decisions": result.decisions,
-                    "dropped": result.dropped,
-                    "restored": result.restored,
-                }
-            )
-        )
+        print(json.dumps(_result_doc(result)))
         return EXIT_OK
     verb = {"in_sync": "already in sync", "replaced": "replaced"}.get(result.status, "converted")
     print(
@@ -169,3 +234,23 @@ def _convert(args: argparse.Namespace) -> int:
     for name in result.dropped:
         print(f"  carried in metadata (no slot on the target side): {name}")
     return EXIT_OK
+
+
+def _result_doc(result: object) -> dict[str, object]:
+    fields = (
+        "status",
+        "source",
+        "dest",
+        "tensors",
+        "bytes",
+        "seconds",
+        "source_layout",
+        "target_layout",
+        "decisions",
+        "dropped",
+        "restored",
+    )
+    doc = {name: getattr(result, name) for name in fields}
+    doc["source"], doc["dest"] = str(doc["source"]), str(doc["dest"])
+    doc["seconds"] = round(float(doc["seconds"]), 4)  # type: ignore[arg-type]
+    return doc
