@@ -19,11 +19,11 @@ from pathlib import Path
 
 from syncd.daemon import notify
 from syncd.daemon.config import Config, Watch, load_config
+from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
 from syncd.daemon.state import StateDB
 from syncd.daemon.sync import Syncer
-from syncd.daemon.synclog import SyncLog
 from syncd.daemon.watcher import Watcher, walk_files
 from syncd.errors import SyncdError
 from syncd.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
@@ -37,7 +37,7 @@ TICK_SECONDS = 1.0
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.synclog = SyncLog(config.log.path, config.log.max_bytes, config.log.backups)
+        self.synclog = JournalingSyncLog(config.log.path, config.log.max_bytes, config.log.backups)
         self.state = StateDB(config.state_dir)
         self.syncer = Syncer(self.state, self.synclog, config.settle_seconds)
         self.queue = WorkQueue(self._work, config.workers)
@@ -217,15 +217,9 @@ class Daemon:
         self._wake.set()
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), format="%(levelname)s %(name)s: %(message)s"
-    )
-
-
 def run_daemon(config_path: Path) -> int:
     config = load_config(config_path)
-    _configure_logging(config.log.level)
+    configure_logging(config.log.level)
     daemon = Daemon(config)
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)

@@ -185,8 +185,9 @@ class Syncer:
             if suggestion:
                 fields["reason"] = "module map that would settle it:\n" + suggestion
             self.synclog.log(status, **fields)
-        if status == "error" and not transient:
-            log.error("%s: %s", path, text, exc_info=not isinstance(exc, SyncdError | OSError))
+        if status == "error" and not transient and not isinstance(exc, SyncdError | OSError):
+            # a bug of ours: the traceback goes to the journal (the sync log's line already says what failed)
+            log.error("%s: %s", path, text, exc_info=True)
         if transient:
             attempts = self.state.get(path).attempts if self.state.get(path) else 1
             return Outcome(status, retry_in=min(60.0, 2.0 ** min(attempts, 6)))
