@@ -275,6 +275,9 @@ def reason_text(record: dict[str, Any]) -> list[str]:
     reason's first line; the rest of a multi-line reason (a suggested module map) on lines of its own."""
     error, reason = record.get("error"), record.get("reason")
     reason_lines = str(reason).split("\n") if reason else []
+    source = record.get("source")
+    if error and source:
+        error = str(error).removeprefix(f"{source}: ")  # the error names its file, already in the row
     head = [printable(str(error))] if error else []
     if reason_lines:
         head.append(printable(reason_lines[0]))

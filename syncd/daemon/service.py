@@ -23,6 +23,7 @@ from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
 from syncd.daemon.state import StateDB
+from syncd.daemon.status import Activity
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
 from syncd.errors import SyncdError
@@ -37,9 +38,13 @@ TICK_SECONDS = 1.0
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.synclog = JournalingSyncLog(config.log.path, config.log.max_bytes, config.log.backups)
+        self.activity = Activity(config.state_dir, config.path)  # status file, STATUS= and `converting` lines
+        self.synclog = JournalingSyncLog(
+            config.log.path, config.log.max_bytes, config.log.backups, observers=(self.activity.record,)
+        )
         self.state = StateDB(config.state_dir)
         self.syncer = Syncer(self.state, self.synclog, config.settle_seconds)
+        self.syncer.progress_for = self.activity.progress_for
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
         self._wake = threading.Event()
@@ -53,7 +58,8 @@ class Daemon:
     # -- wiring
 
     def _work(self, watch: Watch, path: Path, closed: bool) -> float | None:
-        outcome = self.syncer.process(watch, path, closed)
+        with self.activity.working(path):
+            outcome = self.syncer.process(watch, path, closed)
         if outcome.status in ("converted", "in_sync"):
             self.counts["converted"] += 1
         elif outcome.status in ("refused", "error", "conflict"):
@@ -171,11 +177,8 @@ class Daemon:
                 if root == watch.path or (watch.recursive and root.is_relative_to(watch.path)):
                     self._scan(watch, root)
 
-    def _status(self) -> str:
-        return (
-            f"watching {len(self.config.watches)} tree(s); queue {self.queue.pending()}; "
-            f"converted {self.counts['converted']}; failed {self.counts['failed']}"
-        )
+    def _status(self, state: str = "running") -> str:
+        return f"watching {len(self.config.watches)} tree(s); {self.activity.tick(self.queue.pending(), state=state)}"
 
     def reload(self) -> None:
         notify.reloading()
@@ -204,6 +207,7 @@ class Daemon:
         abandoned = [] if finished else abandon_open_scratches()
         reason = "finished in-flight work" if finished else f"abandoned {len(abandoned)} conversion(s) in flight"
         self.synclog.log("stopped", reason=reason)
+        self._status(state="stopped")
         self.synclog.close()
         if finished:
             self.state.close()

@@ -15,6 +15,7 @@ import os
 import signal
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from syncd.errors import (
 )
 from syncd.formats import Format, format_for_path, open_checkpoint
 from syncd.formats.registry import BY_NAME
+from syncd.progress import ProgressCallback
 
 log = logging.getLogger("syncd.sync")
 
@@ -64,6 +66,8 @@ class Syncer:
         self.state = state
         self.synclog = synclog
         self.settle_seconds = settle_seconds
+        # who wants to follow a conversion's bytes (the daemon's status); called with the source path
+        self.progress_for: Callable[[Path], ProgressCallback | None] = lambda _path: None
 
     # -- the decision
 
@@ -136,6 +140,7 @@ class Syncer:
                     overwrite=watch.on_exists == "overwrite",
                     fail_early_if_exists=False,
                     within=watch.path,
+                    progress=self.progress_for(path),
                 )
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on

@@ -1,0 +1,238 @@
+"""What the running daemon is doing, for `syncd status`, `systemctl status` (STATUS=) and the journal.
+
+`Activity` follows the work: which conversions run and how far they are (fed by the conversion's progress
+callback), the sync log's records (counts since start, recent failures), and the queue's length. Once a
+second the daemon calls `tick()`, which rewrites `<state_dir>/status.json` atomically (a scratch file then
+rename: a reader sees the old or the new document, never half of one) and logs a `converting` line for a
+conversion that has run longer than CONVERTING_AFTER seconds (again every CONVERTING_EVERY seconds).
+`syncd status -c FILE` reads that file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from syncd.daemon.synclog import utc_timestamp
+from syncd.errors import SyncdError
+from syncd.progress import ProgressCallback, ProgressState, describe, human_bytes, human_seconds
+
+log = logging.getLogger("syncd")
+
+STATUS_FILE = "status.json"
+STATUS_MODE = 0o640  # the service's group (operators added to it) may read it; see the README
+CONVERTING_AFTER = 5.0  # seconds before a running conversion gets a journal line
+CONVERTING_EVERY = 60.0  # and then how often
+RECENT_FAILURES = 10
+FAILURE_STATUSES = ("refused", "error", "conflict", "skipped")
+LIFECYCLE = ("started", "stopped", "reloaded")  # not work: not counted
+STALE_AFTER = 30.0  # a status older than this (the daemon rewrites it every second) means no daemon
+
+
+@dataclass
+class Running:
+    source: str
+    progress: ProgressState = field(default_factory=ProgressState)
+    announced: float | None = None  # monotonic time of the last `converting` line
+
+    def doc(self, now: float) -> dict[str, Any]:
+        snap = self.progress.snapshot(now)
+        return {"source": self.source, **{key: _rounded(value) for key, value in snap.items()}}
+
+
+def _rounded(value: Any) -> Any:
+    return round(value, 2) if isinstance(value, float) else value
+
+
+class Activity:
+    """Thread-safe: workers start and feed conversions, the sync log reports records, the main thread ticks."""
+
+    def __init__(self, state_dir: Path, config_path: Path) -> None:
+        self.path = Path(state_dir) / STATUS_FILE
+        self.config_path = config_path
+        self.started = utc_timestamp()
+        self.counts: Counter[str] = Counter()
+        self.failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
+        self.queued = 0
+        self._running: dict[int, Running] = {}  # by worker thread
+        self._lock = threading.Lock()
+
+    # -- fed by the workers and the sync log
+
+    @contextlib.contextmanager
+    def working(self, source: Path) -> Iterator[None]:
+        """Around one worker's handling of `source`; it shows as running once bytes are being written."""
+        key = threading.get_ident()
+        with self._lock:
+            self._running[key] = Running(os.fsdecode(source))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+    def progress_for(self, source: Path) -> ProgressCallback | None:
+        """The callback for the conversion this worker is about to run (None outside working())."""
+        with self._lock:
+            running = self._running.get(threading.get_ident())
+        if running is None:
+            return None
+        running.progress = ProgressState()  # the clock starts with the conversion, not with the settle checks
+        return running.progress.update
+
+    def record(self, record: dict[str, Any]) -> None:
+        status = str(record.get("status"))
+        if status in LIFECYCLE:
+            return
+        with self._lock:
+            self.counts[status] += 1
+            if status in FAILURE_STATUSES:
+                why = str(record.get("error") or str(record.get("reason") or "").split("\n")[0])
+                why = why.removeprefix(f"{record.get('source')}: ")  # the error names the file listed beside it
+                self.failures.append(
+                    {"time": record.get("time"), "status": status, "source": record.get("source"), "error": why}
+                )
+
+    # -- the main thread, once a second
+
+    def tick(self, queued: int, now: float | None = None, state: str = "running") -> str:
+        """Write the status file, log `converting` lines that are due; returns the STATUS= text."""
+        now = time.monotonic() if now is None else now
+        self.queued = queued
+        doc = self.document(now, state)
+        self._announce(now)
+        try:
+            _write_atomically(self.path, json.dumps(doc, indent=1) + "\n")
+        except OSError as exc:  # a status nobody can read is no reason to stop converting
+            log.debug("cannot write %s: %s", self.path, exc)
+        return status_line(doc)
+
+    def document(self, now: float, state: str = "running") -> dict[str, Any]:
+        with self._lock:
+            running = [item.doc(now) for item in self._running.values() if item.progress.total]
+            counts = dict(self.counts)
+            failures = list(self.failures)
+        return {
+            "state": state,
+            "pid": os.getpid(),
+            "config": os.fsdecode(self.config_path),
+            "started": self.started,
+            "updated": utc_timestamp(),
+            "updated_unix": time.time(),
+            "running": running,
+            "queued": self.queued,
+            "counts": counts,
+            "recent_failures": failures,
+        }
+
+    def _announce(self, now: float) -> None:
+        with self._lock:
+            items = list(self._running.values())
+        for item in items:
+            elapsed = now - item.progress.started
+            if not item.progress.total or elapsed < CONVERTING_AFTER:
+                continue
+            if item.announced is None or now - item.announced >= CONVERTING_EVERY:
+                item.announced = now
+                log.info("converting %s: %s", item.source, describe(item.progress.snapshot(now)))
+
+
+def status_line(doc: dict[str, Any]) -> str:
+    """One line for systemd's STATUS=: counts, queue, and each running conversion's progress."""
+    counts = doc["counts"]
+    done = counts.get("converted", 0) + counts.get("in_sync", 0)
+    failed = sum(counts.get(status, 0) for status in ("refused", "error", "conflict"))
+    text = f"converted {done}; failed {failed}; queue {doc['queued']}"
+    for item in doc["running"]:
+        percent = item["percent"] or 0.0
+        rate = f" at {human_bytes(item['rate'])}/s" if item["rate"] else ""
+        text += f"; converting {os.path.basename(item['source'])} {percent:.0f}%{rate}"
+    return text
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, STATUS_MODE)
+    try:
+        os.fchmod(fd, STATUS_MODE)
+        os.write(fd, text.encode("utf-8"))
+    finally:
+        os.close(fd)
+    os.replace(scratch, path)
+
+
+# ---------------------------------------------------------------------------------------------- syncd status
+
+
+def read_status(state_dir: Path) -> dict[str, Any]:
+    path = Path(state_dir) / STATUS_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SyncdError("no status file: the daemon has not run with this configuration", str(path)) from None
+    except PermissionError:
+        raise SyncdError("permission denied (members of the service's group may read it)", str(path)) from None
+    except (OSError, ValueError) as exc:
+        raise SyncdError(f"unreadable status file: {exc}", str(path)) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("counts"), dict):
+        raise SyncdError("not a syncd status file", str(path))
+    doc["alive"] = doc.get("state") == "running" and _alive(doc)
+    return doc
+
+
+def _alive(doc: dict[str, Any]) -> bool:
+    updated = doc.get("updated_unix")
+    if not isinstance(updated, (int, float)) or time.time() - updated > STALE_AFTER:
+        return False
+    try:
+        os.kill(int(doc.get("pid", 0)), 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM  # alive, as another user
+    return True
+
+
+def render_status(doc: dict[str, Any]) -> list[str]:
+    state = "running" if doc["alive"] else f"not running (last status {doc.get('updated')}, {doc.get('state')})"
+    lines = [f"syncd: {state}; pid {doc.get('pid')}, started {doc.get('started')}, config {doc.get('config')}"]
+    counts = doc["counts"]
+    order = ("converted", "in_sync", "refused", "conflict", "error", "skipped")
+    lines.append("since start: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in order))
+    lines.append(f"queued: {doc.get('queued', 0)}")
+    running = doc.get("running") or []
+    lines.append(f"converting: {len(running) if running else 'nothing'}")
+    for item in running:
+        rate = f"{human_bytes(item['rate'])}/s" if item.get("rate") else "-"
+        eta = f"{human_seconds(item['eta'])} left" if item.get("eta") is not None else ""
+        lines.append(
+            f"  {item['source']}  {item.get('percent') or 0:.0f}% of {human_bytes(item['total'])}  {rate}  {eta}"
+        )
+    failures = doc.get("recent_failures") or []
+    lines.append(f"recent failures: {len(failures) if failures else 'none'}")
+    lines.extend(f"  {f.get('time')}  {f.get('status')}  {f.get('source')}: {f.get('error')}" for f in failures)
+    return [line.rstrip() for line in lines]
+
+
+def run_status_command(config_path: Path, as_json: bool = False, out: TextIO | None = None) -> int:
+    """`syncd status -c FILE`: 0 when the daemon runs, 1 when its last status says it does not."""
+    from syncd.daemon.config import load_config
+
+    out = out or sys.stdout
+    config = load_config(config_path, check_filesystem=False)
+    doc = read_status(config.state_dir)
+    if as_json:
+        out.write(json.dumps(doc) + "\n")
+    else:
+        out.write("\n".join(render_status(doc)) + "\n")
+    out.flush()
+    return 0 if doc["alive"] else 1

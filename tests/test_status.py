@@ -1,0 +1,175 @@
+"""What the people who run the daemon see: one journal line per decision (with its priority under
+systemd), `syncd status` from the status file, STATUS= with progress, and `converting` lines for long
+conversions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MNIST_BPK, REPO  # noqa: E402
+from daemonutil import DaemonRun, wait_until
+from safetensors.torch import save_file
+
+from syncd.convert import ConvertRequest, convert
+from syncd.daemon.status import CONVERTING_AFTER, STATUS_FILE, Activity
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[DaemonRun]:
+    watches = [{"path": "runs"}, {"path": "strict", "direction": "safetensors->bpk", "on_exists": "error"}]
+    with DaemonRun(tmp_path / "d", watches) as daemon:
+        yield daemon
+
+
+def _populate(run: DaemonRun) -> dict[str, Path]:
+    runs, strict = run.watch_dir("runs"), run.watch_dir("strict")
+    files = {
+        "converted": runs / "mnist.bpk",
+        "ambiguous": runs / "amb.safetensors",
+        "not_a_checkpoint": runs / "model.safetensors",
+        "conflict": strict / "c.safetensors",
+    }
+    shutil.copy(MNIST_BPK, files["converted"])
+    save_file({"emb.weight": torch.zeros(3, 3)}, files["ambiguous"])
+    torch.save({"w": torch.zeros(2)}, files["not_a_checkpoint"])  # a zip, under a checkpoint's name
+    shutil.copy(MNIST_BPK, strict / "c.bpk")  # someone else's file where the output would go
+    save_file({"fc.weight": torch.zeros(4, 3), "fc.bias": torch.zeros(4)}, files["conflict"])
+    return files
+
+
+def _syncd(*args: object) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "syncd", *map(str, args)], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_journal_gets_one_line_per_decision(run: DaemonRun) -> None:
+    files = _populate(run)
+    run.start()
+    run.wait_for("converted", [files["converted"]])
+    run.wait_for("refused", [files["ambiguous"], files["not_a_checkpoint"]])
+    run.wait_for("conflict", [files["conflict"]])
+    code, _ = run.stop()
+    assert code == 0
+    lines = [line for line in run.stderr().splitlines() if line.strip()]
+    assert len(lines) == len(run.records()), run.stderr()  # one line per sync log record, nothing else
+    text = "\n".join(lines)
+    assert f"converted {files['converted']} -> mnist.safetensors (18 tensors, 1021.5 KiB, " in text
+    assert f"WARNING: refused {files['not_a_checkpoint']} -> model.bpk: not a safetensors or burnpack file" in text
+    refusal = next(line for line in lines if str(files["ambiguous"]) in line)
+    assert "cannot convert to burn layout" in refusal and "syncd log --status refused" in refusal
+    assert f"WARNING: conflict {files['conflict']} -> c.bpk" in text
+    assert any(line.endswith("stopped: finished in-flight work") for line in lines)
+
+
+def test_under_systemd_the_lines_carry_their_priority(run: DaemonRun, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = _populate(run)
+    run.stderr_path.touch()
+    info = os.stat(run.stderr_path)  # the daemon's stderr is this file: it stands in for the journal stream
+    monkeypatch.setenv("JOURNAL_STREAM", f"{info.st_dev}:{info.st_ino}")
+    run.start()
+    run.wait_for("refused", [files["ambiguous"], files["not_a_checkpoint"]])
+    run.wait_for("converted", [files["converted"]])
+    run.stop()
+    lines = run.stderr().splitlines()
+    assert f"<6>converted {files['converted']} -> mnist.safetensors" in "\n".join(lines)
+    assert any(line.startswith(f"<4>refused {files['ambiguous']}") for line in lines)
+    assert all(line[:1] == "<" and line[2:3] == ">" for line in lines if line)  # journald sets the priority
+
+
+def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
+    files = _populate(run)
+    run.start()
+    run.wait_for("converted", [files["converted"]])
+    run.wait_for("refused", [files["ambiguous"], files["not_a_checkpoint"]])
+    run.wait_for("conflict", [files["conflict"]])
+
+    def settled() -> dict | None:
+        doc = json.loads((run.state_dir / STATUS_FILE).read_text())
+        return doc if doc["counts"].get("conflict") and doc["queued"] == 0 and not doc["running"] else None
+
+    wait_until(settled, 30, "the status file to show every decision")
+    shown = _syncd("status", "-c", run.config_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"syncd: running; pid {run.proc.pid}")
+    assert "since start: 1 converted, 0 in_sync, 2 refused, 1 conflict, 0 error, 0 skipped" in shown.stdout
+    assert "queued: 0" in shown.stdout and "converting: nothing" in shown.stdout
+    assert "recent failures: 3" in shown.stdout
+    assert f"refused  {files['not_a_checkpoint']}: not a safetensors or burnpack file" in shown.stdout
+
+    doc = json.loads(_syncd("status", "-c", run.config_path, "--json").stdout)
+    assert doc["alive"] is True and doc["counts"] == {"converted": 1, "refused": 2, "conflict": 1}
+    assert {f["source"] for f in doc["recent_failures"]} == {
+        str(files[k]) for k in ("ambiguous", "not_a_checkpoint", "conflict")
+    }
+    assert oct(os.stat(run.state_dir / STATUS_FILE).st_mode & 0o777) == "0o640"
+    statuses = [line for lines in run.receive() for line in lines if line.startswith("STATUS=")]
+    assert any("converted 1; failed 3; queue 0" in line for line in statuses), statuses
+
+    run.stop()
+    after = _syncd("status", "-c", run.config_path)
+    assert after.returncode == 1 and "not running" in after.stdout and "stopped" in after.stdout
+
+
+def test_status_without_a_daemon_is_one_line(tmp_path: Path) -> None:
+    with DaemonRun(tmp_path / "d") as never_started:
+        proc = _syncd("status", "-c", never_started.config_path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().endswith("no status file: the daemon has not run with this configuration")
+    assert len(proc.stderr.splitlines()) == 1
+
+
+def test_a_long_conversion_is_announced_and_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real conversion held half-way by the test: the status file, STATUS= and the journal show it."""
+    source = tmp_path / "big.safetensors"
+    save_file({f"l{n}.weight": torch.ones(256, 256) for n in range(16)} | {"l0.bias": torch.zeros(256)}, source)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    activity = Activity(state_dir, tmp_path / "syncd.yaml")
+    halfway, resume = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with activity.working(source):
+            report = activity.progress_for(source)
+            assert report is not None
+
+            def progress(done: int, total: int) -> None:
+                report(done, total)
+                if done * 2 >= total and not halfway.is_set():
+                    halfway.set()
+                    resume.wait(60)
+
+            convert(ConvertRequest(source=source, layout="keep", progress=progress))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert halfway.wait(60)
+        with caplog.at_level(logging.INFO, logger="syncd"):
+            status = activity.tick(queued=2, now=time.monotonic() + CONVERTING_AFTER + 1)
+        doc = json.loads((state_dir / STATUS_FILE).read_text())
+    finally:
+        resume.set()
+        thread.join(60)
+    (running,) = doc["running"]
+    assert running["source"] == str(source) and 50 <= running["percent"] < 100
+    assert running["total"] == 16 * 256 * 256 * 4 + 256 * 4
+    assert doc["queued"] == 2
+    assert f"converting big.safetensors {running['percent']:.0f}%" in status and "queue 2" in status
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("converting ")]
+    assert line.startswith(f"converting {source}: ") and "% of 4.0 MiB" in line
+    activity.tick(queued=0)
+    assert json.loads((state_dir / STATUS_FILE).read_text())["running"] == []
+    assert (tmp_path / "big.bpk").exists()
