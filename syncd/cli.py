@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("config", type=Path)
+    check.add_argument("--user", help="warn about what this user (the service's) cannot read or write (needs root)")
 
     from syncd.daemon.logview import add_log_arguments
 
@@ -165,7 +166,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check-config":
         from syncd.daemon.config import run_check_config
 
-        return run_check_config(args.config)
+        return run_check_config(args.config, user=args.user)
     if args.command == "log":
         from syncd.daemon.logview import run_log_command
 

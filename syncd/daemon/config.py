@@ -175,14 +175,19 @@ def check_config(path: str | os.PathLike[str]) -> list[str]:
     return [str(problem) for problem in problems]
 
 
-def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None) -> int:
-    """`syncd check-config FILE`: prints one line per problem; 0 when valid, 2 when not."""
+def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, user: str | None = None) -> int:
+    """`syncd check-config FILE`: prints one line per problem; 0 when valid, 2 when not. A valid config also
+    gets a warning line for each watched tree `user` (default: the caller) cannot list, read or write."""
     out = out or sys.stdout
     config, problems = _validate(Path(path), check_filesystem=True)
     for problem in problems:
         print(problem, file=out)
     if problems or config is None:
         return ConfigError.exit_code
+    from syncd.daemon.access import access_warnings
+
+    for warning in access_warnings(config, user):
+        print(warning, file=out)
     count = len(config.watches)
     print(f"{path}: valid ({count} watch{'es' if count != 1 else ''})", file=out)
     return 0

@@ -1,0 +1,138 @@
+"""Can the service's user do its job on the watched trees? `syncd check-config FILE [--user NAME]` warns
+when that user cannot list a tree, read a checkpoint in it, or write where the outputs go.
+
+As root, `--user` checks as that user (a child process takes the user's uid, gid and groups, so the
+kernel's own answer counts: modes, groups and ACLs alike); without it, the checks run as whoever runs the
+command (`sudo -u syncd syncd check-config ...` is the same). The service's sandbox (ReadWritePaths=,
+ProtectHome=) is not seen from here: a warning-free check still needs the trees listed in the unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from syncd.daemon.config import Config, Watch
+from syncd.errors import UsageError
+
+MAX_ENTRIES = 20_000  # a check, not a scan: enough to find the pattern in a large tree
+MAX_DEPTH = 64
+
+
+@dataclass
+class _Findings:
+    unreadable: list[str] = field(default_factory=list)  # checkpoints the user cannot read
+    unlistable: list[str] = field(default_factory=list)  # directories the user cannot enter and list
+    unwritable: list[str] = field(default_factory=list)  # output directories the user cannot write
+
+
+def access_warnings(config: Config, user: str | None = None) -> list[str]:
+    """One line per problem the user would have with the watched trees; empty when none."""
+    name = user or pwd.getpwuid(os.geteuid()).pw_name
+    if user is not None and _uid_of(user) != os.geteuid():
+        results = _as_user(user, config)
+    else:
+        results = [_check_watch(watch) for watch in config.watches]
+    lines = []
+    for watch, found in zip(config.watches, results, strict=True):
+        lines += _describe(config.path, watch, name, found)
+    return lines
+
+
+def _uid_of(user: str) -> int:
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise UsageError(f"--user: no such user {user!r}") from None
+
+
+def _describe(config_path: Path, watch: Watch, user: str, found: _Findings) -> list[str]:
+    where = f"warning: {config_path}: watch {watch.path}: user {user}"
+    lines = []
+    if found.unlistable:
+        lines.append(f"{where} cannot list {len(found.unlistable)} director(ies), e.g. {found.unlistable[0]}")
+    if found.unreadable:
+        example = found.unreadable[0]
+        lines.append(
+            f"{where} cannot read {len(found.unreadable)} checkpoint(s), e.g. {example}{_owner_and_mode(example)}; "
+            "for files only their writer may read, run syncd@WRITER.service (README: reading trainers' checkpoints)"
+        )
+    if found.unwritable:
+        lines.append(f"{where} cannot write {len(found.unwritable)} output director(ies), e.g. {found.unwritable[0]}")
+    return lines
+
+
+def _owner_and_mode(path: str) -> str:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return ""
+    try:
+        owner = pwd.getpwuid(info.st_uid).pw_name
+    except KeyError:
+        owner = str(info.st_uid)
+    return f" (owner {owner}, mode {stat.S_IMODE(info.st_mode):04o})"
+
+
+def _check_watch(watch: Watch) -> _Findings:
+    from syncd.daemon.sync import is_candidate
+
+    found = _Findings()
+    if watch.mirror is not None and not os.access(watch.mirror, os.W_OK | os.X_OK):
+        found.unwritable.append(os.fsdecode(watch.mirror))
+    seen = 0
+    stack = [(watch.path, 0)]
+    while stack and seen < MAX_ENTRIES:
+        directory, depth = stack.pop()
+        if not os.access(directory, os.R_OK | os.X_OK):
+            found.unlistable.append(os.fsdecode(directory))
+            continue
+        if watch.mirror is None and not os.access(directory, os.W_OK | os.X_OK):
+            found.unwritable.append(os.fsdecode(directory))
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            found.unlistable.append(os.fsdecode(directory))
+            continue
+        for entry in entries:
+            seen += 1
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                if watch.recursive and depth < MAX_DEPTH:
+                    stack.append((path, depth + 1))
+            elif entry.is_file(follow_symlinks=False) and is_candidate(watch, path) and not os.access(path, os.R_OK):
+                found.unreadable.append(os.fsdecode(path))
+    return found
+
+
+def _as_user(user: str, config: Config) -> list[_Findings]:
+    """Run the checks in a child process that has become `user` (root only)."""
+    if os.geteuid() != 0:
+        raise UsageError(f"--user {user}: checking as another user needs root (or run it as {user})")
+    entry = pwd.getpwnam(user)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become the user, check, report as JSON, exit without cleanup handlers
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgroups(os.getgrouplist(entry.pw_name, entry.pw_gid))
+            os.setgid(entry.pw_gid)
+            os.setuid(entry.pw_uid)
+            report = [_check_watch(watch).__dict__ for watch in config.watches]
+            with os.fdopen(write_end, "w") as pipe:
+                json.dump(report, pipe)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0 or not data:
+        raise UsageError(f"--user {user}: the access check as that user failed")
+    return [_Findings(**item) for item in json.loads(data)]
