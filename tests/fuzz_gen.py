@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from conftest import (  # noqa: E402
     ASTERINAS_BPK,
     CORPUS,
@@ -1298,6 +1299,19 @@ def syncd_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "syncd"]
 
 
+def _module_map_or_nothing(lines: list[str]) -> bool:
+    """What may follow the error line: nothing, or (for a refused layout) the module map that settles it."""
+    if not lines:
+        return True
+    if not lines[0].startswith("# module map"):
+        return False
+    try:
+        doc = yaml.safe_load("\n".join(lines))
+    except yaml.YAMLError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("modules"), dict)
+
+
 def check_cli(blob: bytes, ext: str, workdir: Path, extra: list[str] | None = None) -> int:
     """Run the real `syncd convert` in a child limited to baseline + MEMORY_LIMIT of address space and
     TIME_LIMIT (plus interpreter start-up); exit 0-3, one stderr line on failure, no traceback, nothing
@@ -1326,7 +1340,7 @@ def check_cli(blob: bytes, ext: str, workdir: Path, extra: list[str] | None = No
         raise _fail(blob, ext, f"syncd convert printed a traceback or internal error: {err[-500:]}")
     if proc.returncode != 0:
         lines = err.splitlines()
-        if len(lines) != 1 or not lines[0].startswith("syncd: "):
+        if not lines or not lines[0].startswith("syncd: ") or not _module_map_or_nothing(lines[1:]):
             raise _fail(blob, ext, f"syncd convert failed without exactly one error line: {err[-500:]!r}")
         if dest.exists():
             raise _fail(blob, ext, "failed CLI conversion published its output")

@@ -38,7 +38,7 @@ def copy_with_runnable_exec_start(tmp_path: Path, text: str | None = None) -> Pa
     """The unit as installed, but with ExecStart on a binary that exists here (verify checks that it does)."""
     text = UNIT.read_text() if text is None else text
     copy = tmp_path / "syncd.service"
-    copy.write_text(text.replace("ExecStart=/usr/local/bin/syncd ", f"ExecStart={Path(sys.executable).resolve()} "))
+    copy.write_text(text.replace("ExecStart=/opt/syncd/bin/syncd ", f"ExecStart={Path(sys.executable).resolve()} "))
     return copy
 
 
@@ -58,7 +58,7 @@ def test_unit_verifies_without_errors(tmp_path: Path) -> None:
 
 
 def test_verify_would_catch_a_broken_unit(tmp_path: Path) -> None:
-    broken = UNIT.read_text().replace("Type=notify", "Type=notifyy").replace("UMask=0077", "UMask=bogus")
+    broken = UNIT.read_text().replace("Type=notify", "Type=notifyy").replace("UMask=0027", "UMask=bogus")
     _, problems = verify(copy_with_runnable_exec_start(tmp_path, broken))
     assert any("notifyy" in line for line in problems)
     assert any("bogus" in line for line in problems)
@@ -94,7 +94,7 @@ def test_unit_runs_the_daemon_as_its_own_user_under_the_watchdog() -> None:
     expected = {
         "Type": "notify",
         "NotifyAccess": "main",
-        "ExecStart": "/usr/local/bin/syncd run -c /etc/syncd/syncd.yaml",
+        "ExecStart": "/opt/syncd/bin/syncd run -c /etc/syncd/syncd.yaml",
         "ExecReload": "/bin/kill -HUP $MAINPID",
         "KillSignal": "SIGTERM",
         "TimeoutStopSec": "10",
@@ -104,8 +104,8 @@ def test_unit_runs_the_daemon_as_its_own_user_under_the_watchdog() -> None:
         "Group": "syncd",
         "StateDirectory": "syncd",
         "LogsDirectory": "syncd",
-        "ReadWritePaths": "/srv/checkpoints",
-        "UMask": "0077",
+        "ReadWritePaths": "-/srv/checkpoints",
+        "UMask": "0027",
         "MemoryMax": "1G",
     }
     assert {key: directives.get(key, [None])[-1] for key in expected} == expected
