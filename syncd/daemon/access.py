@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from syncd.daemon.config import Config, Watch
+from syncd.daemon.names import is_candidate
 from syncd.errors import UsageError
 
 MAX_ENTRIES = 20_000  # a check, not a scan: enough to find the pattern in a large tree
@@ -79,8 +80,6 @@ def _owner_and_mode(path: str) -> str:
 
 
 def _check_watch(watch: Watch) -> _Findings:
-    from syncd.daemon.sync import is_candidate
-
     found = _Findings()
     if watch.mirror is not None and not os.access(watch.mirror, os.W_OK | os.X_OK):
         found.unwritable.append(os.fsdecode(watch.mirror))
