@@ -21,6 +21,7 @@ from torch import nn
 
 from syncd.adapters import (
     AdapterPlan,
+    FileContext,
     ModuleMap,
     TensorRef,
     apply_plan,
@@ -243,14 +244,17 @@ def test_transformer_block_refuses_with_a_suggestion_that_settles_it() -> None:
         plan_conversion(source, to_layout="burn")
     error = caught.value
     assert "\n" not in str(error)
-    assert str(error).startswith("cannot convert to burn layout: the tensors do not decide what 5 module(s) are")
-    for line in ('"tok_emb": Embedding', '"ff.up": Linear', '"ff.down": Linear', '"act": PRelu', '"rms": RmsNorm'):
-        assert line in error.suggestion
-    assert set(error.undecided) == {"tok_emb", "ff.up", "ff.down", "act", "rms"}
-    assert "tok_emb: 2-D weight [50, 16] without bias" in error.details
+    # the names settle tok_emb (Embedding), act (PRelu) and rms (a norm); ff.up / ff.down say nothing
+    assert str(error).startswith("cannot convert to burn layout: the tensors do not decide what 2 module(s) are")
+    assert yaml.safe_load(error.suggestion)["modules"] == {"**.up": "Linear", "**.down": "Linear"}
+    assert set(error.undecided) == {"ff.up", "ff.down"}
+    assert "ff.up: 2-D weight [64, 16] without bias" in error.details
     # The suggestion is a valid module map; with it the block converts.
     plan = plan_conversion(source, to_layout="burn", module_map=ModuleMap.from_yaml_text(error.suggestion))
     assert plan.source_layout == "pytorch"
+    assert plan.kinds["tok_emb"] == "Embedding" and plan.kinds["act"] == "PRelu" and plan.kinds["rms"] == "RmsNorm"
+    assert any(line.startswith("tok_emb: Embedding (2-D weight [50, 16] without bias, named '*_emb')") for line in
+               plan.decisions)
 
 
 def test_transformer_block_to_burn_with_a_module_map() -> None:
@@ -297,7 +301,7 @@ def test_square_linears_alone_need_the_layout() -> None:
 def test_lone_weights_pass_when_the_source_is_already_in_the_target_layout() -> None:
     # The LayerNorm shows pytorch layout; going to pytorch nothing depends on the undecided kinds.
     plan = plan_conversion(torch_table(Block()), to_layout="pytorch")
-    assert plan.is_identity and plan.kinds["tok_emb"] == "Unknown"
+    assert plan.is_identity and plan.kinds["ff.up"] == "Unknown"
 
 
 def test_instance_norm_with_running_stats_drops_them_going_to_burn() -> None:
@@ -314,21 +318,45 @@ def test_instance_norm_with_running_stats_drops_them_going_to_burn() -> None:
 # conflicts, contradictions, refusals
 
 
-def test_conflicting_layout_evidence_is_refused_listing_both_sides() -> None:
-    # a PyTorch file and a Burn file glued together: no single layout explains both
-    mixed = safetensors_table(FIXTURES / "pytorch" / "mnist.safetensors") + burnpack_table(
-        CORPUS / "bpk" / "ldos-project_asterinas__mlp_weights.bpk"
-    )
+def test_conflicting_layout_names_are_refused_listing_both_sides() -> None:
+    # a PyTorch file and a Burn file glued together: their norm names show both layouts
+    burn = [
+        TensorRef(f"burn.{t.name}", t.dtype, t.shape) for t in burnpack_table(FIXTURES / "burn" / "mnist_web.bpk")
+    ]
+    mixed = safetensors_table(FIXTURES / "pytorch" / "mnist.safetensors") + burn
     with pytest.raises(AmbiguousLayoutError) as caught:
         plan_conversion(mixed, to_layout="burn")
     message = str(caught.value)
-    assert message.startswith("conflicting layout evidence (pytorch from norm1, norm2, fc1, fc2; burn from model.0")
+    assert message.startswith("conflicting layout evidence (pytorch from norm1, norm2; burn from burn.conv1.norm")
     assert "\n" not in message
-    assert '"model.0": Other' in caught.value.suggestion
-    assert "model.2: burn (bias [1] matches dim 1 -> burn layout)" in caught.value.details
-    # mapping the odd modules as Other settles it: they pass through untouched
-    settled = plan_conversion(mixed, to_layout="burn", module_map=map_of(**{"model__*": "Other"}))
-    assert not {"model.0.weight", "model.1.weight", "model.2.weight"} & transposed(settled)
+    assert '"burn.conv1.norm": Other' in caught.value.suggestion
+    assert "burn.conv1.norm: burn (gamma/beta names)" in caught.value.details
+    # mapping the odd modules as Other settles the layout: they pass through untouched; the Burn Linears are
+    # then [in, out] layers of a pytorch file, kept, except the square one, which nothing decides
+    first = yaml.safe_load(caught.value.suggestion)["modules"]
+    with pytest.raises(AmbiguousLayoutError) as again:
+        plan_conversion(mixed, to_layout="burn", module_map=ModuleMap.from_dict({"modules": first}))
+    assert again.value.undecided == ["burn.fc2"]
+    both = {**first, **yaml.safe_load(again.value.suggestion)["modules"]}
+    settled = plan_conversion(mixed, to_layout="burn", module_map=ModuleMap.from_dict({"modules": both}))
+    assert settled.kinds["burn.conv1.norm"] == "Other" and settled.kinds["burn.fc1"] == "LinearInOut"
+    assert not {"burn.conv1.norm.gamma", "burn.fc1.weight"} & (transposed(settled) | set(renamed(settled)))
+
+
+def test_names_outrank_a_bias_matching_dim_1() -> None:
+    # PyTorch norms beside Linears whose bias matches dim 1: in a pytorch-layout file those are [in, out]
+    # (transformers' Conv1D, or Burn-layout layers), which Burn keeps as they are: never transposed.
+    mixed = safetensors_table(FIXTURES / "pytorch" / "mnist.safetensors") + burnpack_table(
+        CORPUS / "bpk" / "ldos-project_asterinas__mlp_weights.bpk"
+    )
+    plan = plan_conversion(mixed, to_layout="burn")
+    assert plan.source_layout == "pytorch" and plan.kinds["model.0"] == "LinearInOut"
+    assert not {"model.0.weight", "model.2.weight", "model.4.weight"} & transposed(plan)
+    assert transposed(plan) == {"fc1.weight", "fc2.weight"}
+    assert plan.decisions[0] == "source layout: pytorch (shown by names of norm1, norm2)"
+    back = plan_conversion(apply_plan(mixed, plan), to_layout="pytorch", context=FileContext(
+        recorded_layout="burn", recorded_kinds=plan.kinds))
+    assert apply_plan(apply_plan(mixed, plan), back) == [t for t in mixed if t.name not in plan.dropped]
 
 
 def test_a_stated_layout_that_the_tensors_contradict_is_refused() -> None:
@@ -493,7 +521,7 @@ buffer.safetensors                       | burn    | plan      | neutral        
 complex_nested.safetensors               | burn    | plan      | pytorch                      | 2 6 3 | BN + Linear
 conv1d.safetensors                       | burn    | plan      | neutral                      | 0 0 0 | convolutions
 conv2d.safetensors                       | burn    | plan      | neutral                      | 0 0 0 | convolutions
-embedding.safetensors                    | burn    | ambiguous | embed (Embedding or Linear?) | -     | lone 2-D weight
+embedding.safetensors                    | burn    | plan      | neutral                      | 0 0 0 | named embed
 enum_depthwise_false.safetensors         | burn    | plan      | neutral                      | 0 0 0 | convolutions
 enum_depthwise_true.safetensors          | burn    | plan      | neutral                      | 0 0 0 | convolutions
 group_norm.safetensors                   | burn    | plan      | pytorch                      | 0 2 0 | weight/bias norm
@@ -501,7 +529,7 @@ integer.safetensors                      | burn    | plan      | neutral        
 key_remap.safetensors                    | burn    | plan      | neutral                      | 0 0 0 | convolutions
 key_remap_chained.safetensors            | burn    | plan      | pytorch                      | 0 6 3 | BatchNorm
 layer_norm.safetensors                   | burn    | plan      | pytorch                      | 0 2 0 | weight/bias norm
-linear.safetensors                       | burn    | ambiguous | fc2 (Embedding or Linear?)   | -     | bias-free fc2
+linear.safetensors                       | burn    | plan      | pytorch                      | 2 0 0 | fc2 named fc*
 linear_with_bias.safetensors             | burn    | plan      | pytorch                      | 1 0 0 | bias == dim 0
 missing_module_field.safetensors         | burn    | plan      | neutral                      | 0 0 0 | convolutions
 multi_layer.safetensors                  | burn    | plan      | pytorch                      | 1 2 1 | BN + Linear
@@ -551,23 +579,22 @@ def test_corpus_file_plans_or_is_refused_for_a_stated_reason(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "suggested"),
+    ("name", "module", "kind"),
     [
-        ("tracel-ai_burn__safetensors-tests__embedding.safetensors", {"embed": "Embedding"}),
-        ("tracel-ai_burn__safetensors-tests__linear.safetensors", {"fc2": "Linear"}),
+        ("tracel-ai_burn__safetensors-tests__embedding.safetensors", "embed", "Embedding"),
+        ("tracel-ai_burn__safetensors-tests__linear.safetensors", "fc2", "Linear"),
     ],
 )
-def test_ambiguous_corpus_files_plan_with_the_suggested_map(name: str, suggested: dict[str, str]) -> None:
+def test_names_settle_bias_free_matrices(name: str, module: str, kind: str) -> None:
     source = safetensors_table(CORPUS / "safetensors_py" / name)
-    with pytest.raises(AmbiguousLayoutError) as caught:
-        plan_conversion(source, to_layout="burn")
-    assert yaml.safe_load(caught.value.suggestion)["modules"] == suggested
-    plan = plan_conversion(source, to_layout="burn", module_map=ModuleMap.from_dict({"modules": suggested}))
-    if "fc2" in suggested:  # fc1's bias shows pytorch layout; the bias-free fc2 follows it
+    plan = plan_conversion(source, to_layout="burn")
+    assert plan.kinds[module] == kind
+    assert any(line.startswith(f"{module}: {kind} (2-D weight") and "named" in line for line in plan.decisions)
+    if kind == "Linear":  # fc1's bias shows pytorch layout; the bias-free fc2 follows it
         assert transposed(plan) == {"fc1.weight", "fc2.weight"}
         assert shapes_of(apply_plan(source, plan))["fc2.weight"] == (3, 4)
     else:
-        assert plan.is_identity and plan.kinds == {"embed": "Embedding"}
+        assert plan.is_identity
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -644,7 +671,7 @@ def test_multi_dimensional_layer_norm_is_refused_not_guessed() -> None:
     source = torch_table(model)
     with pytest.raises(AmbiguousLayoutError) as caught:
         plan_conversion(source, to_layout="burn", source_layout="pytorch")
-    assert '"ln": Other' in caught.value.suggestion
+    assert yaml.safe_load(caught.value.suggestion)["modules"] == {"**.ln": "Other"}
     with pytest.raises(UnsupportedError, match=r"ln: LayerNorm tensors weight \[4, 5\], bias \[4, 5\] are not 1-D"):
         plan_conversion(source, to_layout="burn", module_map=map_of(ln="LayerNorm"))
     assert plan_conversion(source, to_layout="burn", module_map=map_of(ln="Other")).source_layout == "neutral"

@@ -12,20 +12,28 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from syncd.adapters.evidence import Architecture, matrix_name_kind, suggested_matrix_kind, vector_name_kind
 from syncd.adapters.model import (
     BATCH_NORM,
     BURN,
+    BY_CONFIG,
+    BY_MAP,
+    BY_NAME,
+    BY_RECORD,
+    BY_SHAPE,
     CONV,
     CONV_KINDS,
     EMBEDDING,
     INSTANCE_NORM,
     LAYER_NORM,
     LINEAR,
+    LINEAR_IN_OUT,
     NORM,
     NORM_KINDS,
     OTHER,
     PRELU,
     PYTORCH,
+    RECORDED_KINDS,
     RMS_NORM,
     UNKNOWN,
     TensorRef,
@@ -47,6 +55,7 @@ PACKED_PYTORCH_LEAF = re.compile(
 # Which leaves each mapped kind may hold (either side's names), burn-compat.md §3.5.
 _ALLOWED_LEAVES: dict[str, frozenset[str]] = {
     LINEAR: PYTORCH_AFFINE,
+    LINEAR_IN_OUT: PYTORCH_AFFINE,
     EMBEDDING: frozenset({"weight"}),
     **{kind: PYTORCH_AFFINE for kind in CONV_KINDS},
     BATCH_NORM: PYTORCH_AFFINE | BURN_AFFINE | RUNNING_STATS,
@@ -56,7 +65,13 @@ _ALLOWED_LEAVES: dict[str, frozenset[str]] = {
     INSTANCE_NORM: PYTORCH_AFFINE | BURN_AFFINE | RUNNING_STATS,
     RMS_NORM: frozenset({"weight", "gamma"}),
     PRELU: frozenset({"weight", "alpha"}),
+    NORM: PYTORCH_AFFINE | BURN_AFFINE,
+    CONV: PYTORCH_AFFINE,
 }
+
+# Undecided modules whose kind the file's layout settles once it is known (see resolve_with_layout).
+LONE_GAMMA = "lone gamma"
+LONE_WEIGHT = "lone weight"
 
 
 @dataclass
@@ -80,6 +95,17 @@ class ModuleKind:
     reason: str  # why, in words, for the decision line
     rule: str | None = None  # the module-map pattern that decided, if one did
     options: tuple[str, ...] = ()  # for UNKNOWN: kinds a module map could state, the likelier first
+    by: str = BY_SHAPE  # where the kind came from: BY_MAP, BY_RECORD, BY_CONFIG, BY_NAME or BY_SHAPE
+    pending: str | None = None  # LONE_GAMMA / LONE_WEIGHT: the file's layout may still settle it
+
+
+@dataclass(frozen=True)
+class KindSources:
+    """Everything that states kinds, strongest first: the user's map, the file's own record, the table."""
+
+    module_map: ModuleMap | None = None
+    recorded: dict[str, str] = field(default_factory=dict)
+    architecture: Architecture | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +113,7 @@ class Evidence:
     module: str
     layout: str
     reason: str
+    strong: bool = True  # names and metadata; False for "a bias matches dim N", which they outrank
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -108,15 +135,47 @@ def group_modules(tensors: Iterable[TensorRef]) -> list[Module]:
     return list(modules.values())
 
 
-def kind_of(module: Module, module_map: ModuleMap | None) -> ModuleKind:
-    """An explicit module map always wins over inference."""
+def kind_of(module: Module, sources: KindSources) -> ModuleKind:
+    """The strongest statement wins: an explicit module map, then the file's record, then config.json's
+    architecture, then the module's names and shapes (issue 13's order)."""
+    module_map = sources.module_map
     rule = module_map.lookup(module.path) if module_map is not None else None
-    if rule is None:
-        return infer_kind(module)
-    if not module.params and not rule.is_exact:
-        # a glob sweeping over a module of buffers only: nothing there for any kind to adapt
+    if rule is not None:
+        if not module.params and not rule.is_exact:
+            # a glob sweeping over a module of buffers only: nothing there for any kind to adapt
+            return ModuleKind(module.path, OTHER, "no layer parameters: unchanged")
+        return mapped_kind(module, rule, module_map.source if module_map is not None else "module map")
+    if not module.params:
         return ModuleKind(module.path, OTHER, "no layer parameters: unchanged")
-    return mapped_kind(module, rule, module_map.source if module_map is not None else "module map")
+    recorded = _recorded_kind(module, sources.recorded.get(module.path))
+    if recorded is not None:
+        return recorded
+    if sources.architecture is not None:
+        found = _table_kind(module, sources.architecture)
+        if found is not None:
+            return found
+    return infer_kind(module)
+
+
+def _recorded_kind(module: Module, kind: str | None) -> ModuleKind | None:
+    """A syncd-made file says what it was converted with; a record that does not fit the tensors is ignored."""
+    if kind is None or kind not in RECORDED_KINDS:
+        return None
+    if kind != OTHER and not set(module.params) <= _ALLOWED_LEAVES.get(kind, frozenset()):
+        return None
+    return ModuleKind(module.path, kind, "recorded in the file (syncd.kinds)", by=BY_RECORD)
+
+
+def _table_kind(module: Module, architecture: Architecture) -> ModuleKind | None:
+    rule = architecture.module_map.lookup(module.path)
+    if rule is None:
+        return None
+    try:
+        found = mapped_kind(module, rule, architecture.module_map.source)
+    except (ConfigError, UnsupportedError):
+        return None  # the family's rule does not fit this module: its names and shapes decide
+    reason = f"config.json {architecture.matched_by}: known architecture {architecture.family}, {rule.pattern!r}"
+    return ModuleKind(module.path, found.kind, reason, rule.pattern, by=BY_CONFIG)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,9 +216,32 @@ def _infer_prelu(module: Module) -> ModuleKind:
 
 def _infer_burn_norm(module: Module) -> ModuleKind:
     leaves = set(module.params)
+    if leaves == {"gamma"} and len(module.shape("gamma")) == 1:
+        return _lone_vector(module, "gamma")
     if "gamma" in leaves and leaves <= BURN_AFFINE and _all_rank(module, leaves, 1) and _same_shapes(module, leaves):
         return ModuleKind(module.path, NORM, f"1-D {'/'.join(sorted(leaves, key=len))}: a norm")
     return _unknown(module, f"unexpected tensors {_leaf_list(module)}")
+
+
+def _lone_vector(module: Module, leaf: str) -> ModuleKind:
+    """A lone 1-D weight or gamma: a norm without bias (RmsNorm), PRelu (weight only) or a custom multiplier
+    such as timm's LayerScale `gamma` (burn-compat.md §3.6 item 4). Its module's name decides; else a 1-element
+    weight is a PRelu (a norm over one feature normalises nothing); else the file's layout may (see
+    resolve_with_layout); else it is undecided."""
+    shape = list(module.shape(leaf))
+    named = vector_name_kind(module.path, leaf)
+    if named is not None:
+        kind, pattern = named
+        what = {OTHER: "a layer scale: left unchanged", RMS_NORM: "a norm without bias", PRELU: "a PRelu"}[kind]
+        return ModuleKind(module.path, kind, f"lone 1-D {leaf} {shape}, named {pattern!r}: {what}", by=BY_NAME)
+    if leaf == "weight" and shape == [1]:
+        return ModuleKind(module.path, PRELU, "lone 1-element weight: a PRelu (a norm over 1 feature is a no-op)")
+    options = (RMS_NORM, PRELU, OTHER) if leaf == "weight" else (RMS_NORM, OTHER)
+    what = "RmsNorm/LayerNorm (gamma), PRelu (alpha) or a custom parameter" if leaf == "weight" else (
+        "RmsNorm (weight) or a custom parameter such as a layer scale"
+    )
+    pending = LONE_WEIGHT if leaf == "weight" else LONE_GAMMA
+    return ModuleKind(module.path, UNKNOWN, f"lone 1-D {leaf} {shape}: {what}", options=options, pending=pending)
 
 
 def _infer_from_weight(module: Module) -> ModuleKind:
@@ -179,11 +261,15 @@ def _infer_from_weight(module: Module) -> ModuleKind:
 
 def _infer_matrix(module: Module, weight: tuple[int, ...], bias: tuple[int, ...] | None) -> ModuleKind:
     if bias is None:
-        # burn-compat.md §3.6 item 1: bias-free Linear (transpose) vs Embedding (don't)
+        # burn-compat.md §3.6 item 1: bias-free Linear (transpose) vs Embedding (don't); the name may say
+        named = matrix_name_kind(module.path)
+        if named is not None:
+            kind, pattern = named
+            return ModuleKind(
+                module.path, kind, f"2-D weight {list(weight)} without bias, named {pattern!r}", by=BY_NAME
+            )
         return _unknown(
-            module,
-            f"2-D weight {list(weight)} without bias: Linear or Embedding",
-            _rank_by_name(module.path, (LINEAR, EMBEDDING), EMBEDDING, ("emb",)),
+            module, f"2-D weight {list(weight)} without bias: Linear or Embedding", suggested_matrix_kind(module.path)
         )
     if bias[0] not in weight:
         return _unknown(module, f"bias {list(bias)} fits neither dimension of weight {list(weight)}")
@@ -196,12 +282,7 @@ def _infer_vector(module: Module, weight: tuple[int, ...], bias: tuple[int, ...]
             module.path, NORM, f"1-D weight/bias {list(weight)}, no running stats: LayerNorm, GroupNorm or InstanceNorm"
         )
     if bias is None:
-        # burn-compat.md §3.6 item 4: RmsNorm (Burn `gamma`) vs PRelu (Burn `alpha`) differ in target names
-        return _unknown(
-            module,
-            f"lone 1-D weight {list(weight)}: RmsNorm/LayerNorm (gamma) or PRelu (alpha)",
-            _rank_by_name(module.path, (RMS_NORM, PRELU), PRELU, ("act", "relu")),
-        )
+        return _lone_vector(module, "weight")
     return _unknown(module, f"1-D weight {list(weight)} with bias {list(bias)}")
 
 
@@ -218,17 +299,6 @@ def _unknown(module: Module, reason: str, options: tuple[str, ...] = (OTHER,)) -
     return ModuleKind(module.path, UNKNOWN, reason, options=options)
 
 
-def _rank_by_name(path: str, options: tuple[str, ...], named: str, hints: tuple[str, ...]) -> tuple[str, ...]:
-    """Order the options for the *suggestion* only: a name hint (e.g. 'emb') puts its kind first.
-
-    Never used to decide a kind: the user still has to confirm the line in a module map.
-    """
-    last = path.rpartition(".")[2].lower()
-    if any(hint in last for hint in hints):
-        return (named, *[o for o in options if o != named])
-    return options
-
-
 # ---------------------------------------------------------------------------------------------------------
 # a module map's statement, checked against the tensors it is applied to
 
@@ -237,7 +307,7 @@ def mapped_kind(module: Module, rule: ModuleRule, source: str) -> ModuleKind:
     kind = rule.kind
     reason = f"module map {rule.pattern!r}"
     if kind == OTHER:
-        return ModuleKind(module.path, OTHER, f"{reason}: left unchanged", rule.pattern)
+        return ModuleKind(module.path, OTHER, f"{reason}: left unchanged", rule.pattern, by=BY_MAP)
     leaves = set(module.params)
     stray = sorted(leaves - _ALLOWED_LEAVES[kind])
     if stray or not leaves:
@@ -248,13 +318,13 @@ def mapped_kind(module: Module, rule: ModuleRule, source: str) -> ModuleKind:
             source,
         )
     _check_mapped_shapes(module, rule, source)
-    return ModuleKind(module.path, kind, reason, rule.pattern)
+    return ModuleKind(module.path, kind, reason, rule.pattern, by=BY_MAP)
 
 
 def _check_mapped_shapes(module: Module, rule: ModuleRule, source: str) -> None:
     kind = rule.kind
-    if kind in (LINEAR, EMBEDDING, *CONV_KINDS):
-        want = 2 if kind in (LINEAR, EMBEDDING) else int(kind[-2]) + 2  # Conv2d -> rank 4
+    if kind in (LINEAR, LINEAR_IN_OUT, EMBEDDING, *CONV_KINDS):
+        want = 2 if kind in (LINEAR, LINEAR_IN_OUT, EMBEDDING) else int(kind[-2]) + 2  # Conv2d -> rank 4
         _require(
             module,
             "weight" in module.params and len(module.shape("weight")) == want,
@@ -264,7 +334,10 @@ def _check_mapped_shapes(module: Module, rule: ModuleRule, source: str) -> None:
         )
         if "bias" in module.params:
             bias = module.shape("bias")
-            fits = len(bias) == 1 and (kind != LINEAR or bias[0] in module.shape("weight"))
+            weight = module.shape("weight")
+            fits = len(bias) == 1 and (
+                bias[0] in weight if kind == LINEAR else bias[0] == weight[-1] if kind == LINEAR_IN_OUT else True
+            )
             _require(module, fits, rule, source, "a 1-D bias matching the weight")
         return
     vectors = set(module.params) - {"num_batches_tracked"}
@@ -289,36 +362,80 @@ def _require(module: Module, ok: bool, rule: ModuleRule, source: str, what: str)
 
 
 def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
-    found: dict[str, list[str]] = {}
+    """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it (issue 13)."""
+    found: dict[tuple[str, bool], list[str]] = {}
     for tensor in module.extras:
         if PACKED_PYTORCH_LEAF.fullmatch(split_name(tensor.name)[1]):
-            found.setdefault(PYTORCH, []).append(f"PyTorch packed tensor {split_name(tensor.name)[1]}")
+            found.setdefault((PYTORCH, True), []).append(f"PyTorch packed tensor {split_name(tensor.name)[1]}")
     if kind.kind == LINEAR:
         _linear_evidence(module, found)
     elif kind.kind in NORM_KINDS or kind.kind == PRELU:
         _name_evidence(module, found)
-    return [Evidence(module.path, layout, "; ".join(reasons)) for layout, reasons in found.items()]
+    return [Evidence(module.path, layout, "; ".join(reasons), strong) for (layout, strong), reasons in found.items()]
 
 
-def _linear_evidence(module: Module, found: dict[str, list[str]]) -> None:
+def _linear_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -> None:
     # Only a non-square weight with a bias shows which dimension is [out] (burn-compat.md §3.6 item 2).
     if "bias" not in module.params:
         return
     weight, bias = module.shape("weight"), module.shape("bias")
     if weight[0] != weight[1]:
         reason = _linear_reason(weight, bias)
-        found.setdefault(PYTORCH if bias[0] == weight[0] else BURN, []).append(reason)
+        found.setdefault((PYTORCH if bias[0] == weight[0] else BURN, False), []).append(reason)
 
 
-def _name_evidence(module: Module, found: dict[str, list[str]]) -> None:
+def _name_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -> None:
     # Norm and PRelu parameter names differ by side (burn-compat.md §3.2, §3.5); num_batches_tracked is
     # PyTorch-only (§4).
     pytorch_names = [leaf for leaf in ("weight", "bias", "num_batches_tracked") if leaf in module.params]
     burn_names = [leaf for leaf in ("gamma", "beta", "alpha") if leaf in module.params]
     if pytorch_names:
-        found.setdefault(PYTORCH, []).append(f"{'/'.join(pytorch_names)} names")
+        found.setdefault((PYTORCH, True), []).append(f"{'/'.join(pytorch_names)} names")
     if burn_names:
-        found.setdefault(BURN, []).append(f"{'/'.join(burn_names)} names")
+        found.setdefault((BURN, True), []).append(f"{'/'.join(burn_names)} names")
+
+
+def resolve_with_layout(
+    module: Module, kind: ModuleKind, layout: str | None, in_out: frozenset[str] | None
+) -> ModuleKind:
+    """Kinds the file's layout settles, once it is known.
+
+    * A shape-inferred Linear whose bias matches dim 1 in a pytorch-layout file cannot be a torch Linear
+      (that stores [out, in]): it is a LinearInOut, transformers' Conv1D, kept as it is (issue 13).
+    * A lone gamma in a pytorch-layout file is no PyTorch norm (they say weight): a custom parameter such as
+      a layer scale, left unchanged; a lone 1-D weight in a burn-layout file likewise (Burn says gamma/alpha).
+    * In a file holding LinearInOut modules (`in_out`: their last path segments; None for a first pass),
+      a square Linear with bias inferred from its shapes alone could be either: undecided (a module map
+      settles it; LinearInOut is suggested first when a LinearInOut module has the same last segment).
+    """
+    if kind.by != BY_SHAPE:
+        return kind
+    if kind.kind == LINEAR and layout == PYTORCH and _bias_matches_dim_1(module):
+        weight = list(module.shape("weight"))
+        reason = f"bias {list(module.shape('bias'))} matches dim 1 of {weight} in a pytorch-layout file: [in, out]"
+        return ModuleKind(module.path, LINEAR_IN_OUT, reason + " (transformers Conv1D)")
+    if kind.pending == LONE_GAMMA and layout == PYTORCH or kind.pending == LONE_WEIGHT and layout == BURN:
+        leaf = "gamma" if kind.pending == LONE_GAMMA else "weight"
+        reason = f"lone 1-D {leaf} in a {layout}-layout file: no {layout} norm or PRelu names it so; left unchanged"
+        return ModuleKind(module.path, OTHER, reason)
+    if kind.kind == LINEAR and in_out and layout == PYTORCH and _is_square(module):
+        sibling = module.path.rpartition(".")[2] in in_out
+        options = (LINEAR_IN_OUT, LINEAR) if sibling else (LINEAR, LINEAR_IN_OUT)
+        reason = f"square weight {list(module.shape('weight'))} with bias in a file with Conv1D layers"
+        return _unknown(module, reason + ": Linear or LinearInOut (Conv1D)", options)
+    return kind
+
+
+def _bias_matches_dim_1(module: Module) -> bool:
+    if "bias" not in module.params or len(module.shape("weight")) != 2:
+        return False
+    weight = module.shape("weight")
+    return weight[0] != weight[1] and module.shape("bias")[0] == weight[1]
+
+
+def _is_square(module: Module) -> bool:
+    weight = module.shape("weight") if "weight" in module.params else ()
+    return len(weight) == 2 and weight[0] == weight[1]
 
 
 # ---------------------------------------------------------------------------------------------------------

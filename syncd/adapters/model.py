@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from syncd.errors import AmbiguousLayoutError
 from syncd.formats.registry import BURN_LAYOUT, PYTORCH_LAYOUT
@@ -24,6 +25,9 @@ LAYOUT_CHOICES = (AUTO, PYTORCH, BURN, KEEP)
 
 # Module kinds a module map may name (burn-compat.md §3.5 lists their parameters on both sides).
 LINEAR = "Linear"
+# A Linear whose PyTorch weight is stored [in, out] (transformers' Conv1D, GPT-2 family): Burn's Linear is
+# [in, out] too (burn-compat.md §3.5), so its weight is never transposed, in either direction.
+LINEAR_IN_OUT = "LinearInOut"
 EMBEDDING = "Embedding"
 BATCH_NORM = "BatchNorm"
 LAYER_NORM = "LayerNorm"
@@ -35,6 +39,7 @@ OTHER = "Other"
 CONV_KINDS = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
 MAP_KINDS = (
     LINEAR,
+    LINEAR_IN_OUT,
     EMBEDDING,
     *CONV_KINDS,
     BATCH_NORM,
@@ -52,6 +57,15 @@ CONV = "Conv"  # any Conv*/ConvTranspose*: rank >= 3 weight, same in both layout
 UNKNOWN = "Unknown"  # the tensors do not decide; a module map must (see ModuleKind.options)
 
 NORM_KINDS = frozenset({NORM, BATCH_NORM, LAYER_NORM, GROUP_NORM, INSTANCE_NORM, RMS_NORM})
+# Kinds a syncd-made file may record in its `syncd.kinds` metadata (what it was converted with).
+RECORDED_KINDS = frozenset({*MAP_KINDS, NORM, CONV})
+
+# Where a module's kind came from, strongest first (issue 13: evidence in a stated order).
+BY_MAP = "module map"
+BY_RECORD = "recorded in the file"
+BY_CONFIG = "config.json"
+BY_NAME = "name"
+BY_SHAPE = "shapes"
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,22 @@ class TensorRef:
     name: str
     dtype: str
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FileContext:
+    """What a checkpoint's surroundings say about it, gathered by the convert layer (the adapters do no I/O).
+
+    metadata: the file's own metadata (`format: pt` says PyTorch layout); recorded_layout / recorded_kinds:
+    what a syncd-made file says it was converted with (`syncd.layout`, `syncd.kinds`); config: the parsed
+    `config.json` beside the checkpoint, if any (`model_type` / `architectures` select a known architecture).
+    """
+
+    metadata: dict[str, str] = field(default_factory=dict)
+    recorded_layout: str | None = None
+    recorded_kinds: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()  # what the convert layer found while gathering (e.g. an unreadable config.json)
 
 
 @dataclass(frozen=True)

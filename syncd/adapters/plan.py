@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from syncd.adapters.evidence import architecture_for, metadata_layout
 from syncd.adapters.infer import (
     PACKED_PYTORCH_LEAF,
     Evidence,
+    KindSources,
     Module,
     ModuleKind,
     group_modules,
     kind_of,
     layout_evidence,
+    resolve_with_layout,
     split_name,
 )
 from syncd.adapters.model import (
     AUTO,
     BATCH_NORM,
     BURN,
+    BY_SHAPE,
     INSTANCE_NORM,
     KEEP,
+    LAYOUTS,
     LINEAR,
+    LINEAR_IN_OUT,
     NEUTRAL,
     NORM_KINDS,
     PRELU,
@@ -31,6 +38,7 @@ from syncd.adapters.model import (
     TARGET_LAYOUTS,
     UNKNOWN,
     AdapterPlan,
+    FileContext,
     LayoutAmbiguityError,
     PlanEntry,
     TensorRef,
@@ -66,26 +74,35 @@ def plan_conversion(
     to_layout: str,
     source_layout: str = AUTO,
     module_map: ModuleMap | None = None,
+    context: FileContext | None = None,
 ) -> AdapterPlan:
     """Plan the conversion of a tensor table to `to_layout` ("burn" | "pytorch" | "keep").
 
-    `source_layout` "auto" decides from the tensors (then from the map's `layout:`); "pytorch"/"burn" states it
-    and must agree with whatever the tensors show. Raises AmbiguousLayoutError where the evidence does not
-    decide (with `.suggestion`, the module-map YAML that would), UnsupportedError for tensors the target
-    cannot take, ConfigError when the module map does not fit the tensors, SyncdError on duplicate names.
+    `source_layout` "auto" decides from the evidence; "pytorch"/"burn" states it and must agree with whatever
+    the names show. `context` is what the file's surroundings say (its metadata, its syncd record, the
+    config.json beside it). Raises AmbiguousLayoutError where the evidence does not decide (with
+    `.suggestion`, the module-map YAML that would), UnsupportedError for tensors the target cannot take,
+    ConfigError when the module map does not fit the tensors, SyncdError on duplicate names.
     """
     _check_arguments(to_layout, source_layout)
     _check_unique(tensors)
     if to_layout == KEEP:
         return _keep_plan(tensors)
+    context = context or FileContext()
+    architecture, table_note = architecture_for(context.config)
+    sources = KindSources(module_map, dict(context.recorded_kinds), architecture)
     modules = group_modules(tensors)
-    classified = [(module, kind_of(module, module_map)) for module in modules]
-    evidence = [e for module, kind in classified for e in layout_evidence(module, kind)]
-    source, source_note = _decide_layout(evidence, source_layout, module_map)
+    classified = [(module, kind_of(module, sources)) for module in modules]
+    source, source_note = _decide_layout(classified, source_layout, module_map, context)
+    classified = _resolve_with_layout(classified, source)
     _refuse_undecided(classified, source, to_layout)
     converting = source not in (None, to_layout)
     steps: dict[str, _Step] = {}
-    decisions = [f"source layout: {source_note}", f"target layout: {to_layout}"]
+    decisions = [f"source layout: {source_note}", f"target layout: {to_layout}", *context.notes]
+    if architecture is not None:
+        decisions.append(f"config.json {architecture.matched_by}: known architecture {architecture.family}")
+    elif table_note is not None:
+        decisions.append(table_note)
     if not converting:
         decisions.append(f"nothing to adapt: identity plan ({_why_identity(source, to_layout)})")
     for module, kind in classified:
@@ -141,31 +158,92 @@ def _why_identity(source: str | None, target: str) -> str:
 
 
 def _decide_layout(
-    evidence: list[Evidence], source_layout: str, module_map: ModuleMap | None
+    classified: list[tuple[Module, ModuleKind]],
+    source_layout: str,
+    module_map: ModuleMap | None,
+    context: FileContext,
 ) -> tuple[str | None, str]:
-    """(layout or None when nothing shows it, a note for the decisions). A file is in one layout."""
-    stated, origin = _stated_layout(source_layout, module_map)
+    """(layout or None when nothing shows it, a note for the decisions). A file is in one layout.
+
+    Strongest first (issue 13): --layout, the map's `layout:`, the file's own syncd record; then the
+    `format: pt` metadata and parameter names (strong evidence, which must agree); then the shapes (a bias
+    matching one dimension), which the stronger evidence outranks. A shape-inferred Linear that contradicts
+    a pytorch layout is a LinearInOut (transformers' Conv1D), not a contradiction.
+    """
+    kinds = {module.path: kind for module, kind in classified}
+    evidence = [e for module, kind in classified for e in layout_evidence(module, kind)]
+    meta = metadata_layout(context.metadata)
+    if meta is not None:
+        evidence.append(Evidence(_METADATA, meta, "format: pt metadata"))
+    stated, origin = _stated_layout(source_layout, module_map, context)
     if stated is not None:
-        against = [e for e in evidence if e.layout != stated]
+        against = [e for e in evidence if e.layout != stated and not _deducible(e, stated, kinds)]
         if against:
             raise _contradiction_error(stated, origin, against)
         return stated, f"{stated} ({origin})"
-    layouts = {e.layout for e in evidence}
-    if len(layouts) > 1:
-        raise _conflict_error(evidence)
-    if not layouts:
+    strong = [e for e in evidence if e.strong]
+    if len({e.layout for e in strong}) > 1:
+        raise _conflict_error(strong, evidence, kinds)
+    decided = strong or evidence
+    if len({e.layout for e in decided}) > 1:
+        raise _conflict_error(evidence, evidence, kinds)
+    if not decided:
         return None, f"{NEUTRAL} (nothing in the file shows a layout)"
-    layout = layouts.pop()
-    return layout, f"{layout} (shown by {_short_list([_label(e.module) for e in evidence])})"
+    layout = decided[0].layout
+    against = [e for e in evidence if e.layout != layout and not _deducible(e, layout, kinds)]
+    if against:
+        raise _conflict_error(evidence, evidence, kinds)
+    return layout, f"{layout} ({_shown_by(decided)})"
 
 
-def _stated_layout(source_layout: str, module_map: ModuleMap | None) -> tuple[str | None, str]:
-    # The explicit argument (--layout) wins over the map's `layout:` line.
+_METADATA = "(metadata)"
+
+
+def _deducible(evidence: Evidence, layout: str, kinds: dict[str, ModuleKind]) -> bool:
+    """Weak burn evidence of a shape-inferred Linear in a pytorch-layout file: a Conv1D, not a conflict."""
+    kind = kinds.get(evidence.module)
+    return (
+        layout == PYTORCH
+        and evidence.layout == BURN
+        and not evidence.strong
+        and kind is not None
+        and kind.kind == LINEAR
+        and kind.by == BY_SHAPE
+    )
+
+
+def _shown_by(evidence: list[Evidence]) -> str:
+    parts = []
+    if any(e.module == _METADATA for e in evidence):
+        parts.append("format: pt metadata")
+    strong = [_label(e.module) for e in evidence if e.strong and e.module != _METADATA]
+    weak = [_label(e.module) for e in evidence if not e.strong]
+    if strong:
+        parts.append(f"names of {_short_list(strong)}")
+    if weak:
+        parts.append(f"shapes of {_short_list(weak)}")
+    return "shown by " + "; ".join(parts)
+
+
+def _stated_layout(source_layout: str, module_map: ModuleMap | None, context: FileContext) -> tuple[str | None, str]:
+    # The explicit argument (--layout) wins over the map's `layout:` line, which wins over the file's record.
     if source_layout != AUTO:
         return source_layout, "--layout"
     if module_map is not None and module_map.layout is not None:
         return module_map.layout, f"layout: in {module_map.source}"
+    if context.recorded_layout in LAYOUTS:
+        return context.recorded_layout, "recorded in the file: syncd.layout"
     return None, ""
+
+
+def _resolve_with_layout(
+    classified: list[tuple[Module, ModuleKind]], layout: str | None
+) -> list[tuple[Module, ModuleKind]]:
+    first = [(module, resolve_with_layout(module, kind, layout, None)) for module, kind in classified]
+    in_out = frozenset(m.path.rpartition(".")[2] for m, k in first if k.kind == LINEAR_IN_OUT)
+    if not in_out:
+        return first
+    return [(module, resolve_with_layout(module, kind, layout, in_out)) for module, kind in first]
 
 
 def _contradiction_error(stated: str, origin: str, against: list[Evidence]) -> LayoutAmbiguityError:
@@ -178,8 +256,10 @@ def _contradiction_error(stated: str, origin: str, against: list[Evidence]) -> L
     return _ambiguity(message, suggestion, [e.module for e in against])
 
 
-def _conflict_error(evidence: list[Evidence]) -> LayoutAmbiguityError:
-    by_layout = {layout: [e for e in evidence if e.layout == layout] for layout in (PYTORCH, BURN)}
+def _conflict_error(
+    shown: list[Evidence], evidence: list[Evidence], kinds: dict[str, ModuleKind]
+) -> LayoutAmbiguityError:
+    by_layout = {layout: [e for e in shown if e.layout == layout] for layout in (PYTORCH, BURN)}
     sides = "; ".join(
         f"{layout} from {_short_list([_label(e.module) for e in found])}" for layout, found in by_layout.items()
     )
@@ -187,10 +267,20 @@ def _conflict_error(evidence: list[Evidence]) -> LayoutAmbiguityError:
         f"conflicting layout evidence ({sides}); a file is in one layout: map the odd modules "
         "as Other to leave them unchanged"
     )
-    minority = min(by_layout.values(), key=len)
-    suggestion = _map_yaml([(_label(e.module), "Other", e.reason) for e in minority])
+    suggestion = _map_yaml([(_label(e.module), "Other", e.reason) for e in _fewest_odd(evidence, kinds)])
     details = [f"  {_label(e.module)}: {e.layout} ({e.reason})" for e in evidence]
-    return _ambiguity(message, suggestion, [e.module for e in evidence], details)
+    return _ambiguity(message, suggestion, [e.module for e in shown], details)
+
+
+def _fewest_odd(evidence: list[Evidence], kinds: dict[str, ModuleKind]) -> list[Evidence]:
+    """The modules to map as Other so that everything left agrees, for the layout that needs fewest (the
+    metadata cannot be mapped away: its layout is the only choice when it speaks)."""
+    choices = []
+    for layout in LAYOUTS:
+        odd = [e for e in evidence if e.layout != layout and not _deducible(e, layout, kinds)]
+        if not any(e.module == _METADATA for e in odd):
+            choices.append(odd)
+    return min(choices, key=lambda odd: len({e.module for e in odd})) if choices else []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,8 +308,8 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
             f"nothing shows whether the file is in pytorch or burn layout, which decides whether "
             f"these Linear weights are transposed: {_clip(listed)}; pass --layout pytorch|burn"
         )
-    lines = [(k.path or "(root)", k.options[0], _alternatives(k.options)) for k in undecided]
-    needs_layout = source is None and (layoutless or any(LINEAR in k.options for k in undecided))
+    lines = _suggested_lines(classified)
+    needs_layout = source is None and (layoutless or any(k.options[0] == LINEAR for k in undecided))
     suggestion = _map_yaml(lines, PYTORCH if needs_layout else None)
     details = [f"  {k.path or '(root)'}: {k.reason}" for k in undecided]
     details += [
@@ -227,6 +317,44 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
     ]
     names = [k.path for k in undecided] + [m.path for m in layoutless]
     raise _ambiguity(f"cannot convert to {target} layout: " + "; also ".join(parts), suggestion, names, details)
+
+
+def _suggested_lines(classified: list[tuple[Module, ModuleKind]]) -> list[tuple[str, str, str]]:
+    """(pattern, kind, comment) lines settling every undecided module, as the fewest globs.
+
+    Each undecided module gets its likeliest kind (name evidence first, see infer.py). The pattern tried first
+    is `**.<last segment>`, then the path with its numeric segments as `*`, then the exact path; a glob is
+    taken only when every module it matches is undecided with the same suggested kind or already decided as
+    that kind, so the map applied as printed changes nothing else.
+    """
+    decided = {m.path: k.kind for m, k in classified if m.params and k.kind != UNKNOWN}
+    suggested = {k.path: k.options[0] for _, k in classified if k.kind == UNKNOWN}
+    kind_of_path = {**decided, **suggested}
+    lines: dict[str, tuple[str, str]] = {}
+    for _, kind in classified:
+        if kind.kind != UNKNOWN:
+            continue
+        want = kind.options[0]
+        for pattern in _candidate_patterns(kind.path):
+            rule = ModuleMap.from_dict({"modules": {pattern: want}}).rules[0]
+            matched = [path for path in kind_of_path if rule.regex.fullmatch("." + path if path else "")]
+            if all(kind_of_path[path] == want for path in matched):
+                lines.setdefault(pattern, (want, _alternatives(kind.options)))
+                break
+    return [(pattern, want, comment) for pattern, (want, comment) in lines.items()]
+
+
+def _candidate_patterns(path: str) -> list[str]:
+    if not path:
+        return [""]
+    segments = path.split(".")
+    patterns = []
+    if not segments[-1].isdigit() and not any(c in segments[-1] for c in "*?["):
+        patterns.append(f"**.{segments[-1]}")
+    numbered = ".".join("*" if segment.isdigit() else segment for segment in segments)
+    if numbered != path:
+        patterns.append(numbered)
+    return [*patterns, path]
 
 
 def _question(kind: ModuleKind) -> str:
@@ -246,8 +374,13 @@ def _map_yaml(lines: list[tuple[str, str, str]], layout: str | None = None) -> s
         out.append(f"layout: {layout}  # or burn: the layout the file is in (same as --layout {layout})")
     if lines:
         out.append("modules:")
-        out += [f'  "{path}": {kind}  # {comment}' for path, kind, comment in lines]
+        out += [f"  {_yaml_key(path)}: {kind}  # {comment}" for path, kind, comment in lines]
     return "\n".join(out)
+
+
+def _yaml_key(path: str) -> str:
+    # JSON string syntax is YAML: quotes, backslashes and control characters in a module name stay exact
+    return json.dumps(path, ensure_ascii=False)
 
 
 def _ambiguity(
@@ -269,6 +402,9 @@ def _module_steps(module: Module, kind: ModuleKind, target: str) -> tuple[dict[s
     _refuse_packed(module, target)
     if kind.kind == LINEAR:
         return _linear_steps(module)
+    if kind.kind == LINEAR_IN_OUT:
+        # burn-compat.md §3.5: Burn's Linear weight is [in, out], which is how Conv1D stores it already
+        return {}, "unchanged: weight stays [in, out] (Burn's Linear layout)"
     if kind.kind in NORM_KINDS or kind.kind == PRELU:
         return _rename_steps(module, kind.kind, target)
     return {}, "unchanged"
