@@ -37,6 +37,7 @@ BURN_LAYOUT = "syncd.burnpack_layout"
 SCALARS = "syncd.scalars"
 DROPPED = "syncd.dropped"
 SAFETENSORS_METADATA = "syncd.safetensors_metadata"
+KINDS = "syncd.kinds"  # module path -> the kind it was converted as (issue 13: the way back needs no map)
 
 # Burn dtypes whose safetensors form loses what they are (burn-compat.md §2.4): restored from DTYPES.
 LOSSY_IN_SAFETENSORS = frozenset(["Flex32", "Bool", "Bool(U8)", "Bool(U32)"])
@@ -56,6 +57,7 @@ class Carried:
     scalars: dict[str, Scalar] = field(default_factory=dict)
     dropped: dict[str, tuple[str, tuple[int, ...], bytes]] = field(default_factory=dict)
     safetensors_metadata: dict[str, str] | None = None
+    kinds: dict[str, str] = field(default_factory=dict)
 
 
 def file_label(name: str) -> str:
@@ -204,6 +206,23 @@ def _parse_into(c: Carried, md: dict[str, str]) -> None:
     c.safetensors_metadata = _text_map(_json(md, SAFETENSORS_METADATA), SAFETENSORS_METADATA)
     c.scalars = {str(k): _scalar(v) for k, v in (_json(md, SCALARS) or {}).items()}
     c.dropped = {str(k): _dropped(v) for k, v in (_json(md, DROPPED) or {}).items()}
+    c.kinds = _kinds(_json(md, KINDS))
+
+
+def record_kinds(metadata: dict[str, str], layout: str, kinds: dict[str, str]) -> None:
+    """The module kinds a conversion between layouts decided (undecided modules are left out: nothing was
+    decided for them), so that the way back needs no module map (issue 13)."""
+    decided = {path: kind for path, kind in kinds.items() if kind != "Unknown"}
+    if layout in CARRIED_LAYOUTS and decided:
+        metadata[KINDS] = dumps(decided)
+
+
+def _kinds(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"{KINDS} is not a map of module path to kind")
+    return value
 
 
 def _u64(value: Any) -> int:

@@ -30,6 +30,7 @@ from syncd.adapters import (
     TensorRef,
     plan_conversion,
 )
+from syncd.context import gather_context
 from syncd.errors import FormatError, SyncdError, UsageError, VerificationError, one_line
 from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader, pwrite_all
@@ -195,6 +196,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
     c.metadata, c.scalars = target.metadata(c)
     carry.stamp(c.metadata, adapted.target_layout, os.path.basename(source.path), SHA_PLACEHOLDER)
+    carry.record_kinds(c.metadata, adapted.target_layout, adapted.kinds)
     return c
 
 
@@ -202,11 +204,17 @@ def _adapt(source: Source, request: ConvertRequest, target: Target, carried: car
     layout = request.layout
     to_layout = KEEP if layout == KEEP else target.format.native_layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
-    if source_layout == AUTO and carried.layout in (PYTORCH, BURN):
-        source_layout = carried.layout  # our own record of what we wrote beats inference
     refs = [TensorRef(t.name, t.dtype, t.shape) for t in source.tensors]
+    # our own record of what we wrote, the file's metadata and the config.json beside it (issue 13)
+    context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds)
     try:
-        return plan_conversion(refs, to_layout=to_layout, source_layout=source_layout, module_map=request.module_map)
+        return plan_conversion(
+            refs,
+            to_layout=to_layout,
+            source_layout=source_layout,
+            module_map=request.module_map,
+            context=context,
+        )
     except SyncdError as exc:
         raise _naming_file(exc, source.path) from None
 

@@ -1,0 +1,72 @@
+"""What a checkpoint's surroundings say about its modules: gathered here, handed to the pure adapters.
+
+The adapters do no I/O (README, "Layers"); the convert layer reads the `config.json` a Hugging Face
+`save_pretrained` writes beside the weights, and passes its parsed contents with the file's own metadata and
+syncd record as one `FileContext` (issue 13's evidence order is applied in `syncd.adapters`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from syncd.adapters import FileContext
+
+CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB; anything larger is not one
+
+
+def gather_context(
+    source: str, metadata: dict[str, str], recorded_layout: str | None, recorded_kinds: dict[str, str]
+) -> FileContext:
+    config, note = read_config_beside(Path(source))
+    return FileContext(
+        metadata=dict(metadata),
+        recorded_layout=recorded_layout,
+        recorded_kinds=dict(recorded_kinds),
+        config=config,
+        notes=(note,) if note else (),
+    )
+
+
+def read_config_beside(source: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the parsed config.json in the source's directory, or None; a note when one is there but unusable).
+
+    A config that cannot be used never stops a conversion: the names and shapes still decide, and the note
+    says why it was passed over. Opened without following a symlink and never blocking (a FIFO named
+    config.json is not read).
+    """
+    path = source.parent / CONFIG_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{CONFIG_NAME} beside it not used: {exc.strerror or exc}"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"{CONFIG_NAME} beside it not used: not a regular file"
+        if info.st_size > MAX_CONFIG_BYTES:
+            return None, f"{CONFIG_NAME} beside it not used: larger than {MAX_CONFIG_BYTES} bytes"
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        return None, f"{CONFIG_NAME} beside it not used: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+    return _parse_config(data)
+
+
+def _parse_config(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return None, f"{CONFIG_NAME} beside it not used: not JSON ({' '.join(str(exc).split())[:120]})"
+    if not isinstance(config, dict):
+        return None, f"{CONFIG_NAME} beside it not used: not a JSON object"
+    if "model_type" not in config and "architectures" not in config:
+        return None, None  # some other tool's config: says nothing about the model
+    return config, None
