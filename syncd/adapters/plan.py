@@ -341,7 +341,25 @@ def _suggested_lines(classified: list[tuple[Module, ModuleKind]]) -> list[tuple[
             if all(kind_of_path[path] == want for path in matched):
                 lines.setdefault(pattern, (want, _alternatives(kind.options)))
                 break
-    return [(pattern, want, comment) for pattern, (want, comment) in lines.items()]
+    return _merge_single_letters([(pattern, want, comment) for pattern, (want, comment) in lines.items()])
+
+
+def _merge_single_letters(lines: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """`**.q`, `**.k`, `**.v` of one kind -> `**.[kqv]` (T5's projections): the same modules, fewer lines."""
+    letters: dict[tuple[str, str], list[str]] = {}
+    for pattern, want, comment in lines:
+        last = pattern[3:]
+        if pattern.startswith("**.") and len(last) == 1 and last.isalnum():
+            letters.setdefault((want, comment), []).append(last)
+    merged, done = [], set()
+    for pattern, want, comment in lines:
+        group = letters.get((want, comment), [])
+        if pattern[3:] not in group or not pattern.startswith("**.") or len(group) < 2:
+            merged.append((pattern, want, comment))
+        elif (want, comment) not in done:
+            done.add((want, comment))
+            merged.append((f"**.[{''.join(sorted(group))}]", want, comment))
+    return merged
 
 
 def _candidate_patterns(path: str) -> list[str]:
