@@ -1,0 +1,517 @@
+"""Issue 13: real architectures convert with no configuration, tensor by tensor right, and come back bit-exact.
+
+Every model is built from a small config with random weights (no downloads). Each test saves it as its users
+do (`save_pretrained`, which writes config.json and `format: pt`; or a bare `save_file(state_dict)`), converts
+with no flags, checks every tensor of the .bpk against what its *module type* says Burn expects (Linear
+transposed, norms gamma/beta, PReLU alpha, Conv1D / Embedding / convolutions / other parameters unchanged,
+BatchNorm counters carried), converts back with no flags and reloads strictly, comparing every tensor bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as hf
+import yaml
+from convcheck import Checkpoint, read_bpk, read_safetensors, run_cli, transposed
+from safetensors.torch import save_file
+from torch import nn
+
+from syncd.adapters import FileContext, LayoutAmbiguityError, ModuleMap, TensorRef, plan_conversion
+from syncd.convert import ConvertRequest, convert
+from syncd.errors import UnsupportedError
+
+hf.logging.set_verbosity_error()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the models: small configs, random weights
+
+
+def _bert() -> nn.Module:
+    config = hf.BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=12,
+    )
+    return hf.BertModel(config)
+
+
+def _gpt2() -> nn.Module:
+    config = hf.GPT2Config(
+        vocab_size=40, n_positions=12, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    return hf.GPT2LMHeadModel(config)
+
+
+def _llama(tied: bool, dtype: torch.dtype = torch.float32) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        config = hf.LlamaConfig(
+            vocab_size=40,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=tied,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return hf.LlamaForCausalLM(config).to(dtype)
+
+    return build
+
+
+def _t5() -> nn.Module:
+    config = hf.T5Config(
+        vocab_size=40,
+        d_model=16,
+        d_kv=8,
+        d_ff=24,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+    )
+    return hf.T5ForConditionalGeneration(config)
+
+
+def _whisper() -> nn.Module:
+    config = hf.WhisperConfig(
+        vocab_size=40,
+        num_mel_bins=8,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        max_source_positions=8,
+        max_target_positions=8,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+    )
+    return hf.WhisperModel(config)
+
+
+def _vit() -> nn.Module:
+    config = hf.ViTConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        image_size=8,
+        patch_size=4,
+        num_labels=3,
+    )
+    return hf.ViTForImageClassification(config)
+
+
+def _resnet() -> nn.Module:
+    config = hf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    model = hf.ResNetForImageClassification(config)
+    _move_running_stats(model)
+    return model
+
+
+def _convnext() -> nn.Module:
+    config = hf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3)
+    return hf.ConvNextForImageClassification(config)
+
+
+def _mamba() -> nn.Module:
+    config = hf.MambaConfig(vocab_size=40, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3)
+    return hf.MambaForCausalLM(config)
+
+
+HF_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "bert": _bert,
+    "gpt2": _gpt2,
+    "llama-untied": _llama(tied=False),
+    "llama-tied-bf16": _llama(tied=True, dtype=torch.bfloat16),
+    "t5": _t5,
+    "whisper": _whisper,
+    "vit": _vit,
+    "resnet": _resnet,
+    "convnext": _convnext,
+    "mamba": _mamba,
+}
+
+
+class LayerScale(nn.Module):
+    """timm's LayerScale: a per-channel multiplier named `gamma` (no norm, no Burn module)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(dim))
+
+
+class _TimmAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+
+class _TimmMlp(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+
+class _TimmBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.ls1 = nn.LayerNorm(dim), _TimmAttention(dim), LayerScale(dim)
+        self.norm2, self.mlp, self.ls2 = nn.LayerNorm(dim), _TimmMlp(dim), LayerScale(dim)
+
+
+class TimmViT(nn.Module):
+    """The parameter names of timm's VisionTransformer with init_values set (LayerScale)."""
+
+    def __init__(self, dim: int = 16, depth: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, dim))
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, dim, 4, 4)
+        self.blocks = nn.ModuleList(_TimmBlock(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+
+class PlainNet(nn.Module):
+    """A plain torch model: an Embedding, BatchNorm, GroupNorm, PReLUs (per channel and single), Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(30, 8)
+        self.conv = nn.Conv1d(8, 8, 3)
+        self.bn = nn.BatchNorm1d(8)
+        self.gn = nn.GroupNorm(2, 8)
+        self.prelu = nn.PReLU(8)
+        self.act = nn.PReLU()
+        self.fc = nn.Linear(8, 4)
+        self.out = nn.Linear(4, 4, bias=False)  # nothing names it: the one genuinely ambiguous module
+
+
+def _plain_sequential() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.PReLU(),
+        nn.Conv2d(4, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.PReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+    )
+
+
+def _plain() -> nn.Module:
+    model = PlainNet()
+    _move_running_stats(model)
+    return model
+
+
+def _sequential() -> nn.Module:
+    model = _plain_sequential()
+    _move_running_stats(model)
+    return model
+
+
+def _move_running_stats(model: nn.Module) -> None:
+    """Running stats and counters away from their defaults, so that carrying them is checked."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.running_mean.uniform_(-1, 1)
+                module.running_var.uniform_(0.5, 2)
+                module.num_batches_tracked.fill_(7)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what Burn expects, from the module types (burn-compat.md §3.5)
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.RMSNorm)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # transformers' own norms (LlamaRMSNorm, T5LayerNorm, MambaRMSNorm) are not torch classes
+    return isinstance(module, _NORMS) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def file_names(model: nn.Module) -> dict[str, str]:
+    """Name in a save_pretrained file -> name in the model: transformers 5 saves some models (ViT) under their
+    older checkpoint names, so the owning module is found through its own reverse mapping."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    by_pointer: dict[int, list[str]] = {}
+    for name, value in state.items():
+        by_pointer.setdefault(value.data_ptr(), []).append(name)
+    names = {}
+    for saved, value in revert_weight_conversion(model, dict(state)).items():
+        candidates = by_pointer[value.data_ptr()]
+        names[saved] = saved if saved in candidates else candidates[0]
+    return names
+
+
+def expected_burn(
+    model: nn.Module, source: Checkpoint, names: dict[str, str] | None = None
+) -> dict[str, tuple[tuple[int, ...], bytes]]:
+    """Burn name -> (shape, bytes) for every tensor of a PyTorch-layout file, from the module that owns it."""
+    expected = {}
+    for name, tensor in source.tensors.items():
+        path, _, leaf = name.rpartition(".")
+        owner = (names or {}).get(name, name).rpartition(".")[0]
+        module = model.get_submodule(owner) if owner else model
+        burn_name, shape, data = name, tensor.shape, tensor.data
+        if isinstance(module, nn.Linear) and leaf == "weight":
+            shape, data = shape[::-1], transposed(data, shape, len(data) // max(1, _numel(shape)))
+        elif _is_norm(module) and leaf in ("weight", "bias"):
+            burn_name = f"{path}.{'gamma' if leaf == 'weight' else 'beta'}"
+        elif isinstance(module, nn.PReLU):
+            burn_name = f"{path}.alpha"
+        elif leaf == "num_batches_tracked":
+            continue  # no Burn slot: carried in metadata (burn-compat.md §4)
+        # Embedding, Conv*, transformers' Conv1D ([in, out] is Burn's Linear layout) and anything else: as stored
+        expected[burn_name] = (shape, data)
+    return expected
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def assert_burn_layout(model: nn.Module, source: Path, bpk: Path, names: dict[str, str] | None = None) -> None:
+    burn = read_bpk(bpk)
+    found = {name: (t.shape, t.data) for name, t in burn.tensors.items()}
+    expected = expected_burn(model, read_safetensors(source), names)
+    assert sorted(found) == sorted(expected)
+    wrong = [name for name in expected if found[name] != expected[name]]
+    assert not wrong, f"tensors not as their module types say: {wrong}"
+
+
+def assert_same_state(original: nn.Module, reloaded: nn.Module) -> None:
+    ours, theirs = original.state_dict(), reloaded.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for name, value in ours.items():
+        other = theirs[name]
+        assert value.dtype == other.dtype and value.shape == other.shape, name
+        assert _bits(value) == _bits(other), name
+
+
+def _bits(value: torch.Tensor) -> bytes:
+    return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _bare_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    # tied weights share memory, which save_file refuses: each gets its own copy, as a user would
+    return {name: value.detach().clone().contiguous() for name, value in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# save_pretrained: config.json beside the weights, `format: pt` in them
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_save_pretrained_converts_with_no_flags_and_reloads_bit_exact(tmp_path: Path, name: str) -> None:
+    torch.manual_seed(13)
+    model = HF_MODELS[name]()
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    source = saved / "model.safetensors"
+
+    to_burn = convert(ConvertRequest(source=source))
+    assert to_burn.source_layout == "pytorch"
+    assert any(line.startswith("config.json model_type") for line in to_burn.decisions), to_burn.decisions
+    assert_burn_layout(model, source, saved / "model.bpk", file_names(model))
+
+    back = tmp_path / "back"
+    back.mkdir()
+    shutil.copy(saved / "config.json", back / "config.json")
+    returned = convert(ConvertRequest(source=saved / "model.bpk", dest=back / "model.safetensors"))
+    assert returned.decisions[0] == "source layout: burn (recorded in the file: syncd.layout)"
+    assert read_safetensors(back / "model.safetensors").tensors == read_safetensors(source).tensors
+    assert read_safetensors(back / "model.safetensors").metadata["format"] == "pt"
+    assert_same_state(model, type(model).from_pretrained(back, dtype=next(model.parameters()).dtype))
+
+
+def test_gpt2_conv1d_is_kept_and_the_decisions_name_their_sources(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model = _gpt2()
+    model.save_pretrained(tmp_path)
+    done = run_cli("convert", tmp_path / "model.safetensors", "-v")
+    assert done.returncode == 0, done.stderr
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    assert (
+        "source layout: pytorch (shown by format: pt metadata; names of transformer.h.0.ln_1, transformer.h.0.ln_2, "
+        "transformer.ln_f)" in lines
+    )
+    assert "config.json model_type 'gpt2': known architecture gpt2" in lines
+    assert any(
+        line.startswith("transformer.h.0.mlp.c_fc: LinearInOut (config.json model_type 'gpt2'")
+        and line.endswith("-> unchanged: weight stays [in, out] (Burn's Linear layout)")
+        for line in lines
+    )
+    c_fc = model.transformer.h[0].mlp.c_fc.weight
+    assert read_bpk(tmp_path / "model.bpk").tensors["transformer.h.0.mlp.c_fc.weight"].shape == tuple(c_fc.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bare save_file(state_dict): names and shapes only; the genuinely ambiguous refuse with a map that settles them
+
+# model -> the map a refusal prints (None: converts with no flags)
+BARE_REFUSALS: dict[str, dict[str, str] | None] = {
+    "bert": None,
+    "gpt2": {"**.c_proj": "LinearInOut"},  # attn.c_proj is square: Linear and Conv1D look alike
+    "llama-untied": None,
+    "llama-tied-bf16": None,
+    # T5 names its projections q, k, v, o, wi, wo: no convention says Linear
+    "t5": {
+        "**.[koqv]": "Linear",
+        "**.relative_attention_bias": "Embedding",
+        "**.wi": "Linear",
+        "**.wo": "Linear",
+    },
+    "whisper": None,
+    "vit": None,
+    "resnet": None,
+    "convnext": None,
+    "mamba": None,
+    "timm-vit-layerscale": None,
+    "plain": {"**.out": "Linear"},
+    "plain-sequential": None,
+}
+BARE_MODELS: dict[str, Callable[[], nn.Module]] = {
+    **HF_MODELS,
+    "timm-vit-layerscale": TimmViT,
+    "plain": _plain,
+    "plain-sequential": _sequential,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BARE_MODELS))
+def test_bare_state_dict_converts_or_prints_the_map_that_settles_it(tmp_path: Path, name: str) -> None:
+    torch.manual_seed(7)
+    model = BARE_MODELS[name]()
+    source = tmp_path / "weights.safetensors"
+    save_file(_bare_state(model), source)
+
+    mapping = None
+    try:
+        convert(ConvertRequest(source=source))
+    except LayoutAmbiguityError as refused:
+        suggested = yaml.safe_load(refused.suggestion)
+        assert suggested == {"modules": BARE_REFUSALS[name]}, refused.suggestion
+        (tmp_path / "map.yaml").write_text(refused.suggestion)  # applied exactly as printed
+        mapping = ModuleMap.from_yaml_file(tmp_path / "map.yaml")
+        convert(ConvertRequest(source=source, module_map=mapping))
+    else:
+        assert BARE_REFUSALS[name] is None
+    assert_burn_layout(model, source, tmp_path / "weights.bpk")
+
+    back = tmp_path / "back.safetensors"
+    convert(ConvertRequest(source=tmp_path / "weights.bpk", dest=back))  # no map: the .bpk records its kinds
+    assert read_safetensors(back).tensors == read_safetensors(source).tensors
+    fresh = BARE_MODELS[name]()
+    fresh.load_state_dict(read_torch(back), strict=True)
+    assert_same_state(model, fresh)
+
+
+def read_torch(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the cases of the issue
+
+
+def test_gpt2_split_file_with_format_pt_round_trips_exactly(tmp_path: Path) -> None:
+    """One shard holding only h.0.mlp.c_fc: its bias matches dim 1, but `format: pt` says PyTorch layout, so it
+    is a Conv1D kept [in, out], and the way back keeps it too."""
+    torch.manual_seed(3)
+    model = _gpt2()
+    state = {k: v.clone() for k, v in model.state_dict().items() if ".mlp.c_fc." in k}
+    source = tmp_path / "model-00002-of-00002.safetensors"
+    save_file(state, source, metadata={"format": "pt"})
+    result = convert(ConvertRequest(source=source))
+    assert result.source_layout == "pytorch"
+    assert any("c_fc: LinearInOut" in line for line in result.decisions)
+    assert_burn_layout(model, source, source.with_suffix(".bpk"))
+    back = tmp_path / "back.safetensors"
+    convert(ConvertRequest(source=source.with_suffix(".bpk"), dest=back))
+    assert read_safetensors(back).tensors == read_safetensors(source).tensors
+
+
+def test_a_format_pt_file_is_never_taken_for_burn_layout(tmp_path: Path) -> None:
+    # Linears whose bias matches dim 1 would say burn layout; the metadata outranks them
+    table = [TensorRef("fc.weight", "F32", (4, 6)), TensorRef("fc.bias", "F32", (6,))]
+    plan = plan_conversion(table, to_layout="burn", context=FileContext(metadata={"format": "pt"}))
+    assert plan.source_layout == "pytorch" and plan.kinds == {"fc": "LinearInOut"} and plan.is_identity
+    with pytest.raises(LayoutAmbiguityError, match=r"source layout burn \(--layout\) contradicts the tensors"):
+        plan_conversion(
+            table, to_layout="pytorch", source_layout="burn", context=FileContext(metadata={"format": "pt"})
+        )
+    # without it, the shapes are all there is
+    assert plan_conversion(table, to_layout="burn").source_layout == "burn"
+
+
+def test_layer_scale_gamma_is_left_as_it_is_in_both_directions() -> None:
+    burn_side = [TensorRef("blocks.0.norm1.gamma", "F32", (8,)), TensorRef("blocks.0.ls1.gamma", "F32", (8,))]
+    torch_side = [TensorRef("blocks.0.norm1.weight", "F32", (8,)), TensorRef("blocks.0.ls1.gamma", "F32", (8,))]
+    to_torch = plan_conversion(burn_side, to_layout="pytorch")
+    to_burn = plan_conversion(torch_side, to_layout="burn")
+    assert [e.target for e in to_torch.entries] == [t.name for t in torch_side]
+    assert [e.target for e in to_burn.entries] == [t.name for t in burn_side]
+    # unnamed, a lone gamma in a pytorch-layout file is no norm parameter: unchanged, never renamed
+    unnamed = [
+        TensorRef("norm.weight", "F32", (8,)),
+        TensorRef("norm.bias", "F32", (8,)),
+        TensorRef("scale.gamma", "F32", (8,)),
+    ]
+    assert plan_conversion(unnamed, to_layout="burn").kinds["scale"] == "Other"
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: nn.LSTM(4, 3),
+        lambda: nn.GRU(4, 3, bidirectional=True),
+        lambda: nn.Transformer(
+            d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16, batch_first=True
+        ),
+    ],
+    ids=["lstm", "bigru", "nn.Transformer"],
+)
+def test_packed_tensors_are_refused_with_layout_keep_as_the_advice(tmp_path: Path, build: Callable) -> None:
+    torch.manual_seed(2)
+    model = build()
+    source = tmp_path / "packed.safetensors"
+    save_file(_bare_state(model), source)
+    with pytest.raises(UnsupportedError, match="PyTorch packs several parameters.*convert with --layout keep"):
+        convert(ConvertRequest(source=source))
+    convert(ConvertRequest(source=source, layout="keep"))
+    back = tmp_path / "back.safetensors"
+    convert(ConvertRequest(source=source.with_suffix(".bpk"), dest=back, layout="keep"))
+    fresh = build()
+    fresh.load_state_dict(read_torch(back), strict=True)
+    assert_same_state(model, fresh)
