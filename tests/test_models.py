@@ -10,6 +10,7 @@ bit.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -515,3 +516,27 @@ def test_packed_tensors_are_refused_with_layout_keep_as_the_advice(tmp_path: Pat
     fresh = build()
     fresh.load_state_dict(read_torch(back), strict=True)
     assert_same_state(model, fresh)
+
+
+def test_the_sync_log_records_each_decision_with_its_source(tmp_path: Path) -> None:
+    """The daemon converts a save_pretrained directory dropped into a watch; its log line says where each
+    decision came from (config.json, names, metadata) and the way back needs nothing either."""
+    from daemonutil import DaemonRun
+
+    torch.manual_seed(4)
+    model = _gpt2()
+    model.save_pretrained(tmp_path / "saved")
+    with DaemonRun(tmp_path / "daemon") as run:
+        runs = run.watch_dir("runs")
+        shutil.copy(tmp_path / "saved" / "config.json", runs / "config.json")  # the config lands first
+        run.start()
+        shutil.copy(tmp_path / "saved" / "model.safetensors", tmp_path / "model.safetensors")
+        os.rename(tmp_path / "model.safetensors", runs / "model.safetensors")
+        run.wait_for("converted", [runs / "model.safetensors"])
+        (record,) = run.statuses("converted", runs / "model.safetensors")
+    layout = record["layout"]
+    assert layout[0] == "pytorch -> burn"
+    assert "config.json model_type 'gpt2': known architecture gpt2" in layout
+    assert any(line.startswith("source layout: pytorch (shown by format: pt metadata") for line in layout)
+    assert any(line.startswith("transformer.wte: Embedding (config.json model_type 'gpt2'") for line in layout)
+    assert_burn_layout(model, tmp_path / "saved" / "model.safetensors", runs / "model.bpk")
