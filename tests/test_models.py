@@ -212,7 +212,7 @@ def _plain_sequential() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 4, 3),
         nn.BatchNorm2d(4),
-        nn.PReLU(),
+        nn.PReLU(4),  # unnamed and per channel: RmsNorm or PReLU? After a norm, the suggestion says PReLU
         nn.Conv2d(4, 4, 3),
         nn.GroupNorm(2, 4),
         nn.PReLU(),
@@ -398,7 +398,7 @@ BARE_REFUSALS: dict[str, dict[str, str] | None] = {
     "mamba": None,
     "timm-vit-layerscale": None,
     "plain": {"**.out": "Linear"},
-    "plain-sequential": None,
+    "plain-sequential": {"2": "PRelu"},
 }
 BARE_MODELS: dict[str, Callable[[], nn.Module]] = {
     **HF_MODELS,

@@ -328,13 +328,13 @@ def _suggested_lines(classified: list[tuple[Module, ModuleKind]]) -> list[tuple[
     that kind, so the map applied as printed changes nothing else.
     """
     decided = {m.path: k.kind for m, k in classified if m.params and k.kind != UNKNOWN}
-    suggested = {k.path: k.options[0] for _, k in classified if k.kind == UNKNOWN}
+    suggested = {k.path: _likeliest(k, decided) for _, k in classified if k.kind == UNKNOWN}
     kind_of_path = {**decided, **suggested}
     lines: dict[str, tuple[str, str]] = {}
     for _, kind in classified:
         if kind.kind != UNKNOWN:
             continue
-        want = kind.options[0]
+        want = suggested[kind.path]
         for pattern in _candidate_patterns(kind.path):
             rule = ModuleMap.from_dict({"modules": {pattern: want}}).rules[0]
             matched = [path for path in kind_of_path if rule.regex.fullmatch("." + path if path else "")]
@@ -342,6 +342,17 @@ def _suggested_lines(classified: list[tuple[Module, ModuleKind]]) -> list[tuple[
                 lines.setdefault(pattern, (want, _alternatives(kind.options)))
                 break
     return _merge_single_letters([(pattern, want, comment) for pattern, (want, comment) in lines.items()])
+
+
+def _likeliest(kind: ModuleKind, decided: dict[str, str]) -> str:
+    """The kind to suggest. An unnamed lone 1-D weight right after a norm in a Sequential (`3` after `2`) is
+    an activation's (PRelu): a norm does not follow a norm. Otherwise the order inference gave."""
+    parent, _, index = kind.path.rpartition(".")
+    if PRELU in kind.options and index.isdigit() and int(index) > 0:
+        before = decided.get(f"{parent}.{int(index) - 1}" if parent else str(int(index) - 1))
+        if before in NORM_KINDS:
+            return PRELU
+    return kind.options[0]
 
 
 def _merge_single_letters(lines: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
