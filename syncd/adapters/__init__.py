@@ -17,8 +17,11 @@ API
 ``AdapterPlan(entries, dropped, source_layout, target_layout, decisions, kinds)``, ``.is_identity``
     entries in source data order, dropped tensors left out; source_layout "pytorch" | "burn" | "neutral"
     (the file has nothing that differs between layouts) | "keep"; kinds: module path -> kind.
-``plan_conversion(tensors, *, to_layout, source_layout="auto", module_map=None) -> AdapterPlan``
-    to_layout "burn" | "pytorch" | "keep"; source_layout "auto" | "pytorch" | "burn".
+``plan_conversion(tensors, *, to_layout, source_layout="auto", module_map=None, context=None) -> AdapterPlan``
+    to_layout "burn" | "pytorch" | "keep"; source_layout "auto" | "pytorch" | "burn"; context a
+    ``FileContext(metadata, recorded_layout, recorded_kinds, config, notes)``: what the file's surroundings say
+    (its metadata, its `syncd.layout` / `syncd.kinds` record, the parsed config.json beside it), gathered by
+    the convert layer (`syncd.context`); the adapters do no I/O.
 ``apply_plan(tensors, plan) -> list[TensorRef]``: the table the plan produces.
 ``ModuleMap.from_yaml_file(path)``, ``ModuleMap.from_yaml_text(text, source=...)``,
 ``ModuleMap.from_dict(data, source=...)``: a module map (see `syncd.adapters.modulemap` for the YAML form and
@@ -39,26 +42,37 @@ Rules, in order
 1. ``to_layout="keep"``: identity, nothing renamed, transposed or dropped.
 2. Module = name minus its last segment. Leaves weight, bias, gamma, beta, alpha, running_mean, running_var,
    num_batches_tracked are adapted; tensors with other leaves always pass through unchanged.
-3. Kind: a module-map match wins; otherwise inference —
-   running stats siblings -> BatchNorm; 1-D alpha -> PRelu; 1-D gamma(+beta) -> a norm; rank >= 3 weight ->
-   a convolution (no transform, ConvTranspose too); 2-D weight + 1-D bias fitting one of its dims -> Linear;
-   1-D weight + 1-D bias of the same length, no running stats -> a norm (LayerNorm/GroupNorm/InstanceNorm,
-   all renamed; Burn's adapter skips InstanceNorm, we do not). Undecided, never guessed: a 2-D weight with no
-   bias (Linear or Embedding), a lone 1-D weight (RmsNorm/LayerNorm -> gamma, or PRelu -> alpha), anything
-   else unexpected (suggested as Other).
-4. Layout evidence: a non-square Linear with bias (bias == dim 0 -> pytorch, == dim 1 -> burn); norm/PRelu
-   names (weight/bias/num_batches_tracked -> pytorch, gamma/beta/alpha -> burn); PyTorch packed names ->
-   pytorch. All evidence must agree (else AmbiguousLayoutError listing both sides). Square Linears and
-   bias-free Linears take the file's layout. Metadata (e.g. `producer`) is never evidence.
-5. ``source_layout`` "pytorch"/"burn" (or the map's ``layout:``; the argument wins) states the layout; evidence
-   that contradicts it is refused (map such modules as Other to leave them unchanged).
-6. Source layout == target, or nothing layout-dependent in the file: identity (undecided kinds do not matter).
+3. Kind, strongest evidence first (issue 13), each decision line saying where it came from:
+   a. the module map (exact path, else first matching glob);
+   b. the kinds a syncd-made file recorded (`syncd.kinds`);
+   c. config.json's `model_type` / `architectures` matched in `architectures.yaml` (one module map per
+      family; a rule that does not fit a module's tensors is passed over);
+   d. the tensors: running stats siblings -> BatchNorm; 1-D alpha -> PRelu; 1-D gamma+beta -> a norm; rank >= 3
+      weight -> a convolution; 2-D weight + 1-D bias fitting one of its dims -> Linear; 1-D weight + bias of the
+      same length -> a norm (LayerNorm/GroupNorm/InstanceNorm, all renamed);
+   e. naming conventions (evidence.py) for what the tensors leave open: a bias-free 2-D weight (`*_proj`,
+      `fc*`, `dense`, `query`... -> Linear; `embed*`, `*_emb`, `*embedding*`, `wte`, `wpe`, `shared` ->
+      Embedding), a lone 1-D weight or gamma (`*norm*`, `ln_*` -> RmsNorm; `ls1`, `*layer_scale*` -> Other, a
+      LayerScale; `act`, `*prelu*` -> PRelu); a lone 1-element weight is a PRelu;
+   f. the file's layout (rule 4): in a pytorch-layout file a shape-inferred Linear whose bias matches dim 1 is
+      a LinearInOut (transformers' Conv1D, [in, out]) and a lone gamma is no norm (Other); in a burn-layout
+      file a lone 1-D weight is no norm (Other). Where LinearInOut layers exist, a square Linear with bias that
+      only its shapes decided is undecided (Linear or LinearInOut).
+   Anything still undecided is refused, never guessed; the suggestion is the fewest globs that settle it.
+4. Layout: --layout, else the map's ``layout:``, else the file's `syncd.layout` record; else strong evidence
+   (`format: pt` metadata -> pytorch; norm/PRelu names: weight/bias/num_batches_tracked -> pytorch,
+   gamma/beta/alpha -> burn; PyTorch packed names -> pytorch), which must agree; else weak evidence (a
+   non-square Linear's bias: == dim 0 -> pytorch, == dim 1 -> burn), which must agree. Name and metadata
+   evidence outrank a bias's dimension; what contradicts a stated or strong layout is refused (map such
+   modules as Other), except the LinearInOut case of 3f. Square and bias-free Linears take the file's layout.
+5. Source layout == target, or nothing layout-dependent in the file: identity (undecided kinds do not matter).
    Otherwise every adaptable module must have a kind, and a file with a Linear needs a known layout.
-7. Transforms between layouts: Linear weight transpose (rank 2); norm weight/bias <-> gamma/beta for BatchNorm,
-   LayerNorm, GroupNorm, InstanceNorm, RmsNorm; PRelu weight <-> alpha; going to Burn, BatchNorm
-   num_batches_tracked (and InstanceNorm running stats) are dropped and listed in ``dropped``; going to
-   PyTorch, num_batches_tracked is not invented (the converter restores it from metadata; decisions say so).
-   Embedding, Conv*, Other: unchanged. Output names must be unique.
+6. Transforms between layouts: Linear weight transpose (rank 2); LinearInOut never transposed; norm
+   weight/bias <-> gamma/beta for BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RmsNorm; PRelu weight <->
+   alpha; going to Burn, BatchNorm num_batches_tracked (and InstanceNorm running stats) are dropped and listed
+   in ``dropped``; going to PyTorch, num_batches_tracked is not invented (the converter restores it from
+   metadata; decisions say so). Embedding, Conv*, Other: unchanged. Output names must be unique.
+   ``plan.kinds`` (module path -> kind) is what the converter records in `syncd.kinds`.
 """
 
 from syncd.adapters.model import (
