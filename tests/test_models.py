@@ -540,3 +540,30 @@ def test_the_sync_log_records_each_decision_with_its_source(tmp_path: Path) -> N
     assert any(line.startswith("source layout: pytorch (shown by format: pt metadata") for line in layout)
     assert any(line.startswith("transformer.wte: Embedding (config.json model_type 'gpt2'") for line in layout)
     assert_burn_layout(model, tmp_path / "saved" / "model.safetensors", runs / "model.bpk")
+
+
+@pytest.mark.parametrize(
+    ("make", "note"),
+    [
+        (lambda path: path.write_text("{not json"), "config.json beside it not used: not JSON"),
+        (lambda path: path.write_text("[1, 2]"), "config.json beside it not used: not a JSON object"),
+        (lambda path: os.mkfifo(path), "config.json beside it not used: not a regular file"),
+        (lambda path: path.symlink_to(path.parent / "elsewhere.json"), "config.json beside it not used:"),
+        (
+            lambda path: path.write_text('{"model_type": "no-such-family"}'),
+            "config.json: model_type 'no-such-family' is not in",
+        ),
+    ],
+    ids=["bad-json", "not-an-object", "fifo", "symlink", "unknown-family"],
+)
+def test_an_unusable_config_json_is_noted_and_names_and_shapes_decide(
+    tmp_path: Path, make: Callable, note: str
+) -> None:
+    (tmp_path / "elsewhere.json").write_text('{"model_type": "gpt2"}')
+    make(tmp_path / "config.json")
+    torch.manual_seed(5)
+    model = _bert()
+    save_file(_bare_state(model), tmp_path / "weights.safetensors", metadata={"format": "pt"})
+    result = convert(ConvertRequest(source=tmp_path / "weights.safetensors"))
+    assert any(line.startswith(note) for line in result.decisions), result.decisions
+    assert_burn_layout(model, tmp_path / "weights.safetensors", tmp_path / "weights.bpk")
