@@ -32,7 +32,7 @@ def _env() -> dict[str, str]:
 
 def _ambiguous(path: Path) -> Path:
     """A square bias-free 2-D weight: Linear or Embedding? The tensors alone do not say."""
-    save_file({"emb.weight": torch.zeros(3, 3), "fc.weight": torch.zeros(4, 2), "fc.bias": torch.zeros(4)}, path)
+    save_file({"table.weight": torch.zeros(3, 3), "fc.weight": torch.zeros(4, 2), "fc.bias": torch.zeros(4)}, path)
     return path
 
 
@@ -120,8 +120,8 @@ def test_a_refusal_prints_its_module_map_without_verbose(tmp_path: Path) -> None
     proc = run_cli("convert", source)
     assert proc.returncode == 1 and proc.stdout == ""
     first, *rest = proc.stderr.splitlines()
-    assert first.startswith(f"syncd: {source}: ") and "emb" in first
-    assert yaml.safe_load("\n".join(rest))["modules"] == {"emb": "Embedding"}
+    assert first.startswith(f"syncd: {source}: ") and "table" in first
+    assert yaml.safe_load("\n".join(rest))["modules"] == {"**.table": "Embedding"}
     verbose = run_cli("convert", source, "-v").stderr  # -v adds the per-module reasons
     assert "2-D weight [3, 3] without bias" in verbose and "2-D weight" not in proc.stderr
 
