@@ -1309,7 +1309,7 @@ def _module_map_or_nothing(lines: list[str]) -> bool:
         doc = yaml.safe_load("\n".join(lines))
     except yaml.YAMLError:
         return False
-    return isinstance(doc, dict) and isinstance(doc.get("modules"), dict)
+    return isinstance(doc, dict) and (isinstance(doc.get("modules"), dict) or doc.get("layout") in ("pytorch", "burn"))
 
 
 def check_cli(blob: bytes, ext: str, workdir: Path, extra: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def _populate(run: DaemonRun) -> dict[str, Path]:
         "conflict": strict / "c.safetensors",
     }
     shutil.copy(MNIST_BPK, files["converted"])
-    save_file({"emb.weight": torch.zeros(3, 3)}, files["ambiguous"])
+    save_file({"table.weight": torch.zeros(3, 3)}, files["ambiguous"])
     torch.save({"w": torch.zeros(2)}, files["not_a_checkpoint"])  # a zip, under a checkpoint's name
     shutil.copy(MNIST_BPK, strict / "c.bpk")  # someone else's file where the output would go
     save_file({"fc.weight": torch.zeros(4, 3), "fc.bias": torch.zeros(4)}, files["conflict"])
@@ -66,7 +67,8 @@ def test_the_journal_gets_one_line_per_decision(run: DaemonRun) -> None:
     lines = [line for line in run.stderr().splitlines() if line.strip()]
     assert len(lines) == len(run.records()), run.stderr()  # one line per sync log record, nothing else
     text = "\n".join(lines)
-    assert f"converted {files['converted']} -> mnist.safetensors (18 tensors, 1021.5 KiB, " in text
+    converted = re.escape(str(files["converted"]))
+    assert re.search(rf"converted {converted} -> mnist.safetensors \(18 tensors, [0-9.]+ KiB, ", text)
     assert f"WARNING: refused {files['not_a_checkpoint']} -> model.bpk: not a safetensors or burnpack file" in text
     refusal = next(line for line in lines if str(files["ambiguous"]) in line)
     assert "cannot convert to burn layout" in refusal and "syncd log --status refused" in refusal
