@@ -1,0 +1,407 @@
+"""Sharded safetensors checkpoints: Hugging Face's `model.safetensors.index.json` and the shards it lists.
+
+`save_pretrained(max_shard_size=...)` writes `model-00001-of-0000N.safetensors`... and an index whose
+`weight_map` says which shard holds each tensor, with `metadata.total_size` (and, from transformers,
+`total_parameters`). Reading: `ShardedReader` opens the index and every shard, checks that they agree, and
+offers the same table and byte access as one file's reader (each tensor read from its own shard, shard after
+shard). Writing: `split_greedy` is huggingface_hub's split rule, `shard_file_names` its naming and
+`render_index` the exact bytes `save_pretrained` writes (`json.dumps(index, indent=2, sort_keys=True) + "\\n"`).
+`ShardLayout` is a set's shape (which tensors in which file, the index's own metadata), carried from a set
+into a single-file conversion and back so that the shards and index come out as they went in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from syncd.errors import FormatError
+from syncd.formats.fileio import open_regular_file, pread_exact, refuse_costly_decode
+from syncd.formats.safetensors import SafetensorsReader, decoded_cost
+from syncd.formats.table import CheckpointHeader, TensorInfo
+
+INDEX_SUFFIX = ".safetensors.index.json"
+DEFAULT_INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_SIZE = 100_000_000  # as the safetensors header: an index is a table of names, never data
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def is_index_name(path: str | os.PathLike[str]) -> bool:
+    return os.fspath(path).endswith(INDEX_SUFFIX)
+
+
+def find_index(directory: str | os.PathLike[str]) -> str:
+    """The one `*.safetensors.index.json` in `directory`; refused when there is none or more than one."""
+    names = sorted(n for n in os.listdir(directory) if n.endswith(INDEX_SUFFIX))
+    if len(names) != 1:
+        found = "none" if not names else ", ".join(names)
+        raise FormatError(f"expected one *{INDEX_SUFFIX} in the directory, found {found}", os.fspath(directory))
+    return os.path.join(os.fspath(directory), names[0])
+
+
+# ---------------------------------------------------------------------------------------------- the index
+
+
+@dataclass
+class ShardIndex:
+    """A parsed index: `files` in shard order, each with its tensor names in the order the index lists them."""
+
+    path: str
+    raw: bytes
+    metadata: dict[str, Any] | None  # the index's `metadata` object exactly as read (None: absent)
+    weight_map: dict[str, str]
+    files: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept for the way back
+
+    @property
+    def total_size(self) -> int | None:
+        value = (self.metadata or {}).get("total_size")
+        return value if isinstance(value, int) else None
+
+    def is_canonical(self) -> bool:
+        """True when `save_pretrained`'s rendering of this index gives back exactly the bytes read."""
+        return render_index(self.metadata, self.weight_map, self.extra) == self.raw
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def parse_index(raw: bytes, path: str) -> ShardIndex:
+    """Parse and check an index's JSON (not the shards: `ShardedReader` opens those)."""
+    refuse_costly_decode(raw, decoded_cost, "index", path)
+    try:
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
+    except UnicodeDecodeError:
+        raise FormatError("index is not valid UTF-8", path) from None
+    except RecursionError:
+        raise FormatError("index JSON is nested too deeply", path) from None
+    except ValueError as exc:
+        raise FormatError(f"index is not valid JSON: {str(exc).splitlines()[0]}", path) from None
+    if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
+        raise FormatError("index has no `weight_map` object", path)
+    weight_map = document.pop("weight_map")
+    metadata = document.pop("metadata", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise FormatError("index `metadata` is not an object", path)
+    total = (metadata or {}).get("total_size")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise FormatError(f"index metadata.total_size is {total!r}, not a byte count", path)
+    files: dict[str, None] = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise FormatError(f"weight_map gives tensor '{name}' a shard that is not a file name", path)
+        check_shard_name(file, path)
+        files.setdefault(file)
+    if not weight_map:
+        raise FormatError("index lists no tensors", path)
+    return ShardIndex(path, raw, metadata, weight_map, sorted(files), document)
+
+
+def check_shard_name(name: str, index_path: str) -> None:
+    """A shard is a `.safetensors` file inside the index's directory: a relative path with no `..`."""
+    parts = PurePosixPath(name).parts
+    bad = (
+        not name
+        or "\x00" in name
+        or "\\" in name
+        or name.startswith("/")
+        or any(part in ("..", ".") for part in parts)
+        or name != "/".join(parts)  # empty segments, trailing slash
+        or not name.endswith(".safetensors")
+    )
+    if bad:
+        raise FormatError(
+            f"index names shard {name!r}, which is not a .safetensors file inside its directory", index_path
+        )
+
+
+def read_index(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> ShardIndex:
+    fd, size = open_regular_file(path, within)
+    try:
+        if size > MAX_INDEX_SIZE:
+            raise FormatError(f"index of {size} bytes exceeds the limit of {MAX_INDEX_SIZE} bytes", os.fspath(path))
+        raw = pread_exact(fd, size, 0, os.fspath(path), "index")
+    finally:
+        os.close(fd)
+    return parse_index(raw, os.fspath(path))
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Shard:
+    file: str  # as the index names it, relative to the index's directory
+    reader: SafetensorsReader
+
+
+class ShardedReader:
+    """A sharded set read as one checkpoint: the tensors of every shard, shard after shard (each in its own
+    data order), and per-tensor access that reads from the shard holding it. Only headers are held in memory.
+
+    Shard names must be relative paths below the index's directory (no `..`, nothing absolute). `within`
+    confines the index and every shard to a directory tree (the daemon's watch), checked on the opened files,
+    with no symlink followed; without it (a user's own command) a shard may be a symlink, as in the Hugging
+    Face cache, whose snapshot files link to its blob store.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
+        self.path = os.fspath(path)
+        self.directory = os.path.dirname(os.path.abspath(self.path))
+        self.within = within
+        self.index = read_index(self.path, within)
+        self.shards: list[Shard] = []
+        self._shard_of: dict[str, Shard] = {}
+        try:
+            self._open_shards()
+        except BaseException:
+            self.close()
+            raise
+        self.tensors: list[TensorInfo] = [t for shard in self.shards for t in shard.reader.tensors]
+        self.file_size = sum(shard.reader.file_size for shard in self.shards)
+        self.header = CheckpointHeader(
+            format="safetensors",
+            path=self.path,
+            file_size=self.file_size,
+            metadata=dict(self.shards[0].reader.header.metadata),
+            facts={"shards": list(self.index.files)},
+        )
+
+    def _open_shards(self) -> None:
+        listed: dict[str, list[str]] = {file: [] for file in self.index.files}
+        for name, file in self.index.weight_map.items():
+            listed[file].append(name)
+        for file in self.index.files:
+            shard_path = os.path.join(self.directory, file)
+            reader = SafetensorsReader(shard_path, self.within)
+            self.shards.append(Shard(file, reader))
+            held = {t.name for t in reader.tensors}
+            for name in listed[file]:
+                if name not in held:
+                    raise FormatError(f"index puts tensor '{name}' in {file}, which does not hold it", self.path)
+            for name in sorted(held - set(listed[file])):
+                where = self.index.weight_map.get(name)
+                said = f"puts it in {where}" if where else "does not list it"
+                raise FormatError(f"shard {file} holds tensor '{name}' but the index {said}", self.path)
+            for info in reader.tensors:
+                self._shard_of[info.name] = self.shards[-1]
+
+    def shard_metadata(self) -> dict[str, dict[str, str]]:
+        return {shard.file: dict(shard.reader.header.metadata) for shard in self.shards}
+
+    def reader_for(self, name: str) -> SafetensorsReader:
+        """The reader of the shard holding `name` (its offsets are within that shard's file)."""
+        try:
+            return self._shard_of[name].reader
+        except KeyError:
+            raise FormatError(f"Tensor not found: {name}", self.path) from None
+
+    def tensor(self, name: str) -> TensorInfo:
+        return self.reader_for(name).tensor(name)
+
+    def read(self, name: str) -> bytes:
+        return self.reader_for(name).read(name)
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        self.reader_for(name).readinto(name, offset, buf)
+
+    def iter_chunks(self, name: str, chunk_size: int = 8 << 20) -> Iterator[memoryview]:
+        return self.reader_for(name).iter_chunks(name, chunk_size)
+
+    def files(self) -> list[str]:
+        """Every file of the set, index first, as paths."""
+        return [self.path, *(shard.reader.path for shard in self.shards)]
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.reader.close()
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def parse_shard_size(text: str) -> int:
+    """`--shard-size`: bytes, or a number with KB/MB/GB/TB (powers of 1000, as huggingface_hub) or KiB/MiB/GiB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or (unit and unit not in _SIZE_UNITS):
+        raise ValueError(f"shard size {text!r} is not a size such as 500MB, 5GB or 2GiB")
+    size = int(float(match.group(1)) * _SIZE_UNITS.get(unit, 1))
+    if size <= 0:
+        raise ValueError(f"shard size {text!r} must be more than 0 bytes")
+    return size
+
+
+def split_greedy(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """huggingface_hub's `split_state_dict_into_shards_factory` rule, over tensors in the order given: a
+    tensor larger than the limit gets a shard of its own (appended at once, ahead of the shard being filled);
+    otherwise the shard being filled is closed when the tensor would tip it over the limit."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, size in sizes:
+        if size > max_shard_size:
+            shards.append([name])
+            continue
+        if current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(count: int, weights_name: str = "model.safetensors") -> list[str]:
+    """`model-00001-of-00003.safetensors`...; one shard keeps the plain name, as save_pretrained does."""
+    if count == 1:
+        return [weights_name]
+    stem = weights_name.removesuffix(".safetensors")
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def render_index(
+    metadata: dict[str, Any] | None, weight_map: dict[str, str], extra: dict[str, Any] | None = None
+) -> bytes:
+    """The index exactly as `save_pretrained` writes it (json.dumps, indent 2, sorted keys, ASCII, newline)."""
+    document: dict[str, Any] = dict(extra or {})
+    if metadata is not None:
+        document["metadata"] = metadata
+    document["weight_map"] = weight_map
+    return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+@dataclass
+class ShardLayout:
+    """The shape of a sharded set: files in order with their tensors, the index's name and metadata, and the
+    shards' own `__metadata__` when they differ from the first one's. Carried through a single-file conversion
+    (as JSON, `to_json`/`from_json`) so the set can be written back as it was."""
+
+    index_name: str
+    files: list[tuple[str, list[str]]]
+    index_metadata: dict[str, Any] | None = None
+    index_extra: dict[str, Any] = field(default_factory=dict)
+    index_text: str | None = None  # the index verbatim, when save_pretrained's rendering would differ
+    shard_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    with_index: bool = True  # False: one plain file, as save_pretrained writes a model that fits one shard
+
+    @classmethod
+    def of(cls, reader: ShardedReader) -> ShardLayout:
+        index = reader.index
+        by_file = {shard.file: [t.name for t in shard.reader.tensors] for shard in reader.shards}
+        first = reader.shards[0].reader.header.metadata
+        differing = {f: md for f, md in reader.shard_metadata().items() if md != first}
+        return cls(
+            index_name=os.path.basename(reader.path),
+            files=[(file, by_file[file]) for file in index.files],
+            index_metadata=index.metadata,
+            index_extra=dict(index.extra),
+            index_text=None if index.is_canonical() else index.raw.decode("utf-8"),
+            shard_metadata=differing,
+        )
+
+    def weight_map(self) -> dict[str, str]:
+        return {name: file for file, names in self.files for name in names}
+
+    def index_bytes(self) -> bytes:
+        if self.index_text is not None:
+            return self.index_text.encode("utf-8")
+        return render_index(self.index_metadata, self.weight_map(), self.index_extra)
+
+    def restricted_to(self, names: set[str], sizes: dict[str, int]) -> ShardLayout:
+        """The layout for only `names` (a filter left some out): emptied shards vanish, the files are
+        renumbered and total_size recomputed, so the index stays true to what is written."""
+        kept = [(file, [n for n in listed if n in names]) for file, listed in self.files]
+        kept = [(file, listed) for file, listed in kept if listed]
+        if kept == self.files:
+            return self
+        renamed = shard_file_names(len(kept), _weights_name(self.index_name))
+        metadata = dict(self.index_metadata or {})
+        metadata["total_size"] = sum(sizes[n] for _, listed in kept for n in listed)
+        files = [(new, listed) for new, (_, listed) in zip(renamed, kept, strict=True)]
+        return ShardLayout(self.index_name, files, metadata, dict(self.index_extra), with_index=len(files) > 1)
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"index": self.index_name, "files": [[f, names] for f, names in self.files]}
+        if self.index_metadata is not None:
+            doc["index_metadata"] = self.index_metadata
+        if self.index_extra:
+            doc["index_extra"] = self.index_extra
+        if self.index_text is not None:
+            doc["index_text"] = self.index_text
+        if self.shard_metadata:
+            doc["shard_metadata"] = self.shard_metadata
+        if not self.with_index:
+            doc["with_index"] = False
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ShardLayout:
+        """Strict: raises ValueError on anything malformed (the caller names the file)."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("index"), str) or not is_index_name(doc["index"]):
+            raise ValueError("shard layout has no index name")
+        files = doc.get("files")
+        if not isinstance(files, list) or not files:
+            raise ValueError("shard layout lists no files")
+        parsed: list[tuple[str, list[str]]] = []
+        for item in files:
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], list)
+                and all(isinstance(n, str) for n in item[1])
+            ):
+                raise ValueError("shard layout file entry is not [file, [names]]")
+            check_shard_name(item[0], doc["index"])
+            parsed.append((item[0], list(item[1])))
+        if len({f for f, _ in parsed}) != len(parsed):
+            raise ValueError("shard layout names a file twice")
+        metadata, extra, text = doc.get("index_metadata"), doc.get("index_extra", {}), doc.get("index_text")
+        shard_md = doc.get("shard_metadata", {})
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ValueError("shard layout index_metadata is not an object")
+        if not isinstance(extra, dict) or (text is not None and not isinstance(text, str)):
+            raise ValueError("shard layout index_extra/index_text malformed")
+        if not isinstance(shard_md, dict) or not all(
+            isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())) for v in shard_md.values()
+        ):
+            raise ValueError("shard layout shard_metadata is not a map of text maps")
+        with_index = doc.get("with_index", True)
+        if not isinstance(with_index, bool) or (not with_index and len(parsed) != 1):
+            raise ValueError("shard layout with_index malformed")
+        return cls(doc["index"], parsed, metadata, extra, text, shard_md, with_index)
+
+
+def layout_by_size(
+    sizes: Sequence[tuple[str, int]], max_shard_size: int | None, index_name: str = DEFAULT_INDEX_NAME
+) -> ShardLayout:
+    """A fresh layout (for `--shard-size`): HF's greedy split over the tensors in the order given, its
+    file names, and `metadata.total_size`; `max_shard_size` None puts everything in one file."""
+    groups = [[name for name, _ in sizes]] if max_shard_size is None else split_greedy(sizes, max_shard_size)
+    names = shard_file_names(len(groups), _weights_name(index_name))
+    total = sum(size for _, size in sizes)
+    files = list(zip(names, groups, strict=True))
+    return ShardLayout(index_name, files, {"total_size": total}, with_index=len(files) > 1)
+
+
+def _weights_name(index_name: str) -> str:
+    return index_name.removesuffix(".index.json")
