@@ -1,0 +1,52 @@
+"""Precision: which tensors Burn's HalfPrecisionAdapter would cast, and the casts themselves.
+
+HalfPrecisionAdapter (burn-compat.md §3.4) converts float tensors of Linear, Embedding, Conv*/ConvTranspose*,
+DeformConv2d, LayerNorm, GroupNorm, InstanceNorm, RmsNorm and PRelu modules, and leaves BatchNorm alone
+("running_var underflows in F16") along with every other module. Like it, only F32 tensors are cast going down
+(`f16`, or `bf16` as FloatCastAdapter would) and only F16/BF16 ones going up (`f32`). Casting down is lossy,
+so it is opt-in; a value too large for the target is refused (naming the tensor) rather than turned into inf.
+The byte-level casts are in syncd/cast.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from syncd.adapters.model import CONV_KINDS, NORM, PRELU, TensorRef
+
+PRECISIONS = ("f16", "bf16", "f32")
+TARGET_DTYPE = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
+# module kinds as the adapters name them; "Conv" and "Norm" are what inference calls a convolution and an
+# affine norm it cannot name more exactly (all of which HalfPrecisionAdapter converts)
+HALF_KINDS = frozenset(
+    {
+        "Linear",
+        "Embedding",
+        *CONV_KINDS,
+        "Conv",
+        "DeformConv2d",
+        "LayerNorm",
+        "GroupNorm",
+        "InstanceNorm",
+        "RmsNorm",
+        NORM,
+        PRELU,
+    }
+)
+
+
+def module_of(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def plan_casts(tensors: Sequence[TensorRef], kinds: Mapping[str, str], precision: str) -> dict[str, str]:
+    """Source tensor name -> dtype to cast it to, for the tensors `precision` converts (possibly none)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    target = TARGET_DTYPE[precision]
+    sources = ("F16", "BF16") if precision == "f32" else ("F32",)
+    return {
+        t.name: target
+        for t in tensors
+        if t.dtype in sources and t.dtype != target and kinds.get(module_of(t.name)) in HALF_KINDS
+    }

@@ -1,0 +1,118 @@
+"""Precision: which tensors are cast (HalfPrecisionAdapter's module kinds) and the casts, checked against torch."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from syncd.adapters import TensorRef, plan_conversion
+from syncd.adapters.precision import HALF_KINDS, plan_casts
+from syncd.cast import cast_chunk
+from syncd.errors import UnsupportedError
+
+
+def special_values() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    values = np.concatenate(
+        [
+            rng.standard_normal(10_000).astype(np.float32) * 10,
+            np.array(
+                [
+                    0.0,
+                    -0.0,
+                    np.inf,
+                    -np.inf,
+                    np.nan,
+                    1e-8,
+                    -1e-8,
+                    6e-5,
+                    65504.0,
+                    65519.0,
+                    3.38e38,
+                    1.0 + 2**-8,
+                    1.0 + 3 * 2**-8,
+                    1.0 + 2**-9,
+                ],
+                dtype=np.float32,
+            ),
+            np.frombuffer(rng.bytes(4000), dtype=np.float32),  # every bit pattern class, NaNs included
+        ]
+    )
+    return values[~(np.abs(values) > 65504) | ~np.isfinite(values)]  # what F16 can hold (or inf/nan)
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_casts_down_as_torch_rounds(dtype: str, torch_dtype: torch.dtype) -> None:
+    values = special_values()
+    ours = cast_chunk(values.tobytes(), "F32", dtype, "t")
+    theirs = torch.from_numpy(values.copy()).to(torch_dtype).view(torch.int16).numpy().tobytes()
+    ours_bits, theirs_bits = np.frombuffer(ours, "<u2"), np.frombuffer(theirs, "<u2")
+    nan = np.isnan(values)
+    assert np.array_equal(ours_bits[~nan], theirs_bits[~nan])
+    back = np.frombuffer(cast_chunk(ours, dtype, "F32", "t"), "<f4")
+    assert np.isnan(back[nan]).all()
+    expected = torch.frombuffer(bytearray(ours), dtype=torch_dtype).float().numpy()
+    assert np.array_equal(back[~nan], expected[~nan])  # widening is exact
+
+
+@pytest.mark.parametrize(("dtype", "value"), [("F16", 70000.0), ("F16", -1e6), ("BF16", 3.4e38)])
+def test_overflow_is_refused_naming_the_tensor(dtype: str, value: float) -> None:
+    data = np.array([1.0, value, 2.0], dtype=np.float32).tobytes()
+    expected = re.escape(f"tensor 'blocks.0.w' holds {abs(value):g}, beyond {dtype}")
+    with pytest.raises(UnsupportedError, match=expected) as info:
+        cast_chunk(data, "F32", dtype, "blocks.0.w", "m.safetensors")
+    assert str(info.value).startswith("m.safetensors: ") and "\n" not in str(info.value)
+
+
+def test_infinities_are_not_overflow() -> None:
+    data = np.array([np.inf, -np.inf], dtype=np.float32).tobytes()
+    assert np.isinf(np.frombuffer(cast_chunk(data, "F32", "F16", "t"), "<f2")).all()
+
+
+def table() -> list[TensorRef]:
+    f32 = "F32"
+    return [
+        TensorRef("emb.weight", f32, (10, 4)),
+        TensorRef("fc.weight", f32, (3, 4)),
+        TensorRef("fc.bias", f32, (3,)),
+        TensorRef("ln.weight", f32, (4,)),
+        TensorRef("ln.bias", f32, (4,)),
+        TensorRef("bn.weight", f32, (4,)),
+        TensorRef("bn.bias", f32, (4,)),
+        TensorRef("bn.running_mean", f32, (4,)),
+        TensorRef("bn.running_var", f32, (4,)),
+        TensorRef("bn.num_batches_tracked", "I64", ()),
+        TensorRef("conv.weight", f32, (2, 3, 3, 3)),
+        TensorRef("rope.inv_freq", f32, (4,)),
+        TensorRef("fc2.weight", "F64", (3, 4)),
+        TensorRef("fc2.bias", "F64", (3,)),
+    ]
+
+
+def test_casts_follow_half_precision_adapters_kinds() -> None:
+    from syncd.adapters import ModuleMap
+
+    modules = ModuleMap.from_dict({"modules": {"emb": "Embedding"}}, source="test")
+    plan = plan_conversion(table(), to_layout="burn", source_layout="pytorch", module_map=modules)
+    casts = plan_casts(table(), plan.kinds, "f16")
+    # BatchNorm (running_var underflows), a parameter-free buffer's module, F64 and integers stay as they are
+    assert casts == {
+        name: "F16" for name in ("emb.weight", "fc.weight", "fc.bias", "ln.weight", "ln.bias", "conv.weight")
+    }
+    assert set(plan_casts(table(), plan.kinds, "bf16").values()) == {"BF16"}
+    assert "BatchNorm" not in HALF_KINDS
+
+
+def test_f32_restores_only_half_tensors() -> None:
+    half = [
+        TensorRef("fc.weight", "F16", (3, 4)),
+        TensorRef("fc.bias", "BF16", (3,)),
+        TensorRef("bn.running_var", "F16", (3,)),
+    ]
+    kinds = {"fc": "Linear", "bn": "BatchNorm"}
+    assert plan_casts(half, kinds, "f32") == {"fc.weight": "F32", "fc.bias": "F32"}
+    with pytest.raises(ValueError, match="not one of f16, bf16, f32"):
+        plan_casts(half, kinds, "f8")
