@@ -15,6 +15,9 @@ Decisions worth knowing:
   its own outputs apart through the state database, not through the config.
 - A watch's module map (inline, or a module-map file as `syncd convert --modules` reads it, `layout:` included)
   is read by the adapters' one parser, `parse_module_map`; this module only puts line numbers on its problems.
+- Burn's store vocabulary per watch (issue 16): `remap:` ordered [pattern, replacement] rules (KeyRemapper),
+  `map_indices_contiguous:`, `tensors: {include, exclude}` (regexes, as PathFilter), `precision:` and
+  `shard_size:`. Rules and patterns are compiled here, so a bad one is reported with its line.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from typing import Any, TextIO
 import yaml
 
 from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
+from syncd.adapters.names import compile_filter, compile_rule
+from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.names import DEFAULT_IGNORE
 from syncd.errors import ConfigError
 from syncd.formats.registry import DIRECTIONS, FORMATS
+from syncd.formats.shards import parse_shard_size
 
 DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")
 # used when a watch sets `poll: true` but the global poll_interval is null
@@ -68,7 +74,13 @@ WATCH_KEYS = (
     "layout",
     "modules",
     "poll",
+    "remap",
+    "map_indices_contiguous",
+    "tensors",
+    "precision",
+    "shard_size",
 )
+TENSOR_FILTER_KEYS = ("include", "exclude")
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,13 @@ class Watch:
     module_map: ModuleMap | None = field(default=None, compare=False)
     modules_file: Path | None = None  # where the module map came from when given as a file path
     poll: bool = False
+    # Burn's store vocabulary (issue 16); see syncd/adapters/names.py and precision.py for the semantics
+    remap: tuple[tuple[str, str], ...] = ()  # ordered (pattern, replacement) rules, Rust replacement syntax
+    map_indices_contiguous: bool = False
+    tensor_include: tuple[str, ...] = ()  # regexes searched in tensor names; none: every tensor
+    tensor_exclude: tuple[str, ...] = ()
+    precision: str | None = None  # f16 | bf16 | f32 (f32: restore what an earlier conversion cast down)
+    shard_size: int | None = None  # bytes per shard when writing safetensors; None: as carried, else one file
     line: int = 0  # the line of its `path:`, for messages
     index: int = 0  # its position in the config's `watches:` list, for messages
 
@@ -523,6 +542,11 @@ class _ConfigBuilder:
             module_map=module_map,
             modules_file=modules_file,
             poll=section.boolean("poll", False),
+            remap=_remap_rules(self.file, section),
+            map_indices_contiguous=section.boolean("map_indices_contiguous", False),
+            **_tensor_filter(self.file, section),
+            precision=section.choice("precision", None, PRECISIONS),
+            shard_size=_shard_size(self.file, section),
             line=items["path"][1].start_mark.line + 1,
             index=index,
         )
@@ -572,6 +596,65 @@ def _ignore_list(section: _Section, default: tuple[str, ...]) -> tuple[str, ...]
     if section.raw("ignore") is None:
         return ()
     return section.string_list("ignore", default)
+
+
+def _remap_rules(file: _YamlFile, section: _Section) -> tuple[tuple[str, str], ...]:
+    """`remap:` as a list of [pattern, replacement] pairs; each rule is compiled (problems at its line)."""
+    node, key = section.node("remap"), section.key("remap")
+    if node is None or section.raw("remap") is None:
+        return ()
+    if not isinstance(node, yaml.SequenceNode):
+        file.problem(node, key, f"expected a list of [pattern, replacement] rules, got {_describe(file.value(node))}")
+        return ()
+    rules = []
+    for position, item in enumerate(node.value):
+        label = f"{key}[{position}]"
+        pair = file.value(item)
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair) and pair[0]):
+            file.problem(item, label, f"expected [pattern, replacement] (two strings), got {_describe(pair)}")
+            continue
+        try:
+            compile_rule(pair[0], pair[1])
+        except ValueError as exc:
+            file.problem(item, label, str(exc))
+            continue
+        rules.append((pair[0], pair[1]))
+    return tuple(rules)
+
+
+def _tensor_filter(file: _YamlFile, section: _Section) -> dict[str, tuple[str, ...]]:
+    """`tensors: {include: [...], exclude: [...]}`, every pattern compiled (problems at the list's line)."""
+    node, key = section.node("tensors"), section.key("tensors")
+    if node is None or section.raw("tensors") is None:
+        return {}
+    items = file.entries(node, key)
+    if items is None:
+        return {}
+    file.unknown_keys(items, TENSOR_FILTER_KEYS, key)
+    inner = _Section(file, items, key)
+    result = {}
+    for name in TENSOR_FILTER_KEYS:
+        patterns = inner.string_list(name, ())
+        for pattern in patterns:
+            try:
+                compile_filter(pattern)
+            except ValueError as exc:
+                file.problem(inner.node(name), inner.key(name), str(exc))
+        result[f"tensor_{name}"] = patterns
+    return result
+
+
+def _shard_size(file: _YamlFile, section: _Section) -> int | None:
+    """`shard_size:` as bytes (an integer) or a size such as 500MB / 2GiB."""
+    value = section.raw("shard_size")
+    if value is _MISSING or value is None:
+        return None
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    try:
+        return parse_shard_size(text)
+    except ValueError as exc:
+        file.problem(section.node("shard_size"), section.key("shard_size"), str(exc))
+        return None
 
 
 def _load_modules_file(
