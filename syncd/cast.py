@@ -5,9 +5,12 @@ F16; a finite value too large for the target is refused, naming the tensor, neve
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 
-from syncd.errors import UnsupportedError
+from syncd.errors import UnsupportedError, VerificationError
 
 ITEM = {"F32": 4, "F16": 2, "BF16": 2}
 
@@ -60,3 +63,68 @@ def _is_inf(out: np.ndarray, dtype: str) -> np.ndarray:
 
 def cast_nbytes(nbytes: int, from_dtype: str, to_dtype: str) -> int:
     return nbytes // ITEM[from_dtype] * ITEM[to_dtype]
+
+
+CHUNK_BYTES = 16 << 20  # source bytes per step: memory stays bounded whatever the tensor
+_UINT = {2: np.uint16, 4: np.uint32}
+
+
+class CastCopy:
+    """One tensor cast into the output (and transposed, for a Linear weight going between layouts), strip by
+    strip; `verify` re-reads what was written and compares it with the cast done again from the source."""
+
+    def __init__(self, reader: Any, name: str, from_dtype: str, to_dtype: str, transpose: bool) -> None:
+        self.reader = reader
+        self.name = name
+        self.from_dtype = from_dtype
+        self.to_dtype = to_dtype
+        self.transpose = transpose
+
+    def _cast(self, data: memoryview) -> bytes:
+        return cast_chunk(data, self.from_dtype, self.to_dtype, self.name, self.reader.path)
+
+    def _strips(self) -> Iterator[tuple[int, int, bytes]]:
+        """(first source row, rows, cast bytes of those rows), in order; rows = elements when not transposed."""
+        info = self.reader.tensor(self.name)
+        item = ITEM[self.from_dtype]
+        row = info.shape[1] * item if self.transpose and len(info.shape) == 2 else item
+        rows = info.nbytes // row if row else 0
+        step = max(1, CHUNK_BYTES // max(row, 1))
+        buf = memoryview(bytearray(min(step * row, info.nbytes)))
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            piece = buf[: n * row]
+            self.reader.readinto(self.name, r0 * row, piece)
+            yield r0, n, self._cast(piece)
+
+    def fill(self, sink: Any) -> None:
+        info = self.reader.tensor(self.name)
+        if not self.transpose or info.nbytes == 0:
+            for _, _, data in self._strips():
+                sink.write(data)
+            return
+        rows, cols = info.shape
+        out_item = ITEM[self.to_dtype]
+        for r0, n, data in self._strips():
+            block = np.frombuffer(data, dtype=_UINT[out_item]).reshape(n, cols).T.copy()  # [cols, n]
+            for c in range(cols):
+                sink.pwrite(block[c], (c * rows + r0) * out_item)
+
+    def verify(self, output: Any, target: str) -> None:
+        info = self.reader.tensor(self.name)
+        out_item = ITEM[self.to_dtype]
+        rows, cols = info.shape if self.transpose and len(info.shape) == 2 else (0, 0)
+        for r0, n, data in self._strips():
+            if not self.transpose or info.nbytes == 0:
+                written = bytearray(len(data))
+                output.readinto(target, r0 * out_item, memoryview(written))
+                same = written == data
+            else:
+                expected = np.frombuffer(data, dtype=_UINT[out_item]).reshape(n, cols).T
+                written_t = np.empty((cols, n), dtype=_UINT[out_item])
+                view = memoryview(written_t).cast("B")
+                for c in range(cols):
+                    output.readinto(target, (c * rows + r0) * out_item, view[c * n * out_item : (c + 1) * n * out_item])
+                same = np.array_equal(written_t, expected)
+            if not same:
+                raise VerificationError(f"tensor '{target}' reads back different from its cast source", output.path)

@@ -116,3 +116,42 @@ def test_f32_restores_only_half_tensors() -> None:
     assert plan_casts(half, kinds, "f32") == {"fc.weight": "F32", "fc.bias": "F32"}
     with pytest.raises(ValueError, match="not one of f16, bf16, f32"):
         plan_casts(half, kinds, "f8")
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_cast_copy_writes_and_verifies_a_real_file(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, transpose: bool, dtype: str, torch_dtype: torch.dtype
+) -> None:
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from syncd import cast
+    from syncd.errors import VerificationError
+    from syncd.formats.safetensors import SafetensorsReader, write_safetensors
+    from syncd.formats.table import TensorSpec
+
+    monkeypatch.setattr(cast, "CHUNK_BYTES", 1000)  # many strips, a partial last one
+    weight = torch.randn(37, 23)
+    save_file({"fc.weight": weight}, tmp_path / "in.safetensors")
+    out_path = tmp_path / "out.safetensors"
+    with SafetensorsReader(tmp_path / "in.safetensors") as reader:
+        copy = cast.CastCopy(reader, "fc.weight", "F32", dtype, transpose)
+        shape = (23, 37) if transpose else (37, 23)
+        spec = TensorSpec("fc.weight", dtype, shape, 37 * 23 * 2, copy.fill)
+        fd = os.open(out_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            write_safetensors(fd, [spec])
+        finally:
+            os.close(fd)
+        with SafetensorsReader(out_path) as output:
+            copy.verify(output, "fc.weight")
+        expected = (weight.T if transpose else weight).contiguous().to(torch_dtype)
+        assert torch.equal(load_file(out_path)["fc.weight"], expected)
+        # a flipped byte in the output is caught
+        data = bytearray(out_path.read_bytes())
+        data[-3] ^= 0x40
+        out_path.write_bytes(bytes(data))
+        with SafetensorsReader(out_path) as output, pytest.raises(VerificationError, match="cast source"):
+            copy.verify(output, "fc.weight")

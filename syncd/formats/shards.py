@@ -405,3 +405,40 @@ def layout_by_size(
 
 def _weights_name(index_name: str) -> str:
     return index_name.removesuffix(".index.json")
+
+
+# ---------------------------------------------------------------------------------------------- sets on disk
+
+# the names save_pretrained gives shards; such a file is part of a set even before its index is written
+# (the index comes last), so it is never converted on its own
+_SHARD_NAME = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.safetensors")
+
+
+def looks_like_shard(name: str) -> bool:
+    return _SHARD_NAME.fullmatch(name) is not None
+
+
+def member_files(index_path: str | os.PathLike[str]) -> list[str]:
+    """The shard paths an index lists (read from the index alone; the shards are not opened)."""
+    index = read_index(index_path)
+    directory = os.path.dirname(os.fspath(index_path))
+    return [os.path.join(directory, file) for file in index.files]
+
+
+def index_listing(path: str | os.PathLike[str]) -> str | None:
+    """The index beside `path` that lists it as a shard, or None. An index that does not read is skipped:
+    it is reported when it is converted, and a half-written one lists nothing yet."""
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        candidates = sorted(n for n in os.listdir(directory) if n.endswith(INDEX_SUFFIX))
+    except OSError:
+        return None
+    for candidate in candidates:
+        index_path = os.path.join(directory, candidate)
+        try:
+            files = read_index(index_path).files
+        except FormatError:
+            continue
+        if name in files:
+            return index_path
+    return None
