@@ -240,3 +240,24 @@ def test_reader_serves_bytes_from_the_right_shard(llama_set: Path) -> None:
         assert info.nbytes == torch.Size(info.shape).numel() * 4
         with pytest.raises(FormatError, match="Tensor not found"):
             reader.tensor("nope")
+
+
+def test_set_membership_on_disk(llama_set: Path, tmp_path: Path) -> None:
+    from syncd.formats.shards import index_listing, looks_like_shard, member_files
+
+    assert looks_like_shard("model-00001-of-00003.safetensors")
+    assert not looks_like_shard("model.safetensors") and not looks_like_shard("model-1-of-3.safetensors")
+    shards = sorted(str(p) for p in llama_set.parent.glob("model-*.safetensors"))
+    assert member_files(llama_set) == shards
+    assert index_listing(shards[1]) == str(llama_set)
+    # a set whose shards are not named like save_pretrained's is found through its index
+    index = copy_set(llama_set, tmp_path / "set")
+    for i, file in enumerate(sorted(index.parent.glob("model-*.safetensors"))):
+        file.rename(index.parent / f"part{i}.safetensors")
+    edit_index(
+        index,
+        lambda d: d.update(weight_map={k: f"part{int(v[6:11]) - 1}.safetensors" for k, v in d["weight_map"].items()}),
+    )
+    assert index_listing(index.parent / "part2.safetensors") == str(index)
+    (index.parent / "lone.safetensors").write_bytes(b"")
+    assert index_listing(index.parent / "lone.safetensors") is None
