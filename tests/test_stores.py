@@ -1,0 +1,98 @@
+"""The store options applied to real plans (syncd/stores.py): filter, remap, contiguous indices, casts, undo."""
+
+from __future__ import annotations
+
+import pytest
+from hfsets import LLAMA_MODULES, tiny_llama
+
+from syncd.adapters import ModuleMap, TensorRef, plan_conversion
+from syncd.adapters.names import NameCollisionError, TensorFilter, compile_rule
+from syncd.stores import StoreOptions, apply_options, undo_renames
+
+DTYPES = {"torch.float32": "F32"}
+
+
+def llama_table() -> list[TensorRef]:
+    return [TensorRef(k, DTYPES[str(v.dtype)], tuple(v.shape)) for k, v in tiny_llama().state_dict().items()]
+
+
+def plan_to_burn(refs: list[TensorRef]):
+    modules = ModuleMap.from_dict(LLAMA_MODULES, source="test")
+    return plan_conversion(refs, to_layout="burn", module_map=modules)
+
+
+LLAMA_PORT = (
+    (r"^lm_head\.", "output."),
+    (r"^model\.", ""),
+    (r"^embed_tokens\.", "tok_embeddings."),
+    (r"^layers\.(\d+)\.input_layernorm\.", "layers.$1.attention_norm."),
+    (r"^layers\.(\d+)\.post_attention_layernorm\.", "layers.$1.ffn_norm."),
+    (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
+    (r"\.mlp\.gate_proj\.", ".feed_forward.swiglu.linear_inner."),
+    (r"\.mlp\.up_proj\.", ".feed_forward.swiglu.linear_outer."),
+    (r"\.self_attn\.([qkvo])_proj\.", ".attention.w$1."),
+)
+
+
+def test_remap_after_the_layout_adapter_and_undone_before_planning_back() -> None:
+    refs = llama_table()
+    plan = plan_to_burn(refs)
+    options = StoreOptions(remap=tuple(compile_rule(p, r) for p, r in LLAMA_PORT))
+    applied = apply_options(plan, refs, {r.name: r.name for r in refs}, options)
+    names = {e.source: e.target for e in applied.entries}
+    assert names["model.layers.1.input_layernorm.weight"] == "layers.1.attention_norm.gamma"
+    assert names["model.layers.0.self_attn.k_proj.weight"] == "layers.0.attention.wk.weight"
+    assert names["model.norm.weight"] == "norm.gamma" and names["lm_head.weight"] == "output.weight"
+    assert all(e.transpose for e in applied.entries if "_proj" in e.source or e.source == "lm_head.weight")
+    # the converted file has the port's names; what it carries takes them back to the originals
+    converted = [TensorRef(e.target, "F32", e.shape) for e in applied.entries]
+    back_refs, real = undo_renames(converted, applied.renames)
+    back = plan_conversion(back_refs, to_layout="pytorch", module_map=ModuleMap.from_dict(LLAMA_MODULES, source="t"))
+    final = apply_options(back, back_refs, real, StoreOptions())
+    assert {e.target for e in final.entries} == {r.name for r in refs}
+    assert final.restored["layers.1.attention_norm.gamma"] == "model.layers.1.input_layernorm.gamma"
+
+
+def test_filter_matches_the_files_names_and_lists_what_it_left_out() -> None:
+    refs = llama_table()
+    plan = plan_to_burn(refs)
+    options = StoreOptions(tensors=TensorFilter.of(include=[r"^model\."], exclude=[r"layers\.1\."]))
+    applied = apply_options(plan, refs, {r.name: r.name for r in refs}, options)
+    assert "lm_head.weight" in applied.left_out and "model.layers.1.mlp.up_proj.weight" in applied.left_out
+    assert all(e.source.startswith("model.") and ".layers.1." not in e.source for e in applied.entries)
+    assert len(applied.entries) + len(applied.left_out) == len(refs)
+
+
+def test_collision_is_refused_before_anything() -> None:
+    refs = llama_table()
+    options = StoreOptions(remap=(compile_rule(r"\.(q|k)_proj\.", ".qk."),))
+    with pytest.raises(
+        NameCollisionError,
+        match="'model.layers.0.self_attn.q_proj.weight' and 'model.layers.0.self_attn.k_proj.weight'",
+    ):
+        apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, options)
+
+
+def test_casts_pick_half_precision_kinds() -> None:
+    refs = llama_table()
+    applied = apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, StoreOptions(precision="bf16"))
+    assert set(applied.casts) == {r.name for r in refs} and set(applied.casts.values()) == {"BF16"}
+
+
+def test_contiguous_indices_on_a_sequential() -> None:
+    refs = [
+        TensorRef(f"features.{i}.{leaf}", "F32", (4, 4) if leaf == "weight" else (4,))
+        for i in (0, 2, 5)
+        for leaf in ("weight", "bias")
+    ]
+    plan = plan_conversion(refs, to_layout="burn", source_layout="pytorch")
+    applied = apply_options(plan, refs, {r.name: r.name for r in refs}, StoreOptions(map_indices_contiguous=True))
+    assert [e.target for e in applied.entries] == [
+        f"features.{i}.{leaf}" for i in (0, 1, 2) for leaf in ("weight", "bias")
+    ]
+    assert applied.renames == {
+        "features.1.weight": "features.2.weight",
+        "features.1.bias": "features.2.bias",
+        "features.2.weight": "features.5.weight",
+        "features.2.bias": "features.5.bias",
+    }
