@@ -300,8 +300,9 @@ class ShardLayout:
     index_metadata: dict[str, Any] | None = None
     index_extra: dict[str, Any] = field(default_factory=dict)
     index_text: str | None = None  # the index verbatim, when save_pretrained's rendering would differ
-    shard_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    shard_metadata: dict[str, dict[str, str]] = field(default_factory=dict)  # those differing from `common`
     with_index: bool = True  # False: one plain file, as save_pretrained writes a model that fits one shard
+    common_metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})  # every shard's, as a rule
 
     @classmethod
     def of(cls, reader: ShardedReader) -> ShardLayout:
@@ -316,7 +317,12 @@ class ShardLayout:
             index_extra=dict(index.extra),
             index_text=None if index.is_canonical() else index.raw.decode("utf-8"),
             shard_metadata=differing,
+            common_metadata=dict(first),
         )
+
+    def metadata_of(self, file: str) -> dict[str, str]:
+        """The `__metadata__` a shard is written with."""
+        return self.shard_metadata.get(file, self.common_metadata)
 
     def weight_map(self) -> dict[str, str]:
         return {name: file for file, names in self.files for name in names}
@@ -337,7 +343,14 @@ class ShardLayout:
         metadata = dict(self.index_metadata or {})
         metadata["total_size"] = sum(sizes[n] for _, listed in kept for n in listed)
         files = [(new, listed) for new, (_, listed) in zip(renamed, kept, strict=True)]
-        return ShardLayout(self.index_name, files, metadata, dict(self.index_extra), with_index=len(files) > 1)
+        return ShardLayout(
+            self.index_name,
+            files,
+            metadata,
+            dict(self.index_extra),
+            with_index=len(files) > 1,
+            common_metadata=dict(self.common_metadata),
+        )
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"index": self.index_name, "files": [[f, names] for f, names in self.files]}
@@ -351,6 +364,8 @@ class ShardLayout:
             doc["shard_metadata"] = self.shard_metadata
         if not self.with_index:
             doc["with_index"] = False
+        if self.common_metadata != {"format": "pt"}:
+            doc["common_metadata"] = self.common_metadata
         return doc
 
     @classmethod
@@ -377,18 +392,21 @@ class ShardLayout:
             raise ValueError("shard layout names a file twice")
         metadata, extra, text = doc.get("index_metadata"), doc.get("index_extra", {}), doc.get("index_text")
         shard_md = doc.get("shard_metadata", {})
+        common = doc.get("common_metadata", {"format": "pt"})
         if metadata is not None and not isinstance(metadata, dict):
             raise ValueError("shard layout index_metadata is not an object")
         if not isinstance(extra, dict) or (text is not None and not isinstance(text, str)):
             raise ValueError("shard layout index_extra/index_text malformed")
-        if not isinstance(shard_md, dict) or not all(
-            isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())) for v in shard_md.values()
-        ):
+        if not isinstance(shard_md, dict) or not all(_is_text_map(v) for v in (*shard_md.values(), common)):
             raise ValueError("shard layout shard_metadata is not a map of text maps")
         with_index = doc.get("with_index", True)
         if not isinstance(with_index, bool) or (not with_index and len(parsed) != 1):
             raise ValueError("shard layout with_index malformed")
-        return cls(doc["index"], parsed, metadata, extra, text, shard_md, with_index)
+        return cls(doc["index"], parsed, metadata, extra, text, shard_md, with_index, dict(common))
+
+
+def _is_text_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(x, str) for x in (*value, *value.values()))
 
 
 def layout_by_size(

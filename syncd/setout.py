@@ -1,0 +1,75 @@
+"""Writing a sharded safetensors set: every shard built and verified in a scratch file beside its destination,
+then the shards published one by one and the index last, so the index (the set's commit point, as for
+`save_pretrained`, which also writes it last) never names a shard that is not in place.
+
+A set written here holds what save_pretrained writes and nothing more: each shard's `__metadata__` is the
+one carried from the original set (`{"format": "pt"}` for a fresh split), so a round trip gives back the
+original files byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from syncd.errors import SyncdError
+from syncd.formats.safetensors import write_safetensors
+from syncd.formats.shards import ShardLayout
+from syncd.formats.table import TensorSpec
+from syncd.publish import PublishResult, Scratch, ensure_destination_free, open_scratch, publish
+
+
+def set_paths(layout: ShardLayout, directory: Path) -> list[Path]:
+    """Every file the set consists of: its shards, then its index (when it has one)."""
+    paths = [directory / file for file, _ in layout.files]
+    return paths + ([directory / layout.index_name] if layout.with_index else [])
+
+
+def check_layout_covers(layout: ShardLayout, specs: Sequence[TensorSpec], dest: str) -> None:
+    """Every tensor to write in exactly one shard, and no shard naming a tensor that is not written."""
+    listed = [name for _, names in layout.files for name in names]
+    written = {spec.name for spec in specs}
+    if len(listed) != len(set(listed)) or set(listed) != written:
+        missing = sorted(written - set(listed))[:3]
+        extra = sorted(set(listed) - written)[:3]
+        raise SyncdError(f"the shard layout does not match the tensors (unlisted {missing}, absent {extra})", dest)
+
+
+def write_set(
+    specs: Sequence[TensorSpec],
+    layout: ShardLayout,
+    directory: Path,
+    *,
+    mode: int,
+    replace: bool,
+    verify: Callable[[Path, list[TensorSpec]], None],
+    source: Path | None = None,
+) -> list[PublishResult]:
+    """Write, verify (`verify(scratch path, its specs)`) and publish the set; returns one result per file."""
+    check_layout_covers(layout, specs, str(directory / layout.index_name))
+    if not replace:
+        for path in set_paths(layout, directory):
+            ensure_destination_free(path)
+    by_name = {spec.name: spec for spec in specs}
+    with ExitStack() as stack:
+        scratches: list[Scratch] = []
+        for file, names in layout.files:
+            scratch = stack.enter_context(open_scratch(directory / file, mode))
+            shard_specs = [by_name[name] for name in names]
+            metadata = layout.metadata_of(file)
+            _write(scratch, lambda fd, s=shard_specs, m=metadata: write_safetensors(fd, s, m))
+            verify(scratch.path, shard_specs)
+            scratches.append(scratch)
+        if layout.with_index:
+            index = stack.enter_context(open_scratch(directory / layout.index_name, mode))
+            index.write(layout.index_bytes())
+            scratches.append(index)
+        return [publish(scratch, replace=replace, source=source) for scratch in scratches]
+
+
+def _write(scratch: Scratch, write: Callable[[int], object]) -> None:
+    try:
+        write(scratch.fd)
+    except OSError as exc:
+        raise SyncdError(f"cannot write the output ({exc.strerror or exc})", str(scratch.dest)) from exc
