@@ -23,6 +23,7 @@ from syncd.formats.burnpack import LAYOUT_ALIGNED, LAYOUT_PACKED, Scalar
 from syncd.formats.dtypes import ITEMSIZE, byte_length
 from syncd.formats.registry import BURN_LAYOUT as BURN
 from syncd.formats.registry import PYTORCH_LAYOUT as PYTORCH
+from syncd.formats.shards import ShardLayout
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
 PREFIX = "syncd."
@@ -38,6 +39,10 @@ SCALARS = "syncd.scalars"
 DROPPED = "syncd.dropped"
 SAFETENSORS_METADATA = "syncd.safetensors_metadata"
 KINDS = "syncd.kinds"  # module path -> the kind it was converted as (issue 13: the way back needs no map)
+# issue 16: a sharded set's layout, the names remap rules changed (final -> before), and a precision cast
+SHARDS = "syncd.shards"
+RENAMES = "syncd.renames"
+PRECISION = "syncd.precision"
 
 # Burn dtypes whose safetensors form loses what they are (burn-compat.md §2.4): restored from DTYPES.
 LOSSY_IN_SAFETENSORS = frozenset(["Flex32", "Bool", "Bool(U8)", "Bool(U32)"])
@@ -58,6 +63,9 @@ class Carried:
     dropped: dict[str, tuple[str, tuple[int, ...], bytes]] = field(default_factory=dict)
     safetensors_metadata: dict[str, str] | None = None
     kinds: dict[str, str] = field(default_factory=dict)
+    shards: ShardLayout | None = None
+    renames: dict[str, str] = field(default_factory=dict)  # output name -> name before remapping
+    precision: dict[str, Any] | None = None  # {"dtype": "F16", "tensors": [names cast, as written]}
 
 
 def file_label(name: str) -> str:
@@ -158,6 +166,27 @@ def for_burnpack(
     return metadata, dict(carried.scalars)
 
 
+def store_facts(
+    metadata: dict[str, str],
+    shards: ShardLayout | None,
+    renames: dict[str, str],
+    cast: list[str],
+    cast_dtype: str | None,
+    carried: Carried,
+) -> None:
+    """Carry what the way back needs to undo (issue 16): the layout of the sharded set a .bpk came from, the
+    names remapping changed, and which tensors were cast down (the record passes on until they are cast
+    back to F32)."""
+    if shards is not None:
+        metadata[SHARDS] = dumps(shards.to_json())
+    if renames:
+        metadata[RENAMES] = dumps(renames)
+    if cast and cast_dtype in ("F16", "BF16"):
+        metadata[PRECISION] = dumps({"dtype": cast_dtype, "tensors": cast})
+    elif carried.precision is not None and not cast:
+        metadata[PRECISION] = dumps(carried.precision)
+
+
 def stamp(metadata: dict[str, str], layout: str, source_name: str, source_sha256: str) -> None:
     """What every output records: its tensor layout when decided, its source's name and sha256."""
     if layout in CARRIED_LAYOUTS:
@@ -207,6 +236,10 @@ def _parse_into(c: Carried, md: dict[str, str]) -> None:
     c.scalars = {str(k): _scalar(v) for k, v in (_json(md, SCALARS) or {}).items()}
     c.dropped = {str(k): _dropped(v) for k, v in (_json(md, DROPPED) or {}).items()}
     c.kinds = _kinds(_json(md, KINDS))
+    shards = _json(md, SHARDS)
+    c.shards = None if shards is None else ShardLayout.from_json(shards)
+    c.renames = _text_map(_json(md, RENAMES), RENAMES) or {}
+    c.precision = _precision(_json(md, PRECISION))
 
 
 def record_kinds(metadata: dict[str, str], layout: str, kinds: dict[str, str]) -> None:
@@ -222,6 +255,19 @@ def _kinds(value: Any) -> dict[str, str]:
         return {}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ValueError(f"{KINDS} is not a map of module path to kind")
+    return value
+
+
+def _precision(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("dtype") not in ("F16", "BF16"):
+        raise ValueError(f"{PRECISION} is not {{dtype, tensors}}")
+    tensors = value.get("tensors")
+    if not isinstance(tensors, list):
+        raise ValueError(f"{PRECISION} is not {{dtype, tensors}}")
+    if not all(isinstance(name, str) for name in tensors):
+        raise ValueError(f"{PRECISION} tensors are not names")
     return value
 
 

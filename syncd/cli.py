@@ -79,6 +79,25 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
         help="layout of the source (auto: decide from the tensors); keep: convert the container only",
     )
     convert.add_argument("--modules", type=Path, help="YAML module map (path pattern -> module kind)")
+    stores = convert.add_argument_group("names, filters, precision and shards (as Burn's stores)")
+    stores.add_argument(
+        "--remap",
+        action="append",
+        default=[],
+        metavar="PATTERN=REPLACEMENT",
+        help="rename tensors as Burn's KeyRemapper (repeatable, applied in order; $1 for groups)",
+    )
+    stores.add_argument(
+        "--map-indices-contiguous", action="store_true", help="renumber indices 0..n-1 (fc.0, fc.2 -> fc.0, fc.1)"
+    )
+    stores.add_argument("--include", action="append", default=[], metavar="REGEX", help="only tensors matching")
+    stores.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="leave out tensors matching")
+    stores.add_argument(
+        "--precision", choices=["f16", "bf16", "f32"], help="cast float tensors as Burn's HalfPrecisionAdapter"
+    )
+    stores.add_argument(
+        "--shard-size", metavar="SIZE", help="write safetensors as shards of at most SIZE (5GB, 500MB); none: one file"
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace the destination if it exists")
     convert.add_argument("--json", action="store_true", help="print the result (or the error) as JSON")
     convert.add_argument("-v", "--verbose", action="store_true", help="print every layout decision")
@@ -207,6 +226,7 @@ def _convert(args: argparse.Namespace) -> int:
     from syncd.progress import ProgressBar
 
     bar = ProgressBar.for_stream(sys.stderr, label=args.source.name, enabled=not (args.quiet or args.json))
+    store, shard_size, one_file = _store_options(args)
     request = ConvertRequest(
         source=args.source,
         dest=args.output,
@@ -215,6 +235,9 @@ def _convert(args: argparse.Namespace) -> int:
         module_map=ModuleMap.from_yaml_file(args.modules) if args.modules else None,
         overwrite=args.overwrite,
         progress=bar.update if bar else None,
+        store=store,
+        shard_size=shard_size,
+        one_file=one_file,
     )
     try:
         result = convert(request)
@@ -234,6 +257,8 @@ def _convert(args: argparse.Namespace) -> int:
             print(f"  {line}")
     for name in result.dropped:
         print(f"  carried in metadata (no slot on the target side): {name}")
+    if result.left_out and not args.verbose:
+        print(f"  left out by the tensor filter: {len(result.left_out)} tensors (-v lists them)")
     return EXIT_OK
 
 
@@ -250,8 +275,28 @@ def _result_doc(result: object) -> dict[str, object]:
         "decisions",
         "dropped",
         "restored",
+        "left_out",
+        "cast",
     )
     doc = {name: getattr(result, name) for name in fields}
     doc["source"], doc["dest"] = str(doc["source"]), str(doc["dest"])
     doc["seconds"] = round(float(doc["seconds"]), 4)  # type: ignore[arg-type]
+    doc["files"] = [str(path) for path in getattr(result, "files", [])]
     return doc
+
+
+def _store_options(args: argparse.Namespace):  # -> tuple[StoreOptions, int | None, bool]
+    """--remap/--include/--exclude/--precision/--shard-size, each bad pattern or size one usage error."""
+    from syncd.adapters.names import TensorFilter, parse_rule_argument
+    from syncd.formats.shards import parse_shard_size
+    from syncd.stores import StoreOptions
+
+    try:
+        rules = tuple(parse_rule_argument(text) for text in args.remap)
+        tensors = TensorFilter.of(args.include, args.exclude)
+        one_file = args.shard_size is not None and args.shard_size.lower() == "none"
+        shard_size = parse_shard_size(args.shard_size) if args.shard_size is not None and not one_file else None
+    except ValueError as exc:
+        raise UsageError(f"convert: {exc}") from None
+    options = StoreOptions(rules, args.map_indices_contiguous, tensors, args.precision)
+    return options, shard_size, one_file

@@ -30,14 +30,26 @@ from syncd.adapters import (
     TensorRef,
     plan_conversion,
 )
+from syncd.cast import CastCopy, cast_nbytes
 from syncd.context import gather_context
 from syncd.errors import FormatError, SyncdError, UsageError, VerificationError, one_line
-from syncd.formats import open_checkpoint
+from syncd.formats import SAFETENSORS, open_checkpoint
 from syncd.formats.fileio import TensorFileReader, pwrite_all
 from syncd.formats.registry import BY_NAME
+from syncd.formats.shards import (
+    INDEX_SUFFIX,
+    ShardedReader,
+    ShardLayout,
+    find_index,
+    is_index_name,
+    layout_by_size,
+    member_files,
+)
 from syncd.formats.table import TensorInfo, TensorSpec
 from syncd.progress import ProgressCallback, track
 from syncd.publish import PublishResult, ensure_destination_free, open_scratch, publish
+from syncd.setout import set_paths, write_set
+from syncd.stores import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.targets import TARGETS, Target
 from syncd.transfer import Transfer
 
@@ -59,6 +71,9 @@ class ConvertRequest:
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
     rename: Rename | None = None  # rewrites output names after the adapters (see `rename`)
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
+    store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision (issue 16)
+    shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
+    one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
 
 
 @dataclass
@@ -75,10 +90,15 @@ class ConvertResult:
     decisions: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     restored: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # excluded by the tensor filter
+    cast: list[str] = field(default_factory=list)  # tensors whose precision changed
+    files: list[Path] = field(default_factory=list)  # every file written (a set: its shards, then its index)
 
 
 def default_destination(source: Path, to_format: str) -> Path:
     extension = BY_NAME[to_format].extension
+    if is_index_name(source):  # model.safetensors.index.json -> model.bpk
+        return source.parent / (source.name.removesuffix(INDEX_SUFFIX) + extension)
     return source.with_suffix(extension) if source.suffix else Path(f"{source}{extension}")
 
 
@@ -86,22 +106,26 @@ def convert(request: ConvertRequest) -> ConvertResult:
     """open -> plan -> write -> verify -> publish."""
     started = time.monotonic()
     source_path = Path(request.source)
+    if source_path.is_dir():  # a directory holding a sharded set stands for its index
+        source_path = Path(find_index(source_path))
     if request.layout not in LAYOUT_CHOICES:
         raise UsageError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {request.layout!r}")
     with open_source(source_path, request.within) as source:
         to_format = request.to_format or BY_NAME[source.header.format].converts_to
         dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
-        _check_distinct(source_path, dest)
-        if request.fail_early_if_exists and not request.overwrite:
-            ensure_destination_free(dest)
         conversion = plan(source, request, TARGETS[to_format](), dest)
+        for path in conversion.output_paths():
+            for member in source.files:
+                _check_distinct(Path(member), path)
+            if request.fail_early_if_exists and not request.overwrite:
+                ensure_destination_free(path)
         if request.progress is not None:
             conversion.specs = track(conversion.specs, request.progress)
         outcome = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,
         source=source_path,
-        dest=dest,
+        dest=conversion.dest,
         to_format=to_format,
         tensors=len(conversion.specs),
         bytes=conversion.output_size,
@@ -111,6 +135,9 @@ def convert(request: ConvertRequest) -> ConvertResult:
         decisions=conversion.plan.decisions,
         dropped=conversion.plan.dropped,
         restored=conversion.restored,
+        left_out=conversion.store.left_out,
+        cast=sorted(conversion.store.casts),
+        files=conversion.output_paths(),
     )
 
 
@@ -123,16 +150,18 @@ def _check_distinct(source: Path, dest: Path) -> None:
 
 
 class Source:
-    """The tensors a conversion reads, behind one interface. Today one checkpoint file; a checkpoint in
-    several files (sharded safetensors) is several readers here: `reader_of` says which file holds a tensor,
-    and the header (format, metadata, scalars) is the first file's. Hashing, the permission bits and the
-    unchanged-size check still look at `primary` only; a multi-file source must extend those three."""
+    """The tensors a conversion reads, behind one interface: one checkpoint file, or a sharded safetensors set
+    read through its index (formats/shards.py checks the index and shards agree). `reader_of` says which file
+    holds a tensor; the header (format, metadata, scalars) and the permission bits are the first file's; a
+    set's `path` is its index, and its hash covers the index and then every shard (see file_sha256)."""
 
-    def __init__(self, readers: list[TensorFileReader]) -> None:
+    def __init__(self, readers: list[TensorFileReader], sharded: ShardedReader | None = None) -> None:
         self.readers = readers
         self.primary = readers[0]
         self.header = self.primary.header
-        self.path = self.primary.path
+        self.sharded = sharded
+        self.path = sharded.path if sharded is not None else self.primary.path
+        self.files = [self.path, *(r.path for r in readers)] if sharded is not None else [self.path]
         self.tensors = [info for reader in readers for info in reader.tensors]
         self._reader_of = {info.name: reader for reader in readers for info in reader.tensors}
         if len(self._reader_of) != len(self.tensors):
@@ -159,6 +188,9 @@ class Source:
 
 
 def open_source(path: Path, within: Path | None) -> Source:
+    if is_index_name(path):
+        sharded = ShardedReader(path, within)
+        return Source([shard.reader for shard in sharded.shards], sharded)
     return Source([open_checkpoint(path, within)])
 
 
@@ -182,6 +214,13 @@ class Conversion:
     restored: list[str] = field(default_factory=list)  # carried tensors written back
     transfer: Transfer = field(default_factory=Transfer)
     output_size: int = 0
+    store: StorePlan = field(default_factory=StorePlan.empty)  # what filters, remap rules and casts did
+    casts: dict[str, CastCopy] = field(default_factory=dict)  # output name -> its cast
+    shards: ShardLayout | None = None  # a safetensors output written as a sharded set
+    directory: Path = Path()  # where a set's files go
+
+    def output_paths(self) -> list[Path]:
+        return set_paths(self.shards, self.directory) if self.shards else [self.dest]
 
 
 def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) -> Conversion:
@@ -189,34 +228,107 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     metadata. Nothing is written yet."""
     carried = carry.parse(source.header.metadata, source.path)
     target.check_dtypes(source.tensors, source.path)
-    adapted = _adapt(source, request, target, carried)
-    c = Conversion(request, source, target, dest, carried, adapted)
+    adapted, store = _adapt(source, request, target, carried)
+    c = Conversion(request, source, target, dest, carried, adapted, store=store)
     c.entries = target.order(rename(adapted.entries, request.rename, source.path), c)
-    c.specs = [target.tensor_spec(c, entry, _fill(c, entry)) for entry in c.entries]
+    c.specs = [_cast_spec(c, entry, target.tensor_spec(c, entry, _fill(c, entry))) for entry in c.entries]
     c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
     c.metadata, c.scalars = target.metadata(c)
+    cast = [e.target for e in c.entries if e.source in store.casts]
+    carry.store_facts(
+        c.metadata, _carried_shards(c), store.renames, cast, next(iter(store.casts.values()), None), carried
+    )
     carry.stamp(c.metadata, adapted.target_layout, os.path.basename(source.path), SHA_PLACEHOLDER)
     carry.record_kinds(c.metadata, adapted.target_layout, adapted.kinds)
+    c.shards = _output_shards(c, explicit_dest=request.dest is not None)
+    c.directory = dest if dest.is_dir() else dest.parent
+    if c.shards is not None:
+        c.dest = set_paths(c.shards, c.directory)[-1]  # the index (or the one file of a one-shard split)
     return c
 
 
-def _adapt(source: Source, request: ConvertRequest, target: Target, carried: carry.Carried) -> AdapterPlan:
+def _adapt(
+    source: Source, request: ConvertRequest, target: Target, carried: carry.Carried
+) -> tuple[AdapterPlan, StorePlan]:
+    """The layout adapter over the original names (renames a syncd output carried are undone first), then
+    the store options: tensor filter, remap rules, contiguous indices, casts (see stores.py)."""
     layout = request.layout
     to_layout = KEEP if layout == KEEP else target.format.native_layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
-    refs = [TensorRef(t.name, t.dtype, t.shape) for t in source.tensors]
     # our own record of what we wrote, the file's metadata and the config.json beside it (issue 13)
     context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds)
     try:
-        return plan_conversion(
+        # renames a syncd output carried are undone first: context, maps and inference see the original names
+        refs, real = undo_renames([TensorRef(t.name, t.dtype, t.shape) for t in source.tensors], carried.renames)
+        adapted = plan_conversion(
             refs,
             to_layout=to_layout,
             source_layout=source_layout,
             module_map=request.module_map,
             context=context,
         )
+        store = apply_options(adapted, refs, real, request.store)
     except SyncdError as exc:
         raise _naming_file(exc, source.path) from None
+    return _with_store(adapted, store), store
+
+
+def _with_store(plan: AdapterPlan, store: StorePlan) -> AdapterPlan:
+    """The plan as the store options left it: final names, filtered; -v and the sync log list what the filter
+    left out, and count renames and casts."""
+    plan.entries = store.entries
+    plan.dropped = store.dropped
+    plan.decisions += [f"left out by the tensor filter: {name}" for name in store.left_out]
+    if store.renames:
+        plan.decisions.append(f"renamed {len(store.renames)} tensors (remap rules, contiguous indices)")
+    if store.restored:
+        plan.decisions.append(f"restored the original names of {len(store.restored)} tensors (carried renames)")
+    for dtype in sorted(set(store.casts.values())):
+        count = sum(1 for d in store.casts.values() if d == dtype)
+        plan.decisions.append(f"cast {count} tensors to {dtype} (precision)")
+    return plan
+
+
+def _cast_spec(c: Conversion, entry: PlanEntry, spec: TensorSpec) -> TensorSpec:
+    """A tensor the precision option casts is written in its new dtype (filled by its CastCopy)."""
+    copy = c.casts.get(entry.target)
+    if copy is None:
+        return spec
+    return replace(
+        spec, dtype=copy.to_dtype, raw_dtype=None, nbytes=cast_nbytes(spec.nbytes, copy.from_dtype, copy.to_dtype)
+    )
+
+
+def _carried_shards(c: Conversion) -> ShardLayout | None:
+    """The shard layout a .bpk carries: the set it was converted from (only the tensors kept), or the one
+    its own source carried."""
+    if c.target.format.name == SAFETENSORS:
+        return None
+    if c.source.sharded is None:
+        return c.carried.shards
+    kept = {e.source for e in c.entries} | set(c.plan.dropped)
+    sizes = {t.name: t.nbytes for t in c.source.tensors}
+    return ShardLayout.of(c.source.sharded).restricted_to(kept, sizes)
+
+
+def _output_shards(c: Conversion, explicit_dest: bool) -> ShardLayout | None:
+    """The set a safetensors output is written as, or None for one file: `--shard-size` splits anew; a layout
+    carried from the original set is reproduced, unless one file is asked for (`--shard-size none`, or an
+    explicit `-o X.safetensors`)."""
+    one_file = c.request.one_file or (explicit_dest and c.dest.name.endswith(".safetensors"))
+    if c.target.format.name != SAFETENSORS or one_file:
+        return None
+    sizes = [(spec.name, spec.nbytes) for spec in c.specs]
+    if c.request.shard_size is not None:
+        stem = Path(c.source.path).name.removesuffix(INDEX_SUFFIX).removesuffix(".bpk")
+        index_name = c.dest.name if is_index_name(c.dest) else f"{stem}{INDEX_SUFFIX}"
+        return layout_by_size(sizes, c.request.shard_size, index_name)
+    if c.carried.shards is None:
+        return None
+    layout = c.carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))
+    if c.store.casts or c.carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
+        layout = layout.with_total_size(sum(size for _, size in sizes))
+    return layout
 
 
 def rename(entries: list[PlanEntry], hook: Rename | None, path: str) -> list[PlanEntry]:
@@ -233,16 +345,24 @@ def rename(entries: list[PlanEntry], hook: Rename | None, path: str) -> list[Pla
 
 
 def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
+    reader = c.source.reader_of(entry.source)
+    if entry.source in c.store.casts:
+        info = reader.tensor(entry.source)
+        copy = CastCopy(reader, entry.source, info.dtype, c.store.casts[entry.source], entry.transpose)
+        c.casts[entry.target] = copy
+        return copy.fill
     mover = c.transfer.transpose_fill if entry.transpose else c.transfer.copy_fill
-    return mover(c.source.reader_of(entry.source), entry.source, entry.target)
+    return mover(reader, entry.source, entry.target)
 
 
 # -- write, verify, publish
 
 
 def write_verify_publish(c: Conversion) -> PublishResult:
+    if c.shards is not None:
+        return _write_set(c)
     mode = os.fstat(c.source.primary.fd).st_mode & 0o777
-    hasher = _SourceHasher(c.source.primary)
+    hasher = _SourceHasher(c.source)
     with open_scratch(c.dest, mode) as scratch:
         try:
             header, c.output_size = c.target.write(scratch.fd, c)
@@ -252,8 +372,28 @@ def write_verify_publish(c: Conversion) -> PublishResult:
         # header changes afterwards, and that is checked on its own
         verify(c, scratch.path)
         _fill_in_source_hash(c, scratch.fd, header, hasher.result())
-        _check_source_unchanged(c.source.primary)
+        _check_source_unchanged(c.source)
         return publish(scratch, replace=c.request.overwrite, source=Path(c.source.path))
+
+
+def _write_set(c: Conversion) -> PublishResult:
+    """A sharded safetensors output: every shard verified in its scratch file, then the shards published and
+    the index last (setout.py). A set holds what save_pretrained writes, so no syncd metadata and no hash."""
+    assert c.shards is not None
+    results = write_set(
+        c.specs,
+        c.shards,
+        c.directory,
+        mode=os.fstat(c.source.primary.fd).st_mode & 0o777,
+        replace=c.request.overwrite,
+        verify=lambda path, specs: verify(c, path, specs),
+        before_publish=lambda: _check_source_unchanged(c.source),
+        source=Path(c.source.path),
+    )
+    c.output_size = sum(os.stat(path).st_size for path in c.output_paths())
+    statuses = {result.status for result in results}
+    status = "in_sync" if statuses == {"in_sync"} else "replaced" if "replaced" in statuses else "published"
+    return PublishResult(status, c.dest)  # type: ignore[arg-type]
 
 
 def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, sha: str) -> None:
@@ -269,25 +409,30 @@ def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, sha: str) -> Non
         raise VerificationError("the output header reads back different from what was written", str(c.dest))
 
 
-def verify(c: Conversion, written: Path) -> None:
-    """Read the written file back: its table must be the plan's, every tensor its source's."""
+def verify(c: Conversion, written: Path, specs: list[TensorSpec] | None = None) -> None:
+    """Read the written file back: its table must be the plan's, every tensor its source's. `specs`: the
+    tensors this file holds (one shard of a set), default all."""
+    specs = c.specs if specs is None else specs
     try:
         output = c.target.format.reader(written)
     except FormatError as exc:
         raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
     with output:
-        _verify_table(c, output)
+        _verify_table(c, output, specs)
         c.target.check_written(c, output)
-        for entry in c.entries:
-            c.transfer.verify(output, entry.target)
-        for name in c.restored:
-            if output.read(name) != c.carried.dropped[name][2]:
-                raise VerificationError(f"restored tensor '{name}' differs after writing", str(c.dest))
+        for spec in specs:
+            if spec.name in c.restored:
+                if output.read(spec.name) != c.carried.dropped[spec.name][2]:
+                    raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
+            elif spec.name in c.casts:
+                c.casts[spec.name].verify(output, spec.name)
+            else:
+                c.transfer.verify(output, spec.name)
 
 
-def _verify_table(c: Conversion, output: TensorFileReader) -> None:
+def _verify_table(c: Conversion, output: TensorFileReader, specs: list[TensorSpec]) -> None:
     same = c.target.comparable
-    expected = {s.name: (same(s.dtype), s.shape) for s in c.specs}
+    expected = {s.name: (same(s.dtype), s.shape) for s in specs}
     found = {t.name: (same(t.dtype), t.shape) for t in output.tensors}
     if expected != found:
         missing = sorted(set(expected) ^ set(found)) or sorted(n for n in expected if expected[n] != found[n])
@@ -309,10 +454,11 @@ class _SourceHasher:
 
     CHUNK = 8 << 20
 
-    def __init__(self, reader: TensorFileReader) -> None:
-        self.fd = os.dup(reader.fd)
-        self.size = reader.file_size
-        self.path = reader.path
+    def __init__(self, source: Source) -> None:
+        # a set is hashed as its index followed by its shards, in order (as file_sha256)
+        self.prefix = source.sharded.index.raw if source.sharded is not None else b""
+        self.parts = [(os.dup(reader.fd), reader.file_size, reader.path) for reader in source.readers]
+        self.path = source.path
         self.digest: str | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="syncd-sha256", daemon=True)
@@ -320,20 +466,22 @@ class _SourceHasher:
 
     def _run(self) -> None:
         try:
-            sha = hashlib.sha256()
+            sha = hashlib.sha256(self.prefix)
             buf = memoryview(bytearray(self.CHUNK))
-            offset = 0
-            while offset < self.size:
-                n = os.preadv(self.fd, [buf[: min(self.CHUNK, self.size - offset)]], offset)
-                if n == 0:
-                    raise FormatError("file truncated while hashing it", self.path)
-                sha.update(buf[:n])
-                offset += n
+            for fd, size, path in self.parts:
+                offset = 0
+                while offset < size:
+                    n = os.preadv(fd, [buf[: min(self.CHUNK, size - offset)]], offset)
+                    if n == 0:
+                        raise FormatError("file truncated while hashing it", path)
+                    sha.update(buf[:n])
+                    offset += n
             self.digest = sha.hexdigest()
         except BaseException as exc:  # handed to the caller's thread in result()
             self.error = exc
         finally:
-            os.close(self.fd)
+            for fd, _, _ in self.parts:
+                os.close(fd)
 
     def result(self) -> str:
         self.thread.join()
@@ -345,15 +493,20 @@ class _SourceHasher:
         return self.digest
 
 
-def _check_source_unchanged(reader: TensorFileReader) -> None:
-    info = os.fstat(reader.fd)
-    if info.st_size != reader.file_size:
-        raise FormatError("the file changed size while it was being converted", reader.path)
+def _check_source_unchanged(source: Source) -> None:
+    for reader in source.readers:
+        if os.fstat(reader.fd).st_size != reader.file_size:
+            raise FormatError("the file changed size while it was being converted", reader.path)
 
 
 def file_sha256(path: Path) -> str:
+    """sha256 of a file; of a sharded set (its index), the index followed by every shard it lists, in order."""
     sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(8 << 20):
-            sha.update(chunk)
+    paths = [Path(path)]
+    if is_index_name(path):
+        paths += [Path(p) for p in member_files(path)]
+    for part in paths:
+        with open(part, "rb") as handle:
+            while chunk := handle.read(8 << 20):
+                sha.update(chunk)
     return sha.hexdigest()

@@ -44,6 +44,7 @@ def write_set(
     mode: int,
     replace: bool,
     verify: Callable[[Path, list[TensorSpec]], None],
+    before_publish: Callable[[], None] = lambda: None,
     source: Path | None = None,
 ) -> list[PublishResult]:
     """Write, verify (`verify(scratch path, its specs)`) and publish the set; returns one result per file."""
@@ -65,6 +66,7 @@ def write_set(
             index = stack.enter_context(open_scratch(directory / layout.index_name, mode))
             index.write(layout.index_bytes())
             scratches.append(index)
+        before_publish()
         return [publish(scratch, replace=replace, source=source) for scratch in scratches]
 
 

@@ -45,6 +45,10 @@ class StorePlan:
     renames: dict[str, str]  # final name -> name before the rules, for the names the rules changed
     restored: dict[str, str]  # real source name -> original name given back from carried renames
 
+    @classmethod
+    def empty(cls) -> StorePlan:
+        return cls([], [], [], {}, {}, {})
+
 
 def undo_renames(tensors: Iterable[TensorRef], carried: dict[str, str]) -> tuple[list[TensorRef], dict[str, str]]:
     """The table with carried renames undone, and original name -> real name in the file."""

@@ -16,7 +16,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -351,6 +351,14 @@ class ShardLayout:
             with_index=len(files) > 1,
             common_metadata=dict(self.common_metadata),
         )
+
+    def with_total_size(self, total: int) -> ShardLayout:
+        """The layout with `metadata.total_size` set to `total` (the tensors' sizes changed, e.g. by a cast)."""
+        metadata = dict(self.index_metadata or {})
+        if metadata.get("total_size") == total:
+            return self
+        metadata["total_size"] = total
+        return replace(self, index_metadata=metadata, index_text=None)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"index": self.index_name, "files": [[f, names] for f, names in self.files]}
