@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from syncd.errors import SyncdError
+from syncd.formats.fileio import pwrite_all
 from syncd.formats.safetensors import write_safetensors
 from syncd.formats.shards import ShardLayout
 from syncd.formats.table import TensorSpec
@@ -64,7 +65,7 @@ def write_set(
             scratches.append(scratch)
         if layout.with_index:
             index = stack.enter_context(open_scratch(directory / layout.index_name, mode))
-            index.write(layout.index_bytes())
+            _write(index, lambda fd: pwrite_all(fd, layout.index_bytes(), 0))
             scratches.append(index)
         before_publish()
         return [publish(scratch, replace=replace, source=source) for scratch in scratches]

@@ -14,6 +14,9 @@ name that one of them skips is skipped by all three. A candidate:
   still served;
 * matches the watch's `include` patterns and none of its `exclude` patterns (each tried on the name and on
   the path relative to the watch).
+
+A sharded set's index (`model.safetensors.index.json`) stands for the set and is judged as the weights file
+it names (`model.safetensors`); its shards are candidates too, and the decision code takes them to their set.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from syncd.formats import format_for_path
 from syncd.formats.registry import DIRECTIONS
+from syncd.formats.shards import INDEX_SUFFIX, is_index_name
 from syncd.publish import is_scratch_name
 
 if TYPE_CHECKING:
@@ -37,6 +41,8 @@ DEFAULT_IGNORE = (".*", "*.tmp*", "*.part", ".~*")
 
 def is_candidate(watch: Watch, path: Path) -> bool:
     """True if `path` names a checkpoint this watch converts (decided from the name alone)."""
+    if is_index_name(path.name):
+        path = path.with_name(path.name.removesuffix(INDEX_SUFFIX) + ".safetensors")
     name = path.name
     from_format = format_for_path(name)
     if from_format is None or from_format.name not in DIRECTIONS[watch.direction]:

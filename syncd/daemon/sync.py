@@ -14,12 +14,14 @@ import logging
 import os
 import signal
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from syncd import carry
+from syncd.adapters.names import TensorFilter, compile_rule
 from syncd.convert import ConvertRequest, convert, file_sha256
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
@@ -34,9 +36,11 @@ from syncd.errors import (
     UnsupportedError,
     VerificationError,
 )
-from syncd.formats import Format, format_for_path, open_checkpoint
+from syncd.formats import BURNPACK, SAFETENSORS, Format, format_for_path, open_checkpoint
 from syncd.formats.registry import BY_NAME
+from syncd.formats.shards import INDEX_SUFFIX, index_listing, is_index_name, looks_like_shard, member_files
 from syncd.progress import ProgressCallback
+from syncd.stores import StoreOptions
 
 log = logging.getLogger("syncd.sync")
 
@@ -68,14 +72,25 @@ class Syncer:
         self.settle_seconds = settle_seconds
         # who wants to follow a conversion's bytes (the daemon's status); called with the source path
         self.progress_for: Callable[[Path], ProgressCallback | None] = lambda _path: None
+        # a set is reached through its index and through each shard's events: one worker at a time per set
+        self._set_locks: dict[Path, threading.Lock] = {}
+        self._set_locks_guard = threading.Lock()
 
     # -- the decision
 
     def process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
         if not is_candidate(watch, path):
             return Outcome(None)
+        if is_index_name(path):
+            return self._process_set(watch, path, closed)
         from_format = format_for_path(path)
         assert from_format is not None  # is_candidate checked it
+        if from_format.name == SAFETENSORS:
+            index = index_listing(path)
+            if index is not None:  # a shard is converted with its set, through the set's index
+                return self._process_set(watch, Path(index), closed=False)
+            if looks_like_shard(path.name):
+                return Outcome(None)  # save_pretrained writes the index last: its arrival brings the set
         try:
             info = os.lstat(path)
         except FileNotFoundError:
@@ -87,6 +102,8 @@ class Syncer:
             return Outcome(None, retry_in=wait)
         version = FileVersion.from_stat(info)
         dest = destination_for(watch, path, BY_NAME[from_format.converts_to])
+        if from_format.name == BURNPACK:
+            dest = _set_destination(watch, path) or dest
         if self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version):
             return Outcome(None)
         if self.state.is_own_output(path, version):
@@ -96,6 +113,46 @@ class Syncer:
             # a writer pausing longer than the settle time; its close brings the file back at once
             return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
         return self._convert(watch, path, version, dest, from_format, finished=closed or writing is False)
+
+    def _process_set(self, watch: Watch, index: Path, closed: bool) -> Outcome:
+        """The index is the set's commit point: the set is converted once the index and every shard it lists
+        are complete (present, settled, nobody writing them). A shard still missing is waited for while the
+        index is recent; after that the conversion reports it."""
+        with self._set_locks_guard:
+            lock = self._set_locks.setdefault(index, threading.Lock())
+        with lock:
+            return self._process_set_locked(watch, index, closed)
+
+    def _process_set_locked(self, watch: Watch, index: Path, closed: bool) -> Outcome:
+        try:
+            info = os.lstat(index)
+        except FileNotFoundError:
+            return Outcome(None)
+        if not stat.S_ISREG(info.st_mode):
+            return self._not_regular(watch, index, info)
+        if self.state.is_own_output(index, FileVersion.from_stat(info)):
+            return Outcome(None)
+        try:
+            members = [Path(p) for p in member_files(index)]
+        except SyncdError:
+            members = []  # a broken (or half-written) index: the conversion reports it, or it is retried
+        stats = [info]
+        for member in members:
+            try:
+                stats.append(os.lstat(member))
+            except FileNotFoundError:
+                if _recently_changed(FileVersion.from_stat(info)):
+                    return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
+        wait = max(self._settle_wait(st, closed and st is info) for st in stats)
+        if wait > 0:
+            return Outcome(None, retry_in=wait)
+        version = _set_version(stats)
+        dest = watch.output_dir_for(index) / (index.name.removesuffix(INDEX_SUFFIX) + BY_NAME[BURNPACK].extension)
+        if self.state.is_up_to_date(index, version, dest) or self.state.failed_same_version(index, version):
+            return Outcome(None)
+        if any(open_for_writing(p) for p in [index, *members] if os.path.lexists(p)):
+            return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
+        return self._convert(watch, index, version, dest, BY_NAME[SAFETENSORS], finished=True)
 
     def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
@@ -141,6 +198,8 @@ class Syncer:
                     fail_early_if_exists=False,
                     within=watch.path,
                     progress=self.progress_for(path),
+                    store=self._store_options(watch),
+                    shard_size=watch.shard_size,
                 )
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
@@ -197,6 +256,33 @@ class Syncer:
             attempts = self.state.get(path).attempts if self.state.get(path) else 1
             return Outcome(status, retry_in=min(60.0, 2.0 ** min(attempts, 6)))
         return Outcome(status)
+
+    def _store_options(self, watch: Watch) -> StoreOptions:
+        """The watch's remap/filter/precision settings (validated when the config was loaded)."""
+        return StoreOptions(
+            tuple(compile_rule(p, r) for p, r in watch.remap),
+            watch.map_indices_contiguous,
+            TensorFilter.of(watch.tensor_include, watch.tensor_exclude),
+            watch.precision,
+        )
+
+
+def _set_version(stats: list[os.stat_result]) -> FileVersion:
+    """One version for a whole set: the index's identity, the total size, the latest change of any file."""
+    index = stats[0]
+    return FileVersion(index.st_dev, index.st_ino, sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats))
+
+
+def _set_destination(watch: Watch, path: Path) -> Path | None:
+    """Where a .bpk that carries a sharded set's layout goes back to: that set's index (None otherwise)."""
+    try:
+        with open_checkpoint(path, watch.path) as reader:
+            shards = carry.parse(reader.header.metadata, str(path)).shards
+    except SyncdError:
+        return None  # the conversion reports what is wrong with the file
+    if shards is None or not shards.with_index or watch.shard_size is not None:
+        return None
+    return watch.output_dir_for(path) / shards.index_name
 
 
 def classify(exc: BaseException) -> tuple[str, bool]:

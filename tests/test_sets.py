@@ -1,0 +1,387 @@
+"""Sharded checkpoints, key remapping, filters and precision end to end (issue 16): real save_pretrained sets,
+the real CLI and the real daemon, from_pretrained on what comes back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from daemonutil import REPO, DaemonRun, scratch_files
+from hfsets import LLAMA_MODULES, save_llama
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from syncd.formats.burnpack import BurnpackReader
+from syncd.formats.shards import split_greedy
+
+ORIGINAL_FILES = [
+    "model-00001-of-00003.safetensors",
+    "model-00002-of-00003.safetensors",
+    "model-00003-of-00003.safetensors",
+    "model.safetensors.index.json",
+]
+PORT_RULES = [
+    r"^lm_head\.=output.",
+    r"^model\.=",
+    r"^embed_tokens\.=tok_embeddings.",
+    r"^layers\.(\d+)\.input_layernorm\.=layers.$1.attention_norm.",
+    r"^layers\.(\d+)\.post_attention_layernorm\.=layers.$1.ffn_norm.",
+    r"\.mlp\.down_proj\.=.feed_forward.w2.",
+    r"\.mlp\.gate_proj\.=.feed_forward.swiglu.linear_inner.",
+    r"\.mlp\.up_proj\.=.feed_forward.swiglu.linear_outer.",
+    r"\.self_attn\.([qkvo])_proj\.=.attention.w$1.",
+]
+
+
+def syncd(*args: str | Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "syncd", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
+    if ok:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0 and len(result.stderr.splitlines()) == 1, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("saves")
+    modules = root / "llama.yaml"
+    modules.write_text(yaml.safe_dump(LLAMA_MODULES))
+    return {
+        "sharded": save_llama(root / "sharded", sharded=True),
+        "single": save_llama(root / "single", sharded=False),
+        "modules": modules,
+    }
+
+
+def fresh_set(saves: dict[str, Path], where: Path) -> Path:
+    shutil.copytree(saves["sharded"].parent, where)
+    return where / saves["sharded"].name
+
+
+def tensors_of(bpk: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    with BurnpackReader(bpk) as reader:
+        return {t.name: (t.dtype, t.shape, reader.read(t.name)) for t in reader.tensors}
+
+
+def single_bpk(saves: dict[str, Path], tmp_path: Path, *extra: str) -> Path:
+    out = tmp_path / "single.bpk"
+    syncd("convert", saves["single"], "-o", out, "--modules", saves["modules"], *extra)
+    return out
+
+
+def assert_state_reloads(directory: Path, original: Path) -> None:
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(original.parent / name, directory / name)
+    reloaded = LlamaForCausalLM.from_pretrained(directory).state_dict()
+    expected = LlamaForCausalLM.from_pretrained(original.parent).state_dict()
+    assert reloaded.keys() == expected.keys()
+    assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
+
+
+def test_sharded_set_converts_to_one_bpk_and_back_to_the_same_files(saves: dict[str, Path], tmp_path: Path) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    assert len(json.loads(index.read_text())["weight_map"]) > 3 and len(list(index.parent.glob("model-*"))) == 3
+    result = syncd("convert", index.parent, "--modules", saves["modules"])  # the directory stands for its index
+    assert f"-> {index.parent / 'model.bpk'}" in result.stdout
+    bpk = index.parent / "model.bpk"
+    assert tensors_of(bpk) == tensors_of(single_bpk(saves, tmp_path))  # planned over all shards together
+
+    back = tmp_path / "back"
+    back.mkdir()
+    syncd("convert", bpk, "-o", back, "--modules", saves["modules"])
+    assert sorted(p.name for p in back.iterdir()) == ORIGINAL_FILES
+    for name in ORIGINAL_FILES:
+        assert (back / name).read_bytes() == (index.parent / name).read_bytes(), name
+    assert_state_reloads(back, saves["sharded"])
+
+
+def test_the_index_file_itself_is_a_source_and_a_bpk_beside_it_goes_back_beside_it(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    syncd("convert", index, "--modules", saves["modules"])
+    bpk = tmp_path / "elsewhere" / "model.bpk"
+    bpk.parent.mkdir()
+    shutil.move(index.parent / "model.bpk", bpk)
+    syncd("convert", bpk, "--modules", saves["modules"])
+    for name in ORIGINAL_FILES:
+        assert (bpk.parent / name).read_bytes() == (index.parent / name).read_bytes()
+    # existing files are never replaced: a second run refuses before writing anything
+    again = syncd("convert", bpk, "--modules", saves["modules"], ok=False)
+    assert "already exists" in again.stderr and scratch_files(bpk.parent) == []
+
+
+def test_shard_size_splits_anew_and_none_writes_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
+    bpk = single_bpk(saves, tmp_path)
+    split = tmp_path / "split"
+    split.mkdir()
+    syncd("convert", bpk, "-o", split, "--shard-size", "20KB", "--modules", saves["modules"])
+    index = json.loads((split / "single.safetensors.index.json").read_text())
+    with BurnpackReader(bpk) as reader:  # HF's greedy rule over the tensors in the .bpk's order
+        groups = split_greedy([(t.name, t.nbytes) for t in reader.tensors], 20_000)
+    assert sorted(set(index["weight_map"].values())) == [
+        f"single-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)
+    ]
+    assert set(index["metadata"]) == {"total_size"}
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * 4 for f in split.glob("single-*.safetensors") for t in load_file(f).values()
+    )
+    os.rename(split / "single.safetensors.index.json", split / "model.safetensors.index.json")
+    index_text = (split / "model.safetensors.index.json").read_text().replace("single-", "model-")
+    (split / "model.safetensors.index.json").write_text(index_text)
+    for f in split.glob("single-*"):
+        f.rename(split / f.name.replace("single-", "model-"))
+    assert_state_reloads(split, saves["sharded"])
+
+    sharded_bpk = tmp_path / "from_set.bpk"
+    syncd("convert", saves["sharded"], "-o", sharded_bpk, "--modules", saves["modules"])
+    one = tmp_path / "one"
+    one.mkdir()
+    syncd("convert", sharded_bpk, "-o", one / "model.safetensors", "--modules", saves["modules"])
+    syncd("convert", sharded_bpk, "-o", tmp_path / "none", "--shard-size", "none", "--modules", saves["modules"])
+    assert sorted(p.name for p in one.iterdir()) == ["model.safetensors"]
+    assert (tmp_path / "none").read_bytes() == (one / "model.safetensors").read_bytes()
+    assert_state_reloads(one, saves["sharded"])
+
+
+def test_remap_to_a_burn_port_and_back(saves: dict[str, Path], tmp_path: Path) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    remap = [arg for rule in PORT_RULES for arg in ("--remap", rule)]
+    syncd("convert", index, "--modules", saves["modules"], *remap)
+    names = set(tensors_of(index.parent / "model.bpk"))
+    assert {
+        "tok_embeddings.weight",
+        "layers.1.attention_norm.gamma",
+        "layers.0.ffn_norm.gamma",
+        "norm.gamma",
+        "layers.0.attention.wq.weight",
+        "layers.1.feed_forward.swiglu.linear_inner.weight",
+        "output.weight",
+        "layers.0.feed_forward.w2.weight",
+    } <= names
+    assert not any(n.startswith("model.") or "_proj" in n for n in names)
+    plain = tensors_of(single_bpk(saves, tmp_path))
+    remapped = tensors_of(index.parent / "model.bpk")
+    assert sorted(v for v in plain.values()) == sorted(v for v in remapped.values())
+    back = tmp_path / "back"
+    back.mkdir()
+    syncd("convert", index.parent / "model.bpk", "-o", back, "--modules", saves["modules"])  # carried renames
+    for name in ORIGINAL_FILES:
+        assert (back / name).read_bytes() == (index.parent / name).read_bytes()
+
+
+def test_remap_collision_and_bad_rules_are_refused_in_one_line_with_nothing_written(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    before = sorted(p.name for p in index.parent.iterdir())
+    collide = syncd("convert", index, "--modules", saves["modules"], "--remap", r"\.(q|k)_proj\.=.qk.", ok=False)
+    assert (
+        "'model.layers.0.self_attn.k_proj.weight' and 'model.layers.0.self_attn.q_proj.weight' would both"
+        in collide.stderr
+        or "would both be named" in collide.stderr
+    )
+    assert collide.returncode == 1
+    for bad in (["--remap", "(unclosed=x"], ["--remap", r"^(a)=$2"], ["--include", "[x"], ["--exclude", "(?P<"]):
+        result = syncd("convert", index, "--modules", saves["modules"], *bad, ok=False)
+        assert result.returncode == 2
+    assert sorted(p.name for p in index.parent.iterdir()) == before
+
+
+def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    result = syncd("convert", index, "--modules", saves["modules"], "--exclude", r"^lm_head\.", "-v")
+    assert "left out by the tensor filter: lm_head.weight" in result.stdout
+    bpk = index.parent / "model.bpk"
+    assert "lm_head.weight" not in tensors_of(bpk)
+    back = tmp_path / "back"
+    back.mkdir()
+    syncd("convert", bpk, "-o", back, "--modules", saves["modules"])
+    written = {}
+    for shard in back.glob("model-*.safetensors"):
+        written.update(load_file(shard))
+    original = LlamaForCausalLM.from_pretrained(index.parent).state_dict()
+    assert set(written) == set(original) - {"lm_head.weight"}
+    index_back = json.loads((back / "model.safetensors.index.json").read_text())
+    assert index_back["metadata"]["total_size"] == sum(t.numel() * 4 for t in written.values())
+    assert set(index_back["weight_map"]) == set(written)
+    # and on the way back: only the attention of layer 0
+    only = tmp_path / "only.safetensors"
+    syncd("convert", bpk, "-o", only, "--modules", saves["modules"], "--include", r"layers\.0\.self_attn")
+    assert sorted(load_file(only)) == sorted(k for k in original if "layers.0.self_attn" in k)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_precision_both_ways(saves: dict[str, Path], tmp_path: Path, precision: str, dtype: torch.dtype) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    syncd("convert", index, "--modules", saves["modules"], "--precision", precision)
+    bpk = index.parent / "model.bpk"
+    with BurnpackReader(bpk) as reader:
+        assert {t.dtype for t in reader.tensors} == {precision.upper()}
+        assert json.loads(reader.header.metadata["syncd.precision"])["dtype"] == precision.upper()
+    original = LlamaForCausalLM.from_pretrained(index.parent).state_dict()
+    # back without asking: the cast is lossy, so the tensors stay half
+    half = tmp_path / "half"
+    half.mkdir()
+    syncd("convert", bpk, "-o", half, "--modules", saves["modules"])
+    written = {}
+    for shard in half.glob("model-*.safetensors"):
+        written.update(load_file(shard))
+    assert all(written[k].dtype == dtype and torch.equal(written[k], original[k].to(dtype)) for k in original)
+    index_back = json.loads((half / "model.safetensors.index.json").read_text())
+    assert index_back["metadata"]["total_size"] == sum(t.numel() * 2 for t in written.values())
+    # back asking for f32: F32 again, holding the half values exactly
+    full = tmp_path / "full"
+    full.mkdir()
+    syncd("convert", bpk, "-o", full, "--modules", saves["modules"], "--precision", "f32")
+    restored = {}
+    for shard in full.glob("model-*.safetensors"):
+        restored.update(load_file(shard))
+    assert all(
+        restored[k].dtype == torch.float32 and torch.equal(restored[k], original[k].to(dtype).float()) for k in original
+    )
+    assert (full / "model.safetensors.index.json").read_bytes() == index.read_bytes()
+
+
+def test_overflowing_cast_is_refused_naming_the_tensor(saves: dict[str, Path], tmp_path: Path) -> None:
+    model = LlamaForCausalLM.from_pretrained(saves["sharded"].parent)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = 1e6
+    model.save_pretrained(tmp_path / "big", max_shard_size="40KB")
+    result = syncd("convert", tmp_path / "big", "--modules", saves["modules"], "--precision", "f16", ok=False)
+    assert "tensor 'model.layers.1.mlp.up_proj.weight' holds 1e+06, beyond F16" in result.stderr
+    assert not (tmp_path / "big" / "model.bpk").exists() and scratch_files(tmp_path / "big") == []
+    syncd("convert", tmp_path / "big", "--modules", saves["modules"], "--precision", "bf16")  # bf16 holds it
+
+
+def test_contiguous_indices_on_the_cli(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    seq = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)
+    )
+    save_file({f"fc.{k}": v for k, v in seq.state_dict().items()}, tmp_path / "seq.safetensors")
+    syncd("convert", tmp_path / "seq.safetensors", "--map-indices-contiguous")
+    assert sorted(tensors_of(tmp_path / "seq.bpk")) == [
+        f"fc.{i}.{leaf}" for i in range(3) for leaf in ("bias", "weight")
+    ]
+    syncd("convert", tmp_path / "seq.bpk", "-o", tmp_path / "back.safetensors")
+    back = load_file(tmp_path / "back.safetensors")
+    assert back.keys() == {f"fc.{k}" for k in seq.state_dict()}
+    assert all(torch.equal(back[f"fc.{k}"], v) for k, v in seq.state_dict().items())
+
+
+def test_memory_stays_flat_over_a_set_of_shards(tmp_path: Path) -> None:
+    """Six shards of 64 MiB (8 MiB tensors) convert, and come back, within the bound the README states for
+    single files: the shards are read one tensor at a time."""
+    from safetensors.numpy import save_file
+
+    from syncd.formats.shards import render_index
+
+    rng = np.random.default_rng(0)
+    directory = tmp_path / "big"
+    directory.mkdir()
+    weight_map = {}
+    for shard in range(6):
+        name = f"model-{shard + 1:05d}-of-00006.safetensors"
+        tensors = {}
+        for layer in range(shard * 4, shard * 4 + 4):
+            tensors[f"layers.{layer}.fc.weight"] = rng.standard_normal((2048, 1024), dtype=np.float32)
+            tensors[f"layers.{layer}.fc.bias"] = rng.standard_normal(2048, dtype=np.float32)
+        save_file(tensors, directory / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    total = sum((directory / f).stat().st_size for f in set(weight_map.values()))
+    (directory / "model.safetensors.index.json").write_bytes(render_index({"total_size": total}, weight_map))
+    probe = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in (["convert", directory], ["convert", directory / "model.bpk", "-o", tmp_path / "back"]):
+        if args[-1] == tmp_path / "back":
+            (tmp_path / "back").mkdir()
+        out = subprocess.run(
+            [sys.executable, "-c", probe, sys.executable, "-m", "syncd", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+            timeout=600,
+        )
+        peak_mib = int(out.stdout.split()[-1]) / 1024
+        assert peak_mib < 256, f"{args[0]} peaked at {peak_mib:.0f} MiB for a {total >> 20} MiB set"
+    for name in weight_map.values():
+        assert (tmp_path / "back" / name).read_bytes() == (directory / name).read_bytes()
+
+
+# ------------------------------------------------------------------------------------------ the daemon
+
+
+def test_daemon_converts_a_set_once_when_its_index_lands_and_never_a_shard_alone(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        index = save_llama(runs / "llama", sharded=True)  # save_pretrained itself writes into the watch
+        run.wait_for("converted", [index])
+        bpk = runs / "llama" / "model.bpk"
+        assert tensors_of(bpk) == tensors_of(single_bpk(saves, tmp_path))
+        run.quiet(1.5)
+        sources = [r.get("source") for r in run.records()]
+        assert sources.count(str(index)) == 1, run.log_text()
+        assert not any(s and "-of-000" in s for s in sources)
+        assert sorted(p.name for p in (runs / "llama").glob("*.bpk")) == ["model.bpk"]
+        assert not list((runs / "llama").glob("model-*.bpk"))
+        # its own output is not converted back (the set is there already)
+        assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()
+
+
+def test_daemon_waits_for_every_shard_the_index_lists(saves: dict[str, Path], tmp_path: Path) -> None:
+    with DaemonRun(
+        tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}], settle_seconds=0.2
+    ) as run:
+        run.start()
+        target = run.watch_dir("runs") / "set"
+        target.mkdir()
+        source = saves["sharded"].parent
+        shutil.copy(source / "model.safetensors.index.json", target / "model.safetensors.index.json")
+        shutil.copy(source / "model-00001-of-00003.safetensors", target / "model-00001-of-00003.safetensors")
+        run.quiet(1.5)
+        assert run.statuses("converted") == [] and not (target / "model.bpk").exists()
+        for name in ("model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"):
+            shutil.copy(source / name, target / name)
+        run.wait_for("converted", [target / "model.safetensors.index.json"])
+        assert tensors_of(target / "model.bpk") == tensors_of(single_bpk(saves, tmp_path))
+
+
+def test_daemon_applies_a_watchs_store_settings(saves: dict[str, Path], tmp_path: Path) -> None:
+    rules = [[rule.split("=", 1)[0], rule.split("=", 1)[1]] for rule in PORT_RULES]
+    watch = {
+        "path": "runs",
+        "modules": LLAMA_MODULES["modules"],
+        "remap": rules,
+        "precision": "bf16",
+        "tensors": {"exclude": ["^lm_head"]},
+    }
+    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
+        run.start()
+        index = save_llama(run.watch_dir("runs") / "llama", sharded=True)
+        run.wait_for("converted", [index])
+        converted = tensors_of(index.parent / "model.bpk")
+        assert "layers.0.attention.wq.weight" in converted and "output.weight" not in converted
+        assert {dtype for dtype, _, _ in converted.values()} == {"BF16"}
+        record = run.statuses("converted", index)[0]
+        assert "left out by the tensor filter: lm_head.weight" in record["layout"]
