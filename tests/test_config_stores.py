@@ -90,3 +90,9 @@ def test_remap_must_be_a_list(tmp_path: Path, runs: Path) -> None:
     assert check_config(path) == [
         f"{path}:3: watches[0].remap: expected a list of [pattern, replacement] rules, got a mapping"
     ]
+
+
+def test_null_means_unset(tmp_path: Path, runs: Path) -> None:
+    text = "watches:\n  - path: runs\n    precision: null\n    shard_size: null\n    remap: null\n    tensors: null\n"
+    (watch,) = load_config(write_config(tmp_path, text)).watches
+    assert (watch.precision, watch.shard_size, watch.remap, watch.tensor_include) == (None, None, (), ())

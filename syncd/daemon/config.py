@@ -545,7 +545,7 @@ class _ConfigBuilder:
             remap=_remap_rules(self.file, section),
             map_indices_contiguous=section.boolean("map_indices_contiguous", False),
             **_tensor_filter(self.file, section),
-            precision=section.choice("precision", None, PRECISIONS),
+            precision=None if section.raw("precision") is None else section.choice("precision", None, PRECISIONS),
             shard_size=_shard_size(self.file, section),
             line=items["path"][1].start_mark.line + 1,
             index=index,
