@@ -38,6 +38,7 @@ latency), report.py (tables, targets, chart, JSON), undertest.py (which syncd ru
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -46,8 +47,9 @@ import time
 from cases import FULL_CASES, QUICK_CASES
 from daemonprobe import daemon_latency
 from measure import run_case, startup_cost
-from report import report
-from undertest import WORK, SyncdUnderTest, git_state, make_snapshot
+from report import environment, report
+from sharded import sharded_case
+from undertest import RESULTS, WORK, SyncdUnderTest, git_state, make_snapshot
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         help="measure syncd as committed at HEAD (git archive into bench/work/) instead of the working tree",
     )
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints under bench/work/")
+    parser.add_argument("--no-sharded", action="store_true", help="skip the sharded-set case (sharded.py)")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     cases = QUICK_CASES if args.quick else FULL_CASES
@@ -97,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             info, results = run_case(case, args.reps, not args.quick, args.keep, syncd, log)
             infos.append(info)
             measurements += results
+        if not args.no_sharded:
+            sharded = sharded_case(args.quick, args.reps, not args.quick, syncd, log)
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            name = "sharded-quick.json" if args.quick else "sharded.json"
+            (RESULTS / name).write_text(json.dumps({"environment": environment(), **sharded}, indent=2) + "\n")
         if args.no_daemon:
             daemon = {"available": False, "reason": "daemon latency skipped (--no-daemon)"}
         else:
