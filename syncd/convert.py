@@ -244,6 +244,8 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     c.directory = dest if dest.is_dir() else dest.parent
     if c.shards is not None:
         c.dest = set_paths(c.shards, c.directory)[-1]  # the index (or the one file of a one-shard split)
+    elif dest.is_dir():  # `-o DIR`: the default name, in that directory
+        c.dest = dest / default_destination(Path(source.path), target.format.name).name
     return c
 
 

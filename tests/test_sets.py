@@ -385,3 +385,10 @@ def test_daemon_applies_a_watchs_store_settings(saves: dict[str, Path], tmp_path
         assert {dtype for dtype, _, _ in converted.values()} == {"BF16"}
         record = run.statuses("converted", index)[0]
         assert "left out by the tensor filter: lm_head.weight" in record["layout"]
+
+
+def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    result = syncd("convert", saves["sharded"], "-o", out, "--modules", saves["modules"])
+    assert f"-> {out / 'model.bpk'}" in result.stdout and sorted(p.name for p in out.iterdir()) == ["model.bpk"]
