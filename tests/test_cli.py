@@ -73,7 +73,8 @@ def _torch_pt(path: Path) -> Path:
     [
         ("README.md", lambda p: p.write_text("# syncd\n\nKeeps checkpoints in sync.\n"), "text"),
         ("model.safetensors", lambda p: p.write_text("# not really\nplain text\n"), "text"),
-        ("model.safetensors.index.json", lambda p: p.write_text('{"weight_map": {"a": "b"}}\n'), "JSON text"),
+        # (a `*.safetensors.index.json` is a sharded set's index, which convert reads: see test_sets.py)
+        ("config.json", lambda p: p.write_text('{"hidden_size": 32, "num_hidden_layers": 2}\n'), "JSON text"),
         ("model.pt", _torch_pt, "a zip archive"),
         ("model.bpk", _torch_pt, "a zip archive"),
         (

@@ -392,3 +392,11 @@ def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -
     out.mkdir()
     result = syncd("convert", saves["sharded"], "-o", out, "--modules", saves["modules"])
     assert f"-> {out / 'model.bpk'}" in result.stdout and sorted(p.name for p in out.iterdir()) == ["model.bpk"]
+
+
+def test_an_index_naming_no_shard_is_refused_as_an_index(tmp_path: Path) -> None:
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"a": "b"}}\n')
+    result = syncd("convert", index, ok=False)
+    assert f"{index}: index names shard 'b', which is not a .safetensors file inside its directory" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [index.name]
