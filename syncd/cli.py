@@ -287,7 +287,7 @@ def _result_doc(result: object) -> dict[str, object]:
 
 def _store_options(args: argparse.Namespace):  # -> tuple[StoreOptions, int | None, bool]
     """--remap/--include/--exclude/--precision/--shard-size, each bad pattern or size one usage error."""
-    from syncd.adapters.names import TensorFilter, parse_rule_argument
+    from syncd.adapters.keys import TensorFilter, parse_rule_argument
     from syncd.formats.shards import parse_shard_size
     from syncd.stores import StoreOptions
 

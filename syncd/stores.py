@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from syncd.adapters import AdapterPlan, PlanEntry, TensorRef
-from syncd.adapters.names import RemapRule, TensorFilter, invert, rename_all, renames
+from syncd.adapters.keys import RemapRule, TensorFilter, invert, rename_all, renames
 from syncd.adapters.precision import plan_casts
 
 

@@ -1,10 +1,10 @@
-"""Key remapping (Burn's KeyRemapper), contiguous indices, filters and their inverse (syncd/adapters/names.py)."""
+"""Key remapping (Burn's KeyRemapper), contiguous indices, filters and their inverse (syncd/adapters/keys.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from syncd.adapters.names import (
+from syncd.adapters.keys import (
     NameCollisionError,
     TensorFilter,
     compile_rule,

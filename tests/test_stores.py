@@ -6,7 +6,7 @@ import pytest
 from hfsets import LLAMA_MODULES, tiny_llama
 
 from syncd.adapters import ModuleMap, TensorRef, plan_conversion
-from syncd.adapters.names import NameCollisionError, TensorFilter, compile_rule
+from syncd.adapters.keys import NameCollisionError, TensorFilter, compile_rule
 from syncd.stores import StoreOptions, apply_options, undo_renames
 
 DTYPES = {"torch.float32": "F32"}

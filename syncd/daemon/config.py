@@ -35,7 +35,7 @@ from typing import Any, TextIO
 import yaml
 
 from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
-from syncd.adapters.names import compile_filter, compile_rule
+from syncd.adapters.keys import compile_filter, compile_rule
 from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.names import DEFAULT_IGNORE
 from syncd.errors import ConfigError
@@ -105,7 +105,7 @@ class Watch:
     module_map: ModuleMap | None = field(default=None, compare=False)
     modules_file: Path | None = None  # where the module map came from when given as a file path
     poll: bool = False
-    # Burn's store vocabulary (issue 16); see syncd/adapters/names.py and precision.py for the semantics
+    # Burn's store vocabulary (issue 16); see syncd/adapters/keys.py and precision.py for the semantics
     remap: tuple[tuple[str, str], ...] = ()  # ordered (pattern, replacement) rules, Rust replacement syntax
     map_indices_contiguous: bool = False
     tensor_include: tuple[str, ...] = ()  # regexes searched in tensor names; none: every tensor

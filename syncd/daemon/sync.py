@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from syncd import carry
-from syncd.adapters.names import TensorFilter, compile_rule
+from syncd.adapters.keys import TensorFilter, compile_rule
 from syncd.convert import ConvertRequest, convert, file_sha256
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate

@@ -1,4 +1,4 @@
-"""Tensor names: Burn's KeyRemapper rules, its contiguous-index option, PathFilter-style filters, and the
+"""Tensor names (keys): Burn's KeyRemapper rules, its contiguous-index option, PathFilter-style filters, and the
 inverse of a remapping. Pure functions over names (burn-compat.md §5, store/keyremapper.rs, store/filter.rs).
 
 KeyRemapper: an ordered list of (regex, replacement). For each name, every rule whose pattern matches replaces
