@@ -400,3 +400,14 @@ def test_an_index_naming_no_shard_is_refused_as_an_index(tmp_path: Path) -> None
     result = syncd("convert", index, ok=False)
     assert f"{index}: index names shard 'b', which is not a .safetensors file inside its directory" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [index.name]
+
+
+def test_config_json_beside_the_set_needs_no_module_map(saves: dict[str, Path], tmp_path: Path) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    remap = [arg for rule in PORT_RULES for arg in ("--remap", rule)]
+    syncd("convert", index, *remap)  # config.json (written by save_pretrained) settles the module kinds
+    back = tmp_path / "back"
+    back.mkdir()
+    syncd("convert", index.parent / "model.bpk", "-o", back)  # the .bpk's own record settles them
+    for name in ORIGINAL_FILES:
+        assert (back / name).read_bytes() == (index.parent / name).read_bytes(), name
