@@ -4,6 +4,10 @@ Used by `syncd convert` and by the daemon's workers. The adapters decide names, 
 from the tensor table alone; `rename` may then rewrite output names; the target format's type (targets.py)
 turns the plan into specs and metadata (what it cannot hold travels in `syncd.*` metadata, see carry.py).
 This module moves the bytes, re-reads the written file to check every tensor, and only then publishes.
+
+Issue 16: the source may be a sharded safetensors set (its index; formats/shards.py); the store options
+(stores.py: tensor filter, remap rules, contiguous indices, precision casts through cast.py) apply to the plan;
+a safetensors output may be written as a set (setout.py), shards first and the index last.
 """
 
 from __future__ import annotations
