@@ -18,7 +18,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from pathlib import Path
 
 from syncd import __version__
-from syncd.errors import SyncdError, UsageError
+from syncd.errors import SyncdError, UsageError, one_line
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 1  # usage (2) and exists (3) come from the errors' exit_code
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(as_json: bool, code: int, message: str, path: object, details: str | None) -> int:
     """An error for the user: one line on stderr (then any details), or one JSON document on stdout."""
-    line = _one_line(message)
+    line = one_line(message) or "error"
     try:
         if as_json:
             doc = {
@@ -163,10 +163,6 @@ def _reader_gone(code: int = EXIT_OK) -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return code
-
-
-def _one_line(text: str) -> str:
-    return text.splitlines()[0] if text else "error"
 
 
 def _dispatch(args: argparse.Namespace) -> int:

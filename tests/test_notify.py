@@ -35,7 +35,8 @@ def test_ready_reports_pid_and_status(listener: socket.socket) -> None:
 
 def test_each_message(listener: socket.socket) -> None:
     assert notify.status("converting a.bpk\nand b.bpk")
-    assert received(listener) == ["STATUS=converting a.bpk and b.bpk"]  # a newline would start a new assignment
+    # a newline would start a new assignment: shown escaped (syncd.errors.one_line), nothing lost
+    assert received(listener) == ["STATUS=converting a.bpk\\nand b.bpk"]
     assert notify.watchdog()
     assert received(listener) == ["WATCHDOG=1"]
     assert notify.stopping()

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from syncd.adapters.model import LAYOUTS, MAP_KINDS
-from syncd.errors import ConfigError
+from syncd.errors import ConfigError, one_line
 
 _GLOB_CHARS = frozenset("*?[")
 _TOP_LEVEL_KEYS = ("modules", "layout")
@@ -74,7 +74,7 @@ class ModuleMap:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"not valid YAML: {_one_line(str(exc))}", source) from exc
+            raise ConfigError(f"not valid YAML: {one_line(exc)}", source) from exc
         return cls.from_dict(data, source=source)
 
     @classmethod
@@ -250,5 +250,3 @@ def _class_regex(body: str) -> str:
     return f"[^{members}.]" if negate else f"[{members}]"
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())

@@ -13,6 +13,8 @@ import os
 import socket
 import time
 
+from syncd.errors import one_line
+
 log = logging.getLogger("syncd.notify")
 
 
@@ -38,27 +40,27 @@ def notify(*assignments: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.connect(address)
-            sock.send(message)
+            # never block the main thread (it is the one that pings): a reader that stopped reading loses
+            # a status line, not the daemon
+            sock.send(message, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        log.debug("systemd's notify socket %s is full; a notification was dropped", target)
+        return False
     except OSError as exc:
         log.warning("could not notify systemd at %s: %s", target, exc)
         return False
     return True
 
 
-def _one_line(text: str) -> str:
-    # the protocol is one assignment per line; a newline in a status would start a bogus assignment
-    return " ".join(text.splitlines())
-
-
 def ready(status_text: str | None = None) -> bool:
     """Startup is complete: systemd considers the service started (Type=notify)."""
-    extra = [f"STATUS={_one_line(status_text)}"] if status_text else []
+    extra = [f"STATUS={one_line(status_text)}"] if status_text else []
     return notify("READY=1", f"MAINPID={os.getpid()}", *extra)
 
 
 def status(text: str) -> bool:
     """A one-line status shown by `systemctl status`."""
-    return notify(f"STATUS={_one_line(text)}")
+    return notify(f"STATUS={one_line(text)}")
 
 
 def watchdog() -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from syncd.errors import FormatError
+from syncd.errors import TRANSIENT_ERRNOS, FormatError
 from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 
@@ -34,13 +34,13 @@ def open_regular_file(path: str | os.PathLike[str], within: str | os.PathLike[st
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
-        raise FormatError("no such file", str(path)) from None
+        raise FormatError("no such file", str(path), kind="busy") from None
     except IsADirectoryError:
         raise FormatError("is a directory, not a checkpoint file", str(path)) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise FormatError("is a symlink; not following it", str(path)) from None
-        raise FormatError(f"cannot open: {exc.strerror}", str(path)) from exc
+        raise _read_error(f"cannot open: {exc.strerror}", str(path), exc) from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -78,6 +78,12 @@ def _opened_inside(fd: int, directory: str | os.PathLike[str]) -> bool:
     return real == root or real.startswith(root.rstrip("/") + "/")
 
 
+def _read_error(message: str, path: str, exc: OSError) -> FormatError:
+    """Opening or reading failed in the file system, not in the file's content: the same errno means the same
+    kind wherever it happens (an EIO or ENOMEM heals; a permission does not, but it is not the file's fault)."""
+    return FormatError(message, path, kind="environment", transient=exc.errno in TRANSIENT_ERRNOS)
+
+
 def pread_exact(fd: int, size: int, offset: int, path: str, what: str) -> bytes:
     """Read exactly `size` bytes at `offset`, or fail naming what was being read."""
     parts: list[bytes] = []
@@ -86,7 +92,7 @@ def pread_exact(fd: int, size: int, offset: int, path: str, what: str) -> bytes:
         try:
             chunk = os.pread(fd, min(size - got, READ_CHUNK), offset + got)
         except OSError as exc:
-            raise FormatError(f"cannot read {what}: {exc.strerror}", path) from None
+            raise _read_error(f"cannot read {what}: {exc.strerror}", path, exc) from exc
         if not chunk:
             raise FormatError(f"file truncated while reading {what} (got {got} of {size} bytes)", path)
         parts.append(chunk)
@@ -101,7 +107,7 @@ def preadinto_exact(fd: int, buf: memoryview, offset: int, path: str, what: str)
         try:
             n = os.preadv(fd, [buf[done:]], offset + done)
         except OSError as exc:
-            raise FormatError(f"cannot read {what}: {exc.strerror}", path) from None
+            raise _read_error(f"cannot read {what}: {exc.strerror}", path, exc) from exc
         if n == 0:
             raise FormatError(f"file truncated while reading {what}", path)
         done += n
@@ -201,6 +207,8 @@ class TensorFileReader:
     def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
         self.path = os.fspath(path)
         self.fd, self.file_size = open_regular_file(path, within)
+        # before the first byte is read: what a conversion compares with at the end (convert.py)
+        self.stat_at_open = os.fstat(self.fd)
         self.tensors: list[TensorInfo] = []
         self._by_name: dict[str, TensorInfo] = {}
         self.header: CheckpointHeader
