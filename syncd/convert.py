@@ -36,7 +36,7 @@ from syncd.adapters import (
 )
 from syncd.cast import CastCopy, cast_nbytes
 from syncd.context import gather_context
-from syncd.errors import FormatError, SyncdError, UsageError, VerificationError, one_line
+from syncd.errors import FormatError, SourceChangedError, SyncdError, UsageError, VerificationError, one_line
 from syncd.formats import SAFETENSORS, open_checkpoint
 from syncd.formats.fileio import TensorFileReader, pwrite_all
 from syncd.formats.registry import BY_NAME
@@ -51,7 +51,7 @@ from syncd.formats.shards import (
 )
 from syncd.formats.table import TensorInfo, TensorSpec
 from syncd.progress import ProgressCallback, track
-from syncd.publish import PublishResult, ensure_destination_free, open_scratch, publish
+from syncd.publish import FileIdentity, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
 from syncd.setout import set_paths, write_set
 from syncd.stores import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.targets import TARGETS, Target
@@ -73,6 +73,8 @@ class ConvertRequest:
     overwrite: bool = False
     fail_early_if_exists: bool = True  # the daemon turns this off to tell "already in sync" from a conflict
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
+    # replace the destination only if it is still exactly this file (syncd's own earlier output of this source)
+    replace_if: FileIdentity | None = None
     rename: Rename | None = None  # rewrites output names after the adapters (see `rename`)
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision (issue 16)
@@ -373,13 +375,12 @@ def write_verify_publish(c: Conversion) -> PublishResult:
         try:
             header, c.output_size = c.target.write(scratch.fd, c)
         except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
-            raise SyncdError(f"cannot write the output ({exc.strerror or exc})", str(c.dest)) from exc
+            raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
         # verify while the source is still being hashed on the other core; only the hash's place in the
         # header changes afterwards, and that is checked on its own
         verify(c, scratch.path)
         _fill_in_source_hash(c, scratch.fd, header, hasher.result())
-        _check_source_unchanged(c.source)
-        return publish(scratch, replace=c.request.overwrite, source=Path(c.source.path))
+        return _publish(scratch, c)
 
 
 def _write_set(c: Conversion) -> PublishResult:
@@ -494,6 +495,8 @@ class _SourceHasher:
         if self.error is not None:
             if isinstance(self.error, SyncdError):
                 raise self.error
+            if isinstance(self.error, OSError):
+                raise SyncdError.from_os_error("cannot read while hashing", self.path, self.error)
             raise FormatError(f"cannot read while hashing: {self.error}", self.path)
         assert self.digest is not None
         return self.digest
@@ -501,8 +504,49 @@ class _SourceHasher:
 
 def _check_source_unchanged(source: Source) -> None:
     for reader in source.readers:
-        if os.fstat(reader.fd).st_size != reader.file_size:
-            raise FormatError("the file changed size while it was being converted", reader.path)
+        check_source_unchanged(reader)
+
+
+def _publish(scratch: Scratch, c: Conversion) -> PublishResult:
+    """Publish the finished output; the source is proven unchanged as late as possible, right before the
+    output is put in place (after its fsync)."""
+
+    def unchanged() -> None:
+        for reader in c.source.readers:
+            check_source_unchanged(reader)
+
+    return publish(
+        scratch,
+        replace=c.request.overwrite,
+        replace_if=c.request.replace_if,
+        source=Path(c.source.path),
+        before_placing=unchanged,
+    )
+
+
+def check_source_unchanged(reader: TensorFileReader) -> None:
+    """Raise SourceChangedError unless the source is the same, unchanged file from the first byte read to now.
+
+    Compared with the fstat taken before the header was read: identity (dev, ino), size, mtime and ctime.
+    The kernel sets ctime on every write, truncate and utime call, so a same-size rewrite whose mtime was
+    set back still shows (Linux >= 6.13 gives a fine-grained ctime to any change after a stat, so a write in
+    the same clock tick as our open is not lost). The path must still name that file: a source replaced or
+    removed meanwhile is not published either (the new file, if any, gets its own conversion).
+    """
+    before, now = reader.stat_at_open, os.fstat(reader.fd)
+    unpublished = "while it was being converted; nothing was published"
+    if _stamp(now) != _stamp(before):
+        raise SourceChangedError(f"changed {unpublished}", reader.path)
+    try:
+        at_path = os.lstat(reader.path)
+    except FileNotFoundError:
+        raise SourceChangedError(f"was removed {unpublished}", reader.path) from None
+    if (at_path.st_dev, at_path.st_ino) != (now.st_dev, now.st_ino):
+        raise SourceChangedError(f"was replaced {unpublished}", reader.path)
+
+
+def _stamp(info: os.stat_result) -> tuple[int, ...]:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def file_sha256(path: Path) -> str:

@@ -41,6 +41,7 @@ import platform
 import re
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -49,6 +50,7 @@ from typing import Literal
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
 
 __all__ = [
+    "FileIdentity",
     "PublishResult",
     "Scratch",
     "ensure_destination_free",
@@ -78,6 +80,21 @@ _counter = itertools.count()
 # Scratch files this process has open, so a stopping daemon can remove those it abandons.
 _open_scratches: set[Path] = set()
 _open_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """One version of one file as the kernel describes it: any write, truncate, chmod or utime changes ctime."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> FileIdentity:
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -143,7 +160,7 @@ def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
         except FileExistsError:
             continue  # a leftover or a planted file/symlink: never touch it, take the next name
         except OSError as e:
-            raise SyncdError(f"cannot create a scratch file beside it ({e.strerror})", str(dest)) from e
+            raise SyncdError.from_os_error("cannot create a scratch file beside it", str(dest), e) from e
         scratch = Scratch(path, fd, dest)
         with _open_lock:
             _open_scratches.add(path)
@@ -155,15 +172,32 @@ def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
         return scratch
 
 
-def publish(scratch: Scratch, *, replace: bool = False, source: Path | None = None) -> PublishResult:
+def publish(
+    scratch: Scratch,
+    *,
+    replace: bool = False,
+    replace_if: FileIdentity | None = None,
+    source: Path | None = None,
+    before_placing: Callable[[], None] | None = None,
+) -> PublishResult:
     """Make the finished scratch file `scratch.dest`; `source` names the input in a ConflictError.
 
     Without `replace` an existing destination is never changed: "in_sync" if it holds our bytes,
-    else AlreadyExistsError/ConflictError. The scratch file is gone afterwards in every case.
+    else AlreadyExistsError/ConflictError. With `replace_if`, a destination that is still exactly that file
+    (identity, size, mtime and ctime) is replaced; anything else there is left alone (ConflictError).
+    `before_placing` runs after the fsync, right before the file is put in place, and may raise to stop it.
+    The scratch file is gone afterwards in every case.
     """
     try:
         _fsync_file(scratch)
-        result = _publish_replacing(scratch) if replace else _publish_new(scratch, source)
+        if before_placing is not None:
+            before_placing()
+        if replace:
+            result = _publish_replacing(scratch)
+        elif replace_if is not None:
+            result = _publish_replacing_ours(scratch, replace_if, source)
+        else:
+            result = _publish_new(scratch, source)
     finally:
         scratch.discard()
     if result.status != "in_sync":
@@ -219,9 +253,27 @@ def _publish_replacing(scratch: Scratch) -> PublishResult:
     try:
         os.rename(scratch.path, scratch.dest)
     except OSError as e:
-        raise SyncdError(f"cannot move the finished output into place ({e.strerror})", str(scratch.dest)) from e
+        raise SyncdError.from_os_error("cannot move the finished output into place", str(scratch.dest), e) from e
     scratch.published = True
     return PublishResult("replaced" if existed else "published", scratch.dest)
+
+
+def _publish_replacing_ours(scratch: Scratch, expected: FileIdentity, source: Path | None) -> PublishResult:
+    """Replace the destination only while it is still the file we published (`expected`); else as new.
+
+    The identity is checked as late as possible, right before the rename. A writer that changes the file in
+    the microseconds between the check and the rename loses that change to our output: no file system offers
+    a compare-and-rename, and the window is that of one system call.
+    """
+    try:
+        theirs = os.lstat(scratch.dest)
+    except FileNotFoundError:
+        return _publish_new(scratch, source)  # gone meanwhile: publish without replacing anything
+    if not stat.S_ISREG(theirs.st_mode) or FileIdentity.of(theirs) != expected:
+        raise ConflictError(
+            "changed since syncd published it (someone else's file now); nothing was replaced", str(scratch.dest)
+        )
+    return _publish_replacing(scratch)
 
 
 def _publish_new(scratch: Scratch, source: Path | None) -> PublishResult:
@@ -250,7 +302,7 @@ def _place_new(scratch: Scratch) -> bool:
     except OSError as e:
         if e.errno in _NO_HARDLINKS:
             return _place_new_by_rename(scratch)
-        raise SyncdError(f"cannot link the finished output into place ({e.strerror})", str(scratch.dest)) from e
+        raise SyncdError.from_os_error("cannot link the finished output into place", str(scratch.dest), e) from e
     scratch.published = True
     _unlink_quietly(scratch.path)
     return True
@@ -269,7 +321,7 @@ def _place_new_by_rename(scratch: Scratch) -> bool:
                 "cannot be published without risking replacing a file; use --overwrite to replace",
                 str(scratch.dest),
             ) from e
-        raise SyncdError(f"cannot move the finished output into place ({e.strerror})", str(scratch.dest)) from e
+        raise SyncdError.from_os_error("cannot move the finished output into place", str(scratch.dest), e) from e
     scratch.published = True
     return True
 
@@ -338,7 +390,7 @@ def _fsync_file(scratch: Scratch) -> None:
     try:
         os.fsync(scratch.fd)
     except OSError as e:
-        raise SyncdError(f"cannot flush the output being built to disk ({e.strerror})", str(scratch.dest)) from e
+        raise SyncdError.from_os_error("cannot flush the output being built to disk", str(scratch.dest), e) from e
 
 
 def _fsync_directory(dest: Path) -> None:

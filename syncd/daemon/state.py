@@ -12,6 +12,7 @@ with a warning; the worst outcome is that outputs are re-checked against their s
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sqlite3
@@ -23,11 +24,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from syncd.daemon.synclog import utc_timestamp
+from syncd.errors import SyncdError
 
 log = logging.getLogger("syncd.state")
 
 DB_NAME = "state.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+LOCK_NAME = "lock"
 SUCCESS_STATUSES = ("converted", "in_sync")
 
 # one list of statements per version: MIGRATIONS[n] takes a database from version n to n + 1
@@ -55,6 +58,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )
         """,
         "CREATE INDEX sources_by_dest ON sources (dest)",
+    ),
+    (
+        # ctime: the kernel changes it on every write, even when mtime is set back (issue 12)
+        "ALTER TABLE sources ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE sources ADD COLUMN dest_ctime_ns INTEGER",
+        # the declared kind of a failure (syncd/errors.py): config failures are looked at again after a reload
+        "ALTER TABLE sources ADD COLUMN kind TEXT",
     ),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
@@ -85,6 +95,7 @@ class FileVersion:
     size: int
     mtime_ns: int
     sha256: str | None = None
+    ctime_ns: int = 0  # 0: not known (rows from before schema 2)
 
     @classmethod
     def of(cls, path: PathArg, sha256: str | None = None) -> FileVersion:
@@ -92,11 +103,13 @@ class FileVersion:
 
     @classmethod
     def from_stat(cls, st: os.stat_result, sha256: str | None = None) -> FileVersion:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256, st.st_ctime_ns)
 
     def same_as(self, other: FileVersion) -> bool:
-        """Same file and metadata; the digests are compared only when both are known."""
+        """Same file and metadata; the digests and ctimes are compared only when both are known."""
         if (self.dev, self.ino, self.size, self.mtime_ns) != (other.dev, other.ino, other.size, other.mtime_ns):
+            return False
+        if self.ctime_ns and other.ctime_ns and self.ctime_ns != other.ctime_ns:
             return False
         return self.sha256 is None or other.sha256 is None or self.sha256 == other.sha256
 
@@ -114,6 +127,7 @@ class SourceState:
     transient: bool
     attempts: int  # consecutive failures of this version
     updated: datetime
+    kind: str | None = None  # of a failure: input | config | environment | busy (syncd/errors.py)
 
 
 class StateDB:
@@ -181,12 +195,15 @@ class StateDB:
             "dest": _key(dest),
             "error": None,
             "transient": 0,
+            "kind": None,
             "attempts": 0,
             "updated": utc_timestamp(),
         }
         self._upsert(values)
 
-    def record_failure(self, source: PathArg, version: FileVersion, error: str, *, transient: bool) -> bool:
+    def record_failure(
+        self, source: PathArg, version: FileVersion, error: str, *, transient: bool, kind: str | None = None
+    ) -> bool:
         """Remember a failure; True if it is the first for this version of `source` (so worth logging).
 
         A transient failure (file busy, disk full) is retried on the next event; a permanent one is not
@@ -202,11 +219,32 @@ class StateDB:
             "dest": None,
             "error": error,
             "transient": int(transient),
+            "kind": kind,
             "attempts": (previous.attempts + 1) if repeated and previous is not None else 1,
             "updated": utc_timestamp(),
         }
         self._upsert(values)
         return not repeated
+
+    def retry_failures(self, sources: list[PathArg] | None = None, *, kind: str | None = None) -> list[str]:
+        """Make failures retryable (all, those of `sources`, or those of one `kind`); returns their paths.
+
+        The rows stay (a failure that repeats is then logged once more, which is what asking again means).
+        """
+        where, params = "status = 'failed' AND transient = 0", []
+        if kind is not None:
+            where += " AND kind = ?"
+            params.append(kind)
+        if sources is not None:
+            where += f" AND source IN ({', '.join('?' for _ in sources)})"
+            params += [_key(source) for source in sources]
+
+        def mark(db: sqlite3.Connection) -> list[str]:
+            rows = db.execute(f"SELECT source FROM sources WHERE {where}", params).fetchall()
+            db.execute(f"UPDATE sources SET transient = 1, attempts = 0, error = '' WHERE {where}", params)
+            return [os.fsdecode(row[0]) for row in rows]
+
+        return self._run(mark)
 
     def close(self) -> None:
         with self._lock:
@@ -234,7 +272,11 @@ class StateDB:
                     return operation(self._conn)
             except sqlite3.DatabaseError as exc:
                 if not _is_corruption(exc):
-                    raise
+                    # full, read-only or failing disk, locked by someone else: the machine's fault, not the
+                    # database's; the caller logs it and retries later
+                    raise SyncdError(
+                        f"state database: {exc}", str(self.path), kind="environment", transient=True
+                    ) from exc
                 self._conn.close()
                 self._move_aside(str(exc))
                 self._conn = self._open_checked()
@@ -281,6 +323,44 @@ class StateDB:
         )
 
 
+def lock_state_dir(state_dir: Path) -> int:
+    """Take the state directory for this daemon: an flock on `state_dir/lock` held until the process ends
+    (the kernel drops it when the process dies, however it dies), holding our PID for the message a second
+    daemon prints. Returns the lock's descriptor; raises SyncdError naming the holder's PID."""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = state_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise SyncdError(
+            f"another syncd (pid {holder}) is running on this state directory; one daemon per state directory",
+            str(state_dir),
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return fd
+
+
+def lock_holder(state_dir: Path) -> int | None:
+    """The PID of the daemon holding `state_dir`, or None when none does."""
+    try:
+        fd = os.open(state_dir / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        return int(text) if text.isdigit() else None
+    else:
+        return None
+    finally:
+        os.close(fd)
+
+
 class _NewerSchema(Exception):
     pass
 
@@ -315,13 +395,14 @@ def _migrate(conn: sqlite3.Connection) -> None:
 
 def _version_columns(prefix: str, version: FileVersion | None) -> dict[str, object]:
     if version is None:
-        return {f"{prefix}{name}": None for name in ("dev", "ino", "size", "mtime_ns", "sha256")}
+        return {f"{prefix}{name}": None for name in ("dev", "ino", "size", "mtime_ns", "sha256", "ctime_ns")}
     return {
         f"{prefix}dev": _to_sqlite(version.dev),
         f"{prefix}ino": _to_sqlite(version.ino),
         f"{prefix}size": version.size,
         f"{prefix}mtime_ns": version.mtime_ns,
         f"{prefix}sha256": version.sha256,
+        f"{prefix}ctime_ns": version.ctime_ns,
     }
 
 
@@ -334,6 +415,7 @@ def _row_version(row: sqlite3.Row, prefix: str) -> FileVersion | None:
         size=row[f"{prefix}size"],
         mtime_ns=row[f"{prefix}mtime_ns"],
         sha256=row[f"{prefix}sha256"],
+        ctime_ns=row[f"{prefix}ctime_ns"] or 0,
     )
 
 
@@ -350,4 +432,5 @@ def _row_to_state(row: sqlite3.Row) -> SourceState:
         transient=bool(row["transient"]),
         attempts=row["attempts"],
         updated=datetime.fromisoformat(row["updated"].replace("Z", "+00:00")),
+        kind=row["kind"],
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import signal
@@ -22,12 +23,13 @@ from pathlib import Path
 
 from syncd import carry
 from syncd.adapters.keys import TensorFilter, compile_rule
-from syncd.convert import ConvertRequest, convert, file_sha256
+from syncd.convert import ConvertRequest, ConvertResult, convert
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
 from syncd.daemon.state import FileVersion, StateDB
 from syncd.daemon.synclog import SyncLog
 from syncd.errors import (
+    TRANSIENT_ERRNOS,
     AlreadyExistsError,
     AmbiguousLayoutError,
     ConflictError,
@@ -35,20 +37,28 @@ from syncd.errors import (
     SyncdError,
     UnsupportedError,
     VerificationError,
+    one_line,
 )
 from syncd.formats import BURNPACK, SAFETENSORS, Format, format_for_path, open_checkpoint
+from syncd.formats.fileio import open_regular_file
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import INDEX_SUFFIX, index_listing, is_index_name, looks_like_shard, member_files
 from syncd.progress import ProgressCallback
+from syncd.publish import FileIdentity
 from syncd.stores import StoreOptions
 
 log = logging.getLogger("syncd.sync")
 
-TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EAGAIN, errno.EBUSY, errno.ENOMEM, errno.EINTR, errno.EDQUOT})
 # A file that does not read, was not seen closed and changed less than this long ago may still be being
 # written (when open_for_writing cannot tell): it is looked at again rather than refused.
 INCOMPLETE_GRACE_SECONDS = 60.0
 BUSY_RETRY_SECONDS = 1.0  # how soon a file still being written is looked at again (its close comes sooner)
+# Without a lease (no CAP_LEASE and not the file's owner, or a file system without leases) a file whose close
+# was not seen must be this long without any change before it is taken as complete (README: Reliability).
+UNLEASED_SETTLE_SECONDS = 10.0
+FUTURE_SLACK_SECONDS = 2.0  # clock skew tolerated before a modification time counts as "in the future"
+MAX_BACKOFF_SECONDS = 60.0
+STATE_RETRY_SECONDS = 5.0
 
 
 @dataclass
@@ -72,6 +82,7 @@ class Syncer:
         self.settle_seconds = settle_seconds
         # who wants to follow a conversion's bytes (the daemon's status); called with the source path
         self.progress_for: Callable[[Path], ProgressCallback | None] = lambda _path: None
+        self._future: dict[tuple[Path, int], float] = {}  # (path, mtime_ns) in the future -> first seen
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
@@ -79,6 +90,17 @@ class Syncer:
     # -- the decision
 
     def process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
+        """Decide about `path`; a failure of the state database is logged and the path retried later."""
+        try:
+            return self._process(watch, path, closed)
+        except SyncdError as exc:
+            if exc.kind != "environment":
+                raise
+            self.synclog.log("error", watch=str(watch.path), source=str(path), error=one_line(exc),
+                             reason="will retry")
+            return Outcome("error", retry_in=STATE_RETRY_SECONDS)
+
+    def _process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
         if not is_candidate(watch, path):
             return Outcome(None)
         if is_index_name(path):
@@ -97,7 +119,7 @@ class Syncer:
             return Outcome(None)  # gone again (a scratch renamed away, a deleted file)
         if not stat.S_ISREG(info.st_mode):
             return self._not_regular(watch, path, info)
-        wait = self._settle_wait(info, closed)
+        wait = self._settle_wait(watch, path, info, closed)
         if wait > 0:
             return Outcome(None, retry_in=wait)
         version = FileVersion.from_stat(info)
@@ -112,6 +134,10 @@ class Syncer:
         if writing:
             # a writer pausing longer than the settle time; its close brings the file back at once
             return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
+        if writing is None and not closed:
+            wait = self._unleased_wait(path, info)
+            if wait > 0:
+                return Outcome(None, retry_in=wait)
         return self._convert(watch, path, version, dest, from_format, finished=closed or writing is False)
 
     def _process_set(self, watch: Watch, index: Path, closed: bool) -> Outcome:
@@ -143,7 +169,7 @@ class Syncer:
             except FileNotFoundError:
                 if _recently_changed(FileVersion.from_stat(info)):
                     return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
-        wait = max(self._settle_wait(st, closed and st is info) for st in stats)
+        wait = max(self._settle_wait(watch, index, st, closed and st is info) for st in stats)
         if wait > 0:
             return Outcome(None, retry_in=wait)
         version = _set_version(stats)
@@ -158,16 +184,41 @@ class Syncer:
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
         version = FileVersion.from_stat(info)
-        if self.state.record_failure(path, version, f"skipped: {kind}", transient=False):
+        if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
             self.synclog.log("skipped", watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
         return Outcome("skipped")
 
-    def _settle_wait(self, info: os.stat_result, closed: bool) -> float:
+    def _settle_wait(self, watch: Watch, path: Path, info: os.stat_result, closed: bool) -> float:
         """Seconds until the file has been quiet long enough. A close or rename says the writer is done,
         so a short check suffices; a bare create/modify must stay unchanged for the full settle time."""
         window = min(self.settle_seconds, 0.05) if closed else self.settle_seconds
+        return max(0.0, window - self._age(watch, path, info))
+
+    def _unleased_wait(self, path: Path, info: os.stat_result) -> float:
+        """Without a lease nothing tells whether a writer still has the file open: a writer that sets the
+        full size first and fills it in later, pausing, looks complete (and reads, half zeros). Such a file is
+        taken only after UNLEASED_SETTLE_SECONDS without any change (mtime or ctime), unless its close was seen."""
+        changed = max(info.st_mtime_ns, info.st_ctime_ns) / 1e9
+        age = time.time() - changed
+        if age < -FUTURE_SLACK_SECONDS:
+            age = self._age(None, path, info)
+        return max(0.0, max(UNLEASED_SETTLE_SECONDS, self.settle_seconds) - age)
+
+    def _age(self, watch: Watch | None, path: Path, info: os.stat_result) -> float:
+        """How long the file has been quiet. A modification time in the future (a copy from a host whose clock
+        runs ahead) is taken as the moment we first saw it, and said once."""
         age = time.time() - info.st_mtime
-        return max(0.0, window - age)
+        if age >= -FUTURE_SLACK_SECONDS:
+            return age
+        key = (path, info.st_mtime_ns)
+        if key not in self._future:
+            if len(self._future) > 10_000:
+                self._future.clear()
+            self._future[key] = time.monotonic()
+            if watch is not None:
+                self.synclog.log("warning", watch=str(watch.path), source=str(path),
+                                 reason=f"modification time {-age:.0f} s in the future; treated as now")
+        return time.monotonic() - self._future[key]
 
     # -- converting
 
@@ -180,10 +231,14 @@ class Syncer:
         base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         started = time.monotonic()
         try:
-            if self._is_reverse_of_own_output(path, dest):
+            if self._is_reverse_of_own_output(watch, path, dest):
                 return Outcome(None)
-            if watch.on_exists == "skip" and os.path.lexists(dest):
-                return self._existing_destination(path, version, dest, base)
+            replace_if, overwrite = None, False
+            if os.path.lexists(dest):
+                decided = self._existing_destination(watch, path, version, dest, base)
+                if isinstance(decided, Outcome):
+                    return decided
+                replace_if, overwrite = decided
             if watch.mirror is not None:
                 _make_mirror_dirs(watch, dest.parent)
             _check_inside(dest.parent, watch.mirror or watch.path)
@@ -194,22 +249,26 @@ class Syncer:
                     to_format=from_format.converts_to,
                     layout=watch.layout,
                     module_map=watch.module_map,
-                    overwrite=watch.on_exists == "overwrite",
+                    overwrite=overwrite,
                     fail_early_if_exists=False,
                     within=watch.path,
+                    replace_if=replace_if,
                     progress=self.progress_for(path),
                     store=self._store_options(watch),
                     shard_size=watch.shard_size,
                 )
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
-            content_error = isinstance(exc, FormatError) and exc.__cause__ is None  # not EACCES and the like
-            if content_error and not finished and _recently_changed(version):
-                log.debug("%s does not read yet, looking again later: %s", path, exc)
-                return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
-            return self._failed(path, version, exc, base, started)
-        status = "in_sync" if result.status == "in_sync" else "converted"
-        self.state.record(path, version, dest, status=status)
+            return self._failed_or_later(path, version, exc, base, started, finished)
+        return self._converted(path, version, dest, result, base, started, updated=replace_if is not None)
+
+    def _converted(self, path: Path, version: FileVersion, dest: Path, result: ConvertResult, base: dict,
+                   started: float, *, updated: bool) -> Outcome:
+        if result.status == "in_sync":
+            status = "in_sync"
+        else:
+            status = "updated" if updated and result.status == "replaced" else "converted"
+        self.state.record(path, version, dest, status="in_sync" if status == "in_sync" else "converted")
         self.synclog.log(
             status,
             **base,
@@ -221,40 +280,101 @@ class Syncer:
         )
         return Outcome(status)
 
-    def _is_reverse_of_own_output(self, path: Path, dest: Path) -> bool:
-        """An output of ours names its source in metadata; converting it back would chase our own tail."""
+    def _failed_or_later(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float,
+                         finished: bool) -> Outcome:
+        if isinstance(exc, SyncdError) and exc.kind == "busy":
+            # changed, replaced or removed while we read it: never published; looked at again once quiet
+            log.info("%s", one_line(exc))
+            gone = not os.path.lexists(path)
+            return Outcome(None, retry_in=None if gone else max(self.settle_seconds, BUSY_RETRY_SECONDS))
+        content_error = isinstance(exc, FormatError) and exc.kind == "input"
+        if content_error and not finished and _recently_changed(version):
+            log.debug("%s does not read yet, looking again later: %s", path, exc)
+            return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
+        return self._failed(path, version, exc, base, started)
+
+    def _is_reverse_of_own_output(self, watch: Watch, path: Path, dest: Path) -> bool:
+        """An output of ours names its source in metadata; converting it back would chase our own tail. Only
+        while that source is there: an output copied alone into a tree is a checkpoint like any other."""
         try:
-            with open_checkpoint(path) as reader:
+            with open_checkpoint(path, watch.path) as reader:
                 source_name = reader.header.metadata.get(carry.SOURCE)
         except SyncdError:
             return False  # a broken file is reported by the conversion itself
-        return source_name is not None and source_name == carry.file_label(dest.name)
+        return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
 
-    def _existing_destination(self, path: Path, version: FileVersion, dest: Path, base: dict) -> Outcome:
-        if _carries_source(dest, path):
+    def _existing_destination(
+        self, watch: Watch, path: Path, version: FileVersion, dest: Path, base: dict
+    ) -> Outcome | tuple[FileIdentity | None, bool]:
+        """What to do about a destination that exists: an Outcome (done), or (replace_if, overwrite).
+
+        syncd's own earlier output of this source is replaced (`updated`) whatever `on_exists` says; a file
+        that already holds this source's conversion is `in_sync`; anything else is someone else's file, which
+        `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but never a
+        file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap two
+        users' files).
+        """
+        root = watch.mirror or watch.path
+        ours = self._own_earlier_output(path, dest, root)
+        if ours is not None:
+            return ours, False
+        if _carries_source(dest, path, root, watch.path):
             self.state.record(path, version, dest, status="in_sync")
             self.synclog.log("in_sync", **base, reason="destination already holds this source's conversion")
             return Outcome("in_sync")
-        if self.state.record_failure(path, version, "destination exists", transient=False):
-            self.synclog.log("skipped", **base, reason="destination exists (on_exists: skip)")
-        return Outcome("skipped")
+        if watch.on_exists == "skip":
+            if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
+                self.synclog.log("skipped", **base, reason="destination exists (on_exists: skip)")
+            return Outcome("skipped")
+        if watch.on_exists == "overwrite" and is_candidate(watch, dest):
+            raise ConflictError(
+                "exists and is itself a checkpoint this watch converts (someone's file, not syncd's output); "
+                "on_exists: overwrite replaces only files that are not sources",
+                str(dest),
+            )
+        return None, watch.on_exists == "overwrite"
+
+    def _own_earlier_output(self, path: Path, dest: Path, root: Path) -> FileIdentity | None:
+        """The identity of `dest` if it provably is the output syncd published from `path` and nobody changed
+        it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
+        of `path`, and its `syncd.source` names `path`."""
+        state = self.state.get(path)
+        if state is None or state.dest is None or state.dest_version is None:
+            return None  # (a failed row keeps the output last published: a failed save does not disown it)
+        if os.fsencode(state.dest) != os.fsencode(dest):
+            return None
+        try:
+            info = os.lstat(dest)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(info.st_mode) or not state.dest_version.same_as(FileVersion.from_stat(info)):
+            return None
+        if not state.dest_version.ctime_ns:
+            return None  # recorded before ctimes were: not proof enough to replace it
+        if _source_named_in(dest, root) != carry.file_label(path.name):
+            return None
+        return FileIdentity.of(info)
 
     def _failed(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float) -> Outcome:
         status, transient = classify(exc)
-        text = _one_line(exc)
-        first = self.state.record_failure(path, version, text, transient=transient)
+        text = one_line(exc)
+        kind = exc.kind if isinstance(exc, SyncdError) else "environment" if isinstance(exc, OSError) else None
+        first = self.state.record_failure(path, version, text, transient=transient, kind=kind)
         if first:
             fields = {**base, "duration_ms": round((time.monotonic() - started) * 1000, 1), "error": text}
             suggestion = getattr(exc, "suggestion", None)
             if suggestion:
                 fields["reason"] = "module map that would settle it:\n" + suggestion
+            elif transient:
+                fields["reason"] = "will retry"
             self.synclog.log(status, **fields)
         if status == "error" and not transient and not isinstance(exc, SyncdError | OSError):
             # a bug of ours: the traceback goes to the journal (the sync log's line already says what failed)
             log.error("%s: %s", path, text, exc_info=True)
         if transient:
-            attempts = self.state.get(path).attempts if self.state.get(path) else 1
-            return Outcome(status, retry_in=min(60.0, 2.0 ** min(attempts, 6)))
+            row = self.state.get(path)
+            attempts = row.attempts if row else 1
+            return Outcome(status, retry_in=min(MAX_BACKOFF_SECONDS, 2.0 ** min(attempts, 6)))
         return Outcome(status)
 
     def _store_options(self, watch: Watch) -> StoreOptions:
@@ -286,24 +406,21 @@ def _set_destination(watch: Watch, path: Path) -> Path | None:
 
 
 def classify(exc: BaseException) -> tuple[str, bool]:
-    """(sync log status, transient?) for a failure."""
-    if isinstance(exc, ConflictError | AlreadyExistsError):
+    """(sync log status, transient?) for a failure, read from the kind the error declared where it was raised
+    (syncd/errors.py); an OSError that escaped undeclared counts as the environment's."""
+    if isinstance(exc, AlreadyExistsError):
         return "conflict", False
-    if isinstance(exc, FormatError) and isinstance(exc.__cause__, PermissionError):
-        return "skipped", False  # unreadable for us: reported once, not an error in the file
+    if isinstance(exc, OSError):
+        return "error", exc.errno in TRANSIENT_ERRNOS
+    if not isinstance(exc, SyncdError):
+        return "error", False  # a bug: logged with its traceback
+    if exc.kind == "environment":
+        if isinstance(exc, FormatError) and not exc.transient:
+            return "skipped", False  # unreadable for us: reported once, not an error in the file
+        return "error", exc.transient
     if isinstance(exc, FormatError | UnsupportedError | AmbiguousLayoutError | VerificationError):
-        cause = exc.__cause__
-        transient = isinstance(cause, OSError) and cause.errno in TRANSIENT_ERRNOS
-        return ("error" if transient else "refused"), transient
-    cause = exc if isinstance(exc, OSError) else exc.__cause__
-    if isinstance(cause, OSError):
-        return "error", cause.errno in TRANSIENT_ERRNOS
-    return "error", False
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0]
+        return "refused", exc.transient
+    return "error", exc.transient
 
 
 def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
@@ -315,18 +432,50 @@ def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
     return "; ".join(parts) or None
 
 
-def _carries_source(dest: Path, source: Path) -> bool:
-    """True if `dest` is a syncd output of exactly this `source` content (name and sha256 match)."""
+def _source_named_in(dest: Path, root: Path) -> str | None:
+    """The `syncd.source` metadata of `dest`, read through the confined, no-follow, non-blocking open."""
     try:
-        if not stat.S_ISREG(os.lstat(dest).st_mode):
-            return False
-        with open_checkpoint(dest) as reader:
+        with open_checkpoint(dest, root) as reader:
+            return reader.header.metadata.get(carry.SOURCE)
+    except SyncdError:
+        return None
+
+
+def _carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path) -> bool:
+    """True if `dest` is a syncd output of exactly this `source` content (name and sha256 match). Both files
+    are opened confined, without following symlinks and without blocking (a FIFO or a symlink to a device
+    renamed onto either name must not hang a worker)."""
+    try:
+        with open_checkpoint(dest, dest_root) as reader:
             metadata = reader.header.metadata
-    except (OSError, SyncdError):
+    except SyncdError:
         return False
     if metadata.get(carry.SOURCE) != carry.file_label(source.name) or carry.SOURCE_SHA256 not in metadata:
         return False
-    return metadata[carry.SOURCE_SHA256] == file_sha256(source)
+    try:
+        fd, size = open_regular_file(source, source_root)
+    except SyncdError:
+        return False
+    try:
+        return metadata[carry.SOURCE_SHA256] == fd_sha256(fd, size)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def fd_sha256(fd: int, size: int) -> str:
+    """sha256 of the first `size` bytes of an open regular file (never more: a file growing meanwhile is
+    not read forever)."""
+    sha = hashlib.sha256()
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(8 << 20, size - offset), offset)
+        if not chunk:
+            break
+        sha.update(chunk)
+        offset += len(chunk)
+    return sha.hexdigest()
 
 
 def open_for_writing(path: Path) -> bool | None:
@@ -369,9 +518,18 @@ def _make_mirror_dirs(watch: Watch, directory: Path) -> None:
     """Create the mirror's subdirectories, refusing to pass through a symlink (it could lead anywhere)."""
     assert watch.mirror is not None
     current = watch.mirror
+    if not os.path.isdir(watch.mirror):
+        # never created by us: a missing mirror may be an unmounted file system; retried until it is back
+        raise SyncdError(f"the mirror directory {watch.mirror} is missing", str(directory), kind="environment",
+                         transient=True)
     for part in directory.relative_to(watch.mirror).parts:
         current = current / part
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(current, 0o755)
-        if not stat.S_ISDIR(os.lstat(current).st_mode):
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(current, 0o755)
+            info = os.lstat(current)
+        except OSError as exc:
+            what = f"cannot create the mirror directory {current}"
+            raise SyncdError.from_os_error(what, str(directory), exc) from exc
+        if not stat.S_ISDIR(info.st_mode):
             raise SyncdError(f"mirror path {current} is not a directory (a symlink?); not writing there")

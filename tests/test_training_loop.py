@@ -1,0 +1,196 @@
+"""The daemon under a real training loop (issue 12): re-saves, in-place rewrites, swaps, hangs, reloads,
+faults that heal. Every test runs the real daemon (tests/daemonutil.py) on real files with real signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO
+from daemonutil import DaemonRun, scratch_files, wait_until
+from safetensors.numpy import save
+
+from syncd.convert import ConvertRequest, convert
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint(seed: int, layers: int = 2, width: int = 8) -> bytes:
+    """A PyTorch-layout checkpoint of `layers` Linears [width, 3/4 width] with biases; same seed, same bytes.
+    Every seed gives the same header, so two seeds are two same-size versions of one file."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(layers):
+        tensors[f"layers.{i}.weight"] = rng.standard_normal((width, width * 3 // 4), dtype=np.float32)
+        tensors[f"layers.{i}.bias"] = rng.standard_normal(width, dtype=np.float32)
+    return save(tensors)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def rewrite_in_place(path: Path, data: bytes, keep_times: os.stat_result | None = None) -> None:
+    """Overwrite `path`'s bytes without truncating or replacing it (same inode); optionally set its times
+    back to `keep_times` (a writer that preserves mtime, as `cp -p` or rsync would)."""
+    with open(path, "r+b") as handle:
+        handle.write(data)
+    if keep_times is not None:
+        os.utime(path, ns=(keep_times.st_atime_ns, keep_times.st_mtime_ns))
+
+
+def conversion_of(source_bytes: bytes, name: str, work: Path) -> bytes:
+    """What syncd publishes for a source named `name` holding `source_bytes` (same name, same mode bits)."""
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / name
+    write_file(source, source_bytes)
+    dest = source.with_suffix(".bpk" if source.suffix == ".safetensors" else ".safetensors")
+    convert(ConvertRequest(source=source, dest=dest))
+    data = dest.read_bytes()
+    shutil.rmtree(work)
+    return data
+
+
+def bytes_read_by(pid: int) -> int:
+    """Bytes the process has read so far (read, pread, preadv: /proc/PID/io rchar)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/PID/io")
+
+
+def statuses_of(run: DaemonRun, source: Path) -> list[str]:
+    return [r["status"] for r in run.records() if r.get("source") == str(source)]
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
+    runs: list[DaemonRun] = []
+
+    def make(watches: list[dict] | None = None, **settings: object) -> DaemonRun:
+        run = DaemonRun(tmp_path / f"d{len(runs)}", watches, **settings)
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+def stop_cleanly(run: DaemonRun) -> None:
+    code, _ = run.stop()
+    assert code == 0, run.stderr()
+    assert scratch_files(run.root) == []
+
+
+# ------------------------------------------------------------------------------------------ 1. rewritten in place
+
+BIG = {"layers": 6, "width": 2048}  # 6 x 12 MiB transposed weights: the conversion takes long enough to meet
+
+
+def test_a_source_rewritten_in_place_during_its_conversion_is_never_published_mixed(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    assert run.proc is not None
+    source = runs / "model.safetensors"
+    first, second = checkpoint(1, **BIG), checkpoint(2, **BIG)
+    assert len(first) == len(second)
+    baseline = bytes_read_by(run.proc.pid)
+    write_file(source, first)
+    times = os.stat(source)
+    # the daemon is reading the tensors (more than any header check reads): rewrite every byte in place,
+    # same size, modification time set back -- a same-size rewrite that size and mtime cannot show
+    wait_until(lambda: bytes_read_by(run.proc.pid) - baseline > 24 << 20, 60, "the daemon reading the source")
+    rewrite_in_place(source, second, keep_times=times)
+    run.wait_for("converted", [source])
+    run.quiet(3.0)
+    expected = conversion_of(second, source.name, tmp_path / "expected")
+    assert (runs / "model.bpk").read_bytes() == expected, run.log_text()
+    stop_cleanly(run)
+
+
+def test_syncd_convert_refuses_a_source_changed_while_it_converts(tmp_path: Path) -> None:
+    source = tmp_path / "model.safetensors"
+    write_file(source, checkpoint(1, **BIG))
+    env = {**os.environ, "PYTHONPATH": os.fspath(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "syncd", "convert", os.fspath(source)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    wait_until(lambda: bytes_read_by(proc.pid) > 16 << 20, 60, "syncd convert reading the source")
+    with open(source, "r+b") as handle:  # one page of tensor data, same size
+        handle.seek(len(checkpoint(1, **BIG)) - 4096)
+        handle.write(b"\x7f" * 4096)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    assert stderr.count("\n") == 1 and "changed while it was being converted" in stderr, stderr
+    assert not (tmp_path / "model.bpk").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+# ------------------------------------------------------------------------------------------ 3. re-saved each epoch
+
+
+@pytest.mark.parametrize("on_exists", ["skip", "error"])
+@pytest.mark.parametrize("how", ["in place", "renamed into place"])
+def test_latest_saved_every_epoch_keeps_its_output_current(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path, on_exists: str, how: str
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk", "on_exists": on_exists}])
+    runs = run.watch_dir()
+    run.start()
+    latest, output = runs / "latest.safetensors", runs / "latest.bpk"
+    for epoch in range(1, 4):
+        data = checkpoint(epoch)
+        if how == "in place" or epoch == 1:
+            write_file(latest, data)
+        else:
+            write_file(runs / "latest.new", data)
+            os.replace(runs / "latest.new", latest)
+        expected = conversion_of(data, latest.name, tmp_path / "expected")
+        wait_until(lambda e=expected: output.exists() and output.read_bytes() == e, 60, f"latest.bpk of epoch {epoch}")
+    run.quiet(1.0)
+    assert statuses_of(run, latest) == ["converted", "updated", "updated"], run.log_text()
+    stop_cleanly(run)
+
+
+def test_a_file_someone_else_put_at_the_output_name_is_never_replaced(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk", "on_exists": "error"}])
+    runs = run.watch_dir()
+    run.start()
+    latest, output = runs / "latest.safetensors", runs / "latest.bpk"
+    write_file(latest, checkpoint(1))
+    run.wait_for("converted", [latest])
+    theirs = conversion_of(checkpoint(7), latest.name, tmp_path / "theirs")  # even our format and our name
+    write_file(output, theirs)  # replaced by someone: no longer what syncd published
+    write_file(latest, checkpoint(2))
+    run.wait_for("conflict", [latest])
+    run.quiet(1.0)
+    assert output.read_bytes() == theirs
+    stop_cleanly(run)
+
+
+def test_overwrite_never_swaps_two_users_files_in_a_both_tree(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs", "direction": "both", "on_exists": "overwrite"}])
+    runs = run.watch_dir()
+    alice, bob = runs / "model.safetensors", runs / "model.bpk"
+    write_file(alice, checkpoint(1))
+    bob_bytes = conversion_of(checkpoint(2), "other.safetensors", runs.parent / "bob")  # a Burn user's model
+    write_file(bob, bob_bytes)
+    run.start()
+    run.wait_for("conflict", count=2)
+    run.quiet(1.0)
+    assert alice.read_bytes() == checkpoint(1)
+    assert bob.read_bytes() == bob_bytes
+    stop_cleanly(run)
