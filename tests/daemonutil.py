@@ -116,13 +116,17 @@ class DaemonRun:
 
     # -- the process
 
-    def start(self, drop_capabilities: Iterable[int] = (), user: int | None = None) -> list[str]:
+    def start(
+        self, drop_capabilities: Iterable[int] = (), user: int | None = None, env: dict[str, str] | None = None
+    ) -> list[str]:
         """Start the daemon and wait for READY=1; returns that notification's lines. `drop_capabilities`
         (e.g. CAP_LEASE) are removed from its bounding set, so even root runs without them; `user` runs it
         as that uid (and gid), with no supplementary groups, as the service's own user would run."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
+        extra = env or {}
         env = {**os.environ, "NOTIFY_SOCKET": os.fspath(self.notify_path), "PYTHONPATH": os.fspath(REPO)}
         env.pop("WATCHDOG_USEC", None)
+        env.update(extra)
         started_at = len(self.notifications)
         dropped = list(drop_capabilities)
         if user is not None:  # the daemon must reach systemd's socket as that user

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -64,6 +66,17 @@ def bytes_read_by(pid: int) -> int:
         if line.startswith("rchar:"):
             return int(line.split()[1])
     raise AssertionError("no rchar in /proc/PID/io")
+
+
+def has_open(pid: int, path: Path) -> bool:
+    """The process has `path` open (one of its descriptors names it)."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == os.fspath(path):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def statuses_of(run: DaemonRun, source: Path) -> list[str]:
@@ -126,10 +139,12 @@ def test_syncd_convert_refuses_a_source_changed_while_it_converts(tmp_path: Path
     proc = subprocess.Popen(
         [sys.executable, "-m", "syncd", "convert", os.fspath(source)], env=env, stderr=subprocess.PIPE, text=True
     )
-    wait_until(lambda: bytes_read_by(proc.pid) > 16 << 20, 60, "syncd convert reading the source")
-    with open(source, "r+b") as handle:  # one page of tensor data, same size
-        handle.seek(len(checkpoint(1, **BIG)) - 4096)
-        handle.write(b"\x7f" * 4096)
+    wait_until(lambda: has_open(proc.pid, source) or proc.poll() is not None, 60, "syncd convert opening it")
+    size = source.stat().st_size
+    with open(source, "r+b", buffering=0) as handle:  # one page of tensor data, same size, until it is done
+        while proc.poll() is None:
+            os.pwrite(handle.fileno(), os.urandom(4096), size - 4096)
+            time.sleep(0.005)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr
     assert stderr.count("\n") == 1 and "changed while it was being converted" in stderr, stderr
@@ -193,4 +208,142 @@ def test_overwrite_never_swaps_two_users_files_in_a_both_tree(make_daemon: Calla
     run.quiet(1.0)
     assert alice.read_bytes() == checkpoint(1)
     assert bob.read_bytes() == bob_bytes
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ 4. FIFOs and devices
+
+
+def test_symlinks_to_devices_and_fifos_renamed_onto_a_source_never_hang_a_worker(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    source = runs / "a.safetensors"
+    write_file(source, checkpoint(1))
+    run.wait_for("converted", [source])  # a.bpk now names a.safetensors as its source
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for round_ in range(40):  # swap a checkpoint, a symlink to /dev/zero and a FIFO under the source's name
+        write_file(runs / "a.new", checkpoint(1))
+        os.replace(runs / "a.new", source)
+        if round_ % 2:
+            os.symlink("/dev/zero", runs / "a.link")
+            os.replace(runs / "a.link", source)
+        else:
+            os.mkfifo(runs / "a.fifo")
+            os.replace(runs / "a.fifo", source)
+        wait_until(lambda: True, 0, "")
+    write_file(runs / "a.new", checkpoint(2))
+    os.replace(runs / "a.new", source)
+    late = runs / "late.safetensors"
+    write_file(late, checkpoint(3))
+    run.wait_for("converted", [late], timeout=60)  # a worker is free
+    expected = conversion_of(checkpoint(2), source.name, tmp_path / "expected")
+    wait_until(lambda: (runs / "a.bpk").read_bytes() == expected, 60, "a.bpk of the last version")
+    stop_cleanly(run)
+
+
+def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}], stuck_worker_seconds=0.2)
+    runs = run.watch_dir()
+    run.start(env={"WATCHDOG_USEC": "100000"})
+    source = runs / "big.safetensors"
+    write_file(source, checkpoint(1, layers=16, width=2048))  # long enough to pass the limit
+
+    def stuck_line() -> bool:
+        return any("watchdog pings withheld" in r.get("reason", "") for r in run.statuses("error", source))
+
+    wait_until(stuck_line, 60, "the stuck-worker line")
+    before = sum(lines == ["WATCHDOG=1"] for lines in run.receive())
+    wait_until(lambda: True, 0, "")
+    run.wait_for("converted", [source])
+    pinged_while_stuck = sum(lines == ["WATCHDOG=1"] for lines in run.receive())
+    # while the worker was past the limit, no ping (a few may have gone out before the line was written)
+    assert pinged_while_stuck - before <= 2
+    wait_until(lambda: sum(lines == ["WATCHDOG=1"] for lines in run.receive()) > pinged_while_stuck + 3, 30,
+               "pings again once the worker is done")
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ 5. reloads, lost log
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'watches:\n  - path: "runs\\0evil"\n',
+        "watches: " + "[" * 5000 + "]" * 5000 + "\n",
+    ],
+    ids=["nul-byte", "5000-deep"],
+)
+def test_a_reload_with_a_config_the_parser_chokes_on_keeps_the_daemon(
+    make_daemon: Callable[..., DaemonRun], text: str
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    good = run.config_path.read_text()
+    run.write_config_text(text)
+    check = subprocess.run(
+        [sys.executable, "-m", "syncd", "check-config", os.fspath(run.config_path)],
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+    )
+    assert check.returncode == 2 and "internal error" not in check.stdout + check.stderr
+    assert (check.stdout + check.stderr).count("\n") == 1, check
+    run.send(signal.SIGHUP)
+    wait_until(lambda: any("reload refused" in r.get("reason", "") for r in run.statuses("error")), 30,
+               "the refused reload")
+    write_file(runs / "a.safetensors", checkpoint(1))
+    run.wait_for("converted", [runs / "a.safetensors"])
+    run.write_config_text(good)
+    stop_cleanly(run)
+
+
+def test_a_removed_log_directory_is_recreated_and_never_fatal(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs"}], log={"path": "logs/sync.log.jsonl", "level": "info"})
+    run.log_path = run.root / "logs" / "sync.log.jsonl"
+    runs = run.watch_dir()
+    run.start()
+    shutil.rmtree(run.root / "logs")
+    write_file(runs / "a.safetensors", checkpoint(1))
+    run.wait_for("converted", [runs / "a.safetensors"])
+    run.send(signal.SIGHUP)
+    run.wait_for("reloaded")
+    shutil.rmtree(run.root / "logs")
+    stop_cleanly(run)
+    assert [r["status"] for r in run.records()] == ["stopped"]
+
+
+def test_the_reloaded_line_names_settings_that_need_a_restart(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs"}])
+    run.start()
+    run.write_config([{"path": "runs"}], workers=3, state_dir="state2")
+    run.send(signal.SIGHUP)
+    run.wait_for("reloaded")
+    reason = run.statuses("reloaded")[0]["reason"]
+    assert "workers" in reason and "state_dir" in reason and "restart" in reason, reason
+    assert not (run.root / "state2").exists()
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ 8. one daemon per state
+
+
+def test_a_second_daemon_on_the_same_state_exits_1_naming_the_first(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs"}])
+    run.start()
+    assert run.proc is not None
+    second = subprocess.run(
+        [sys.executable, "-m", "syncd", "run", "-c", os.fspath(run.config_path)],
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+        cwd=run.root,
+    )
+    assert second.returncode == 1, second
+    assert second.stderr.count("\n") == 1 and f"pid {run.proc.pid}" in second.stderr, second.stderr
+    assert [r["status"] for r in run.records()] == ["started"]
+    assert run.running()
     stop_cleanly(run)

@@ -38,7 +38,7 @@ from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_mo
 from syncd.adapters.keys import compile_filter, compile_rule
 from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.names import DEFAULT_IGNORE
-from syncd.errors import ConfigError
+from syncd.errors import ConfigError, one_line
 from syncd.formats.registry import DIRECTIONS, FORMATS
 from syncd.formats.shards import parse_shard_size
 
@@ -58,9 +58,12 @@ TOP_LEVEL_KEYS = (
     "log",
     "poll_interval",
     "rescan_interval",
+    "stuck_worker_seconds",
     "ignore",
     "watches",
 )
+# settings a running daemon cannot change: a SIGHUP names them in its `reloaded` line
+RESTART_SETTINGS = ("workers", "state_dir", "log.path")
 LOG_KEYS = ("path", "max_bytes", "backups", "level")
 WATCH_KEYS = (
     "path",
@@ -141,6 +144,14 @@ class Config:
     settle_seconds: float = 1.0
     poll_interval: float | None = None
     rescan_interval: float | None = DEFAULT_RESCAN_INTERVAL  # None: no periodic safety rescan
+    # a worker busy with one file longer than this stops the watchdog pings (systemd then restarts syncd)
+    stuck_worker_seconds: float = 1800.0
+
+    def restart_settings_changed(self, new: Config) -> list[str]:
+        """The RESTART_SETTINGS that differ in `new` (a reload keeps the running values)."""
+        now = {"workers": self.workers, "state_dir": self.state_dir, "log.path": self.log.path}
+        then = {"workers": new.workers, "state_dir": new.state_dir, "log.path": new.log.path}
+        return [name for name in RESTART_SETTINGS if now[name] != then[name]]
 
     def polling_interval_for(self, watch: Watch) -> float | None:
         """Seconds between polls when `watch` must be polled, None when inotify serves it."""
@@ -216,6 +227,17 @@ def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, us
 
 
 def _validate(path: Path, *, check_filesystem: bool) -> tuple[Config | None, list[Problem]]:
+    """Every problem becomes a Problem line, including what the YAML library or the OS refuses in ways of
+    their own (nesting deeper than the parser's recursion, a NUL byte in a path): a reload must never die."""
+    try:
+        return _validate_unguarded(path, check_filesystem=check_filesystem)
+    except RecursionError:
+        return None, [Problem(str(path), None, None, "nested too deeply to read (is it generated?)")]
+    except (ValueError, TypeError, OverflowError, MemoryError) as exc:
+        return None, [Problem(str(path), None, None, f"invalid value: {one_line(exc)}")]
+
+
+def _validate_unguarded(path: Path, *, check_filesystem: bool) -> tuple[Config | None, list[Problem]]:
     reader = _YamlFile(path)
     root = reader.load()
     if root is None:
@@ -461,11 +483,12 @@ class _ConfigBuilder:
         rescan_interval = top.number(
             "rescan_interval", DEFAULT_RESCAN_INTERVAL, minimum=0.0, allow_null=True, strictly_positive=True
         )
+        stuck = top.number("stuck_worker_seconds", 1800.0, minimum=0.0, strictly_positive=True)
         state_dir = top.path("state_dir", "./state")
         log = self._log(top)
         ignore = _ignore_list(top, DEFAULT_IGNORE)
         watches = self._watches(top, root, ignore)
-        assert state_dir is not None and settle is not None
+        assert state_dir is not None and settle is not None and stuck is not None
         return Config(
             path=Path(os.path.abspath(self.file.path)),
             state_dir=state_dir,
@@ -475,6 +498,7 @@ class _ConfigBuilder:
             settle_seconds=settle,
             poll_interval=poll_interval,
             rescan_interval=rescan_interval,
+            stuck_worker_seconds=stuck,
         )
 
     def _log(self, top: _Section) -> LogSettings:

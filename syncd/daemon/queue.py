@@ -41,6 +41,7 @@ class WorkQueue:
         self._items: dict[tuple[Any, Path], _Item] = {}
         self._heap: list[tuple[float, int, tuple[Any, Path]]] = []
         self._busy: set[tuple[Any, Path]] = set()
+        self._since: dict[str, tuple[float, Path]] = {}  # worker thread name -> (started, path) while busy
         self._again: dict[tuple[Any, Path], _Item] = {}
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -99,6 +100,7 @@ class WorkQueue:
                     heapq.heappop(self._heap)
                     del self._items[key]
                     self._busy.add(key)
+                    self._since[threading.current_thread().name] = (now, item.path)
                     return item
                 timeout = (self._heap[0][0] - now) if self._heap else None
                 self._cond.wait(timeout)
@@ -115,6 +117,7 @@ class WorkQueue:
     def _finish(self, item: _Item, retry: float | None) -> None:
         with self._cond:
             self._busy.discard(item.key)
+            self._since.pop(threading.current_thread().name, None)
             self.done += 1
             again = self._again.pop(item.key, None)
             self._cond.notify_all()
@@ -122,6 +125,12 @@ class WorkQueue:
             self.put(again.watch, again.path, again.closed, max(0.0, again.due - time.monotonic()))
         elif retry is not None:
             self.put(item.watch, item.path, item.closed, retry)
+
+    def stuck(self, limit: float) -> list[tuple[str, float, Path]]:
+        """Workers busy with one path for more than `limit` seconds: (worker, seconds, path)."""
+        now = time.monotonic()
+        with self._cond:
+            return [(name, now - t, path) for name, (t, path) in self._since.items() if now - t > limit]
 
     def idle(self) -> bool:
         with self._cond:

@@ -10,6 +10,7 @@ the scratch files of any it abandons, and exits 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,11 +23,11 @@ from syncd.daemon.config import Config, Watch, load_config
 from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
-from syncd.daemon.state import StateDB
+from syncd.daemon.state import StateDB, lock_state_dir
 from syncd.daemon.status import Activity
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
-from syncd.errors import SyncdError
+from syncd.errors import SyncdError, one_line
 from syncd.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
 
 log = logging.getLogger("syncd")
@@ -50,17 +51,20 @@ class Daemon:
         self._wake = threading.Event()
         self._stop = False
         self._reload = False
+        self._retry = False
+        self._stuck_reported: set[tuple[str, Path]] = set()
         self._rescan: set[Path] = set()
         self._rescan_lock = threading.Lock()
         self._next_safety_rescan: float | None = None
         self.counts = {"converted": 0, "failed": 0}
+        self.lock_fd: int | None = None
 
     # -- wiring
 
     def _work(self, watch: Watch, path: Path, closed: bool) -> float | None:
         with self.activity.working(path):
             outcome = self.syncer.process(watch, path, closed)
-        if outcome.status in ("converted", "in_sync"):
+        if outcome.status in ("converted", "updated", "in_sync"):
             self.counts["converted"] += 1
         elif outcome.status in ("refused", "error", "conflict"):
             self.counts["failed"] += 1
@@ -122,7 +126,7 @@ class Daemon:
         for directory in directories:
             for removed in remove_stale_scratch(directory):
                 self.synclog.log(
-                    "skipped", source=str(removed), reason="removed a stale scratch file of a killed syncd"
+                    "removed", source=str(removed), reason="a stale scratch file of a syncd that died"
                 )
 
     def _scan_all(self) -> int:
@@ -154,9 +158,30 @@ class Daemon:
             if self._reload:
                 self._reload = False
                 self.reload()
+            if self._retry:
+                self._retry = False
+                self._scan_all()
             self._run_rescans()
-            notify.watchdog()
+            if self._workers_healthy():
+                notify.watchdog()
             notify.status(self._status())
+
+    def _workers_healthy(self) -> bool:
+        """False while a worker has been on one file longer than `stuck_worker_seconds`: the watchdog pings
+        stop, so systemd (WatchdogSec) restarts a daemon whose workers hang. Said once per stuck file."""
+        stuck = self.queue.stuck(self.config.stuck_worker_seconds)
+        for worker, seconds, path in stuck:
+            if (worker, path) not in self._stuck_reported:
+                self._stuck_reported.add((worker, path))
+                self.synclog.log(
+                    "error",
+                    source=str(path),
+                    reason=f"{worker} busy with this file for {seconds:.0f} s (stuck_worker_seconds: "
+                    f"{self.config.stuck_worker_seconds:g}); watchdog pings withheld",
+                )
+        if not stuck:
+            self._stuck_reported.clear()
+        return not stuck
 
     def _run_rescans(self) -> None:
         if self._next_safety_rescan is not None and time.monotonic() >= self._next_safety_rescan:
@@ -181,23 +206,51 @@ class Daemon:
         return f"watching {len(self.config.watches)} tree(s); {self.activity.tick(self.queue.pending(), state=state)}"
 
     def reload(self) -> None:
+        """Apply a changed configuration. Nothing in it can end the daemon: any failure is one line and the
+        running configuration stays. Settings only a restart applies are named in the `reloaded` line."""
         notify.reloading()
         try:
             new = load_config(self.config.path)
-        except SyncdError as exc:
-            self.synclog.log("error", reason=f"reload refused, keeping the running configuration: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a config the loader chokes on is refused like an invalid one
+            self.synclog.log("error", reason=f"reload refused, keeping the running configuration: {one_line(exc)}")
             notify.ready(self._status())
             return
+        pending = self.config.restart_settings_changed(new)
+        new = _keeping(new, self.config)
+        try:
+            self._apply(new)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("reload failed")
+            self.synclog.log("error", reason=f"reload failed, keeping the running configuration: {one_line(exc)}")
+            self._apply(self.config)
+            notify.ready(self._status())
+            return
+        # refusals a setting decides (ambiguous layout, missing module map, on_exists) are looked at again
+        self._retry_config_failures()
+        queued = self._scan_all()
+        reason = f"watching {len(new.watches)} tree(s); {queued} file(s) to check"
+        if pending:
+            reason += f"; {', '.join(pending)} changed but take effect only after a restart"
+        self.synclog.log("reloaded", reason=reason, config=str(new.path))
+        notify.ready(self._status())
+
+    def _apply(self, new: Config) -> None:
         if self.watcher is not None:
             self.watcher.stop()
         self.config = new
         self.syncer.settle_seconds = new.settle_seconds
         self._start_watcher()
-        queued = self._scan_all()
-        self.synclog.log(
-            "reloaded", reason=f"watching {len(new.watches)} tree(s); {queued} file(s) to check", config=str(new.path)
-        )
-        notify.ready(self._status())
+
+    def _retry_config_failures(self) -> None:
+        try:
+            self.state.retry_failures(kind="config")
+        except SyncdError as exc:
+            self.synclog.log("error", reason=f"cannot mark refusals for another look: {one_line(exc)}")
+
+    def request_retry(self, *_: object) -> None:
+        """SIGUSR1 (sent by `syncd retry`): scan every watch; failures marked in the state are looked at again."""
+        self._retry = True
+        self._wake.set()
 
     def stop(self) -> None:
         notify.stopping()
@@ -221,13 +274,22 @@ class Daemon:
         self._wake.set()
 
 
+def _keeping(new: Config, running: Config) -> Config:
+    """`new` with the settings a running daemon cannot change taken from `running`."""
+    return dataclasses.replace(new, workers=running.workers, state_dir=running.state_dir,
+                               log=dataclasses.replace(new.log, path=running.log.path))
+
+
 def run_daemon(config_path: Path) -> int:
     config = load_config(config_path)
     configure_logging(config.log.level)
+    lock = lock_state_dir(config.state_dir)  # held until the process ends; a second daemon stops here
     daemon = Daemon(config)
+    daemon.lock_fd = lock
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     signal.signal(signal.SIGHUP, daemon.request_reload)
+    signal.signal(signal.SIGUSR1, daemon.request_retry)
     daemon.start()
     try:
         daemon.serve()

@@ -161,8 +161,7 @@ class StateDB:
         """True if `path`, as it is now, is an output this daemon published (so not a new source)."""
         rows = self._run(lambda db: db.execute("SELECT * FROM sources WHERE dest = ?", (_key(path),)).fetchall())
         return any(
-            state.status in SUCCESS_STATUSES and state.dest_version is not None and state.dest_version.same_as(version)
-            for state in map(_row_to_state, rows)
+            state.dest_version is not None and state.dest_version.same_as(version) for state in map(_row_to_state, rows)
         )
 
     def failed_same_version(self, source: PathArg, version: FileVersion) -> bool:
@@ -211,12 +210,13 @@ class StateDB:
         """
         previous = self.get(source)
         repeated = previous is not None and previous.status == "failed" and previous.version.same_as(version)
+        # the output last published from this source stays known as ours: a later save replaces it
         values = {
             **_version_columns("", version),
-            **_version_columns("dest_", None),
+            **_version_columns("dest_", previous.dest_version if previous else None),
             "source": _key(source),
             "status": "failed",
-            "dest": None,
+            "dest": _key(previous.dest) if previous and previous.dest is not None else None,
             "error": error,
             "transient": int(transient),
             "kind": kind,

@@ -11,13 +11,17 @@ where a disk sync per decision is not.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("syncd.synclog")
 
 # The statuses the daemon writes. Readers accept any status; this list is for help texts and filters.
 STATUSES = (
@@ -111,19 +115,34 @@ class SyncLog:
         return record
 
     def append(self, record: Mapping[str, Any]) -> None:
+        """Append one line. Never raises for the file system's sake: a removed log directory is created
+        again; a line that still cannot be written (disk full, read-only) is reported on stderr (the
+        journal) with the line itself, so nothing is lost silently and the daemon goes on."""
         line = encode_record(record)
         with self._lock:
+            try:
+                self._append_locked(line)
+            except OSError as exc:
+                self._close_quietly()
+                log.error("cannot write the sync log %s (%s); the line was: %s", self.path, exc.strerror or exc,
+                          line.decode("ascii").rstrip())
+
+    def _append_locked(self, line: bytes) -> None:
+        fd = self._current_fd()
+        if self._needs_rotation(fd, len(line)):
+            self._rotate()
             fd = self._current_fd()
-            if self._needs_rotation(fd, len(line)):
-                self._rotate()
-                fd = self._current_fd()
-            _write_all(fd, line)
+        _write_all(fd, line)
+
+    def _close_quietly(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            self._close_quietly()
 
     def __enter__(self) -> SyncLog:
         return self
@@ -137,7 +156,11 @@ class SyncLog:
             self._fd = None
         if self._fd is None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-            self._fd = os.open(self.path, flags, 0o644)
+            try:
+                self._fd = os.open(self.path, flags, 0o644)
+            except FileNotFoundError:  # the log directory was removed: make it again
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, flags, 0o644)
         return self._fd
 
     def _still_at_path(self, fd: int) -> bool:
