@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("-c", "--config", type=Path, default=Path(DEFAULT_CONFIG_PATH), help="daemon config")
     status.add_argument("--json", action="store_true", help="one JSON document")
 
+    retry = commands.add_parser("retry", help="look again at files that failed, once their cause is fixed")
+    retry.add_argument("-c", "--config", type=Path, required=True)
+    retry.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="source files to look at again")
+    retry.add_argument("--all-failed", action="store_true", help="every file that failed")
+
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("config", type=Path)
     check.add_argument("--user", help="warn about what this user (the service's) cannot read or write (needs root)")
@@ -178,6 +183,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from syncd.daemon.status import run_status_command
 
         return run_status_command(args.config, as_json=args.json)
+    if args.command == "retry":
+        from syncd.daemon.service import run_retry
+
+        return run_retry(args.config, args.paths, all_failed=args.all_failed)
     if args.command == "check-config":
         from syncd.daemon.config import run_check_config
 

@@ -347,3 +347,155 @@ def test_a_second_daemon_on_the_same_state_exits_1_naming_the_first(make_daemon:
     assert [r["status"] for r in run.records()] == ["started"]
     assert run.running()
     stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ 6. faults that heal
+
+
+class Tmpfs:
+    """A real tmpfs mounted at `path` (the suite runs as root), unmounted on leaving."""
+
+    def __init__(self, path: Path, size: str = "4m") -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", os.fspath(path)], check=True)
+
+    def remount(self, options: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{options}", os.fspath(self.path)], check=True)
+
+    def fill(self) -> Path:
+        """Fill it up; returns the file holding the space."""
+        junk = self.path / "junk"
+        with open(junk, "wb", buffering=0) as handle:
+            try:
+                while True:
+                    handle.write(b"\0" * 65536)
+            except OSError:
+                pass
+        return junk
+
+    def __enter__(self) -> Tmpfs:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        subprocess.run(["umount", "-l", os.fspath(self.path)], check=False)
+
+
+FAULTS = ["missing output directory", "read-only", "disk full"]
+
+
+def _break(fault: str, out: Path, disk: Tmpfs) -> None:
+    if fault == "missing output directory":
+        shutil.rmtree(disk.path / "mirror")
+    elif fault == "read-only":
+        disk.remount("ro")
+    else:
+        disk.fill()
+
+
+def _heal(fault: str, out: Path, disk: Tmpfs) -> None:
+    if fault == "missing output directory":
+        (disk.path / "mirror").mkdir()
+    elif fault == "read-only":
+        disk.remount("rw")
+    else:
+        (disk.path / "junk").unlink()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_environment_errors_are_retried_until_they_heal_also_across_a_restart(
+    make_daemon: Callable[..., DaemonRun], fault: str
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk", "output": {"mirror": "disk/mirror"}}])
+    runs = run.watch_dir()
+    with Tmpfs(run.root / "disk") as disk:
+        out = disk.path / "mirror"
+        out.mkdir()
+        run.start()
+        for number, across_restart in ((1, False), (2, True)):
+            source = runs / f"s{number}.safetensors"
+            _break(fault, out, disk)
+            write_file(source, checkpoint(number, width=64))
+            run.wait_for("error", [source])
+            if across_restart:
+                stop_cleanly(run)
+            _heal(fault, out, disk)
+            if across_restart:
+                run.start()
+            run.wait_for("converted", [source], timeout=90)
+            assert (out / f"s{number}.bpk").read_bytes() == conversion_of(
+                checkpoint(number, width=64), source.name, run.root / "expected"
+            )
+        stop_cleanly(run)
+
+
+def test_a_full_disk_under_the_state_database_is_logged_and_retried(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}], state_dir="statefs/state")
+    runs = run.watch_dir()
+    with Tmpfs(run.root / "statefs", size="1m") as disk:
+        run.start()
+        junk = disk.fill()
+        source = runs / "a.safetensors"
+        write_file(source, checkpoint(1, layers=40))
+        wait_until(lambda: any("state database" in r.get("error", "") for r in run.statuses("error")), 60,
+                   "the state database error")
+        junk.unlink()
+        wait_until(lambda: run.statuses("in_sync", source) or run.statuses("converted", source), 90,
+                   "the file recorded once the disk has room")
+        stop_cleanly(run)
+
+
+def test_a_modification_time_in_the_future_is_taken_as_now_and_said_once(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    source = runs / "ahead.safetensors"
+    write_file(source, checkpoint(1))
+    year = 365 * 24 * 3600
+    os.utime(source, (time.time() + year, time.time() + year))  # copied with `cp -p` from a fast clock
+    run.start()
+    run.wait_for("converted", [source])
+    assert len(run.statuses("warning", source)) == 1, run.log_text()
+    stop_cleanly(run)
+
+
+SQUARE_ONLY = {"fc": "Linear"}
+
+
+def test_a_refusal_a_setting_decides_is_looked_at_again_after_the_reload_that_settles_it(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    source = runs / "square.safetensors"
+    write_file(source, save({"fc.weight": np.ones((4, 4), np.float32)}))  # a lone square weight: ambiguous
+    run.wait_for("refused", [source])
+    run.write_config([{"path": "runs", "direction": "safetensors->bpk", "modules": SQUARE_ONLY, "layout": "pytorch"}])
+    run.send(signal.SIGHUP)
+    run.wait_for("converted", [source])
+    stop_cleanly(run)
+
+
+def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk", "output": {"mirror": "mirror"}}])
+    runs = run.watch_dir()
+    (runs / "sub").mkdir()
+    (run.root / "mirror").mkdir()
+    (run.root / "elsewhere").mkdir()
+    os.symlink(run.root / "elsewhere", run.root / "mirror" / "sub")  # a mirror directory leading out: refused
+    run.start()
+    source = runs / "sub" / "a.safetensors"
+    write_file(source, checkpoint(1))
+    run.wait_for("error", [source])
+    (run.root / "mirror" / "sub").unlink()  # fixed by the administrator; the source itself did not change
+    retry = subprocess.run(
+        [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), os.fspath(source)],
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+    )
+    assert retry.returncode == 0, retry.stderr
+    assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
+    run.wait_for("converted", [source])
+    assert (run.root / "mirror" / "sub" / "a.bpk").exists()
+    stop_cleanly(run)

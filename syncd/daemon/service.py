@@ -23,11 +23,11 @@ from syncd.daemon.config import Config, Watch, load_config
 from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
-from syncd.daemon.state import StateDB, lock_state_dir
+from syncd.daemon.state import StateDB, lock_holder, lock_state_dir
 from syncd.daemon.status import Activity
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
-from syncd.errors import SyncdError, one_line
+from syncd.errors import SyncdError, UsageError, one_line
 from syncd.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
 
 log = logging.getLogger("syncd")
@@ -272,6 +272,23 @@ class Daemon:
     def request_reload(self, *_: object) -> None:
         self._reload = True
         self._wake.set()
+
+
+def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
+    """`syncd retry`: mark failures in the state database for another look, then ask the running daemon
+    (SIGUSR1) to scan; without a daemon, its next start does. One line of output."""
+    if bool(paths) == all_failed:
+        raise UsageError("syncd retry: give the PATHs to look at again, or --all-failed")
+    config = load_config(config_path, check_filesystem=False)
+    with StateDB(config.state_dir) as state:
+        marked = state.retry_failures([os.path.abspath(p) for p in paths] if paths else None)
+    holder = lock_holder(config.state_dir)
+    if holder is not None:
+        os.kill(holder, signal.SIGUSR1)
+        print(f"{len(marked)} failed file(s) marked for another look; the daemon (pid {holder}) is scanning")
+    else:
+        print(f"{len(marked)} failed file(s) marked for another look; no daemon runs: its next start looks")
+    return 0
 
 
 def _keeping(new: Config, running: Config) -> Config:

@@ -229,7 +229,8 @@ class StateDB:
     def retry_failures(self, sources: list[PathArg] | None = None, *, kind: str | None = None) -> list[str]:
         """Make failures retryable (all, those of `sources`, or those of one `kind`); returns their paths.
 
-        The rows stay (a failure that repeats is then logged once more, which is what asking again means).
+        Their status becomes "retry": the next look is a first look (a failure that repeats is logged again,
+        which is what asking again means).
         """
         where, params = "status = 'failed' AND transient = 0", []
         if kind is not None:
@@ -241,7 +242,7 @@ class StateDB:
 
         def mark(db: sqlite3.Connection) -> list[str]:
             rows = db.execute(f"SELECT source FROM sources WHERE {where}", params).fetchall()
-            db.execute(f"UPDATE sources SET transient = 1, attempts = 0, error = '' WHERE {where}", params)
+            db.execute(f"UPDATE sources SET status = 'retry', attempts = 0 WHERE {where}", params)
             return [os.fsdecode(row[0]) for row in rows]
 
         return self._run(mark)
