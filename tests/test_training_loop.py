@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO
-from daemonutil import DaemonRun, scratch_files, wait_until
+from daemonutil import CAP_LEASE, DaemonRun, scratch_files, wait_until
 from safetensors.numpy import save
 
 from syncd.convert import ConvertRequest, convert
@@ -70,7 +70,11 @@ def bytes_read_by(pid: int) -> int:
 
 def has_open(pid: int, path: Path) -> bool:
     """The process has `path` open (one of its descriptors names it)."""
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
+    try:
+        descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False  # gone, or not ours to look at
+    for fd in descriptors:
         try:
             if os.readlink(fd) == os.fspath(path):
                 return True
@@ -499,3 +503,87 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
     run.wait_for("converted", [source])
     assert (run.root / "mirror" / "sub" / "a.bpk").exists()
     stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ 2. pre-sized writers
+
+NOBODY = 65534
+
+
+def test_a_presized_file_filled_in_with_pauses_is_not_taken_for_complete_without_leases(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start(drop_capabilities=[CAP_LEASE])  # and the file is not the daemon's: no lease answers
+    source = runs / "presized.safetensors"
+    data = checkpoint(1, layers=4, width=256)
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    with open(source, "wb", buffering=0) as handle:
+        os.fchown(handle.fileno(), NOBODY, NOBODY)
+        os.ftruncate(handle.fileno(), len(data))  # full size first: zeros that parse as tensors
+        handle.write(data[:header_end])
+        step = -(-(len(data) - header_end) // 3)
+        for start in range(header_end, len(data), step):
+            time.sleep(2.5)
+            os.pwrite(handle.fileno(), data[start : start + step], start)
+    run.wait_for("converted", [source])
+    run.quiet(1.0)
+    assert statuses_of(run, source) == ["converted"], run.log_text()
+    assert (runs / "presized.bpk").read_bytes() == conversion_of(data, source.name, tmp_path / "expected")
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ 7. PID namespaces
+
+OWN_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]  # the daemon is PID 1 there
+HUGE = {"layers": 24, "width": 2048}  # 288 MiB: a conversion still in flight while another daemon starts
+
+
+def stop_wrapped(run: DaemonRun) -> None:
+    """SIGTERM to the daemon inside `unshare` (which passes no signal on), then as stop_cleanly."""
+    assert run.proc is not None
+    children = Path(f"/proc/{run.proc.pid}/task/{run.proc.pid}/children").read_text().split()
+    os.kill(int(children[0]), signal.SIGTERM)
+    assert run.proc.wait(60) == 0, run.stderr()
+    assert scratch_files(run.root) == []
+
+
+def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    first = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = first.watch_dir()
+    first.start()
+    source = runs / "big.safetensors"
+    write_file(source, checkpoint(1, **HUGE))
+    wait_until(lambda: scratch_files(runs), 60, "the first daemon's scratch file")
+    # a second daemon on the same tree (another state), as a container or another host would run one
+    (first.root.parent / "d1").mkdir()
+    second = make_daemon([{"path": os.fspath(runs), "direction": "bpk->safetensors"}])
+    second.start(wrapper=OWN_PID_NAMESPACE)
+    first.wait_for("converted", [source], timeout=120)
+    assert second.statuses("removed") == [], second.log_text()
+    stop_wrapped(second)
+    stop_cleanly(first)
+
+
+def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start(wrapper=OWN_PID_NAMESPACE)
+    source = runs / "big.safetensors"
+    write_file(source, checkpoint(1, **HUGE))
+    left = wait_until(lambda: scratch_files(runs), 60, "a scratch file in flight")
+    run.send(signal.SIGKILL)  # unshare --kill-child passes it on to the daemon, PID 1 in its namespace
+    assert run.proc is not None
+    run.proc.wait(30)
+    wait_until(lambda: not any(has_open(int(p.name), source) for p in Path("/proc").iterdir() if p.name.isdigit()),
+               30, "the killed daemon gone")
+    assert scratch_files(runs) == left
+    run.start(wrapper=OWN_PID_NAMESPACE)
+    run.wait_for("converted", [source], timeout=120)
+    assert [r["source"] for r in run.statuses("removed")] == [str(p) for p in left]
+    stop_wrapped(run)
