@@ -27,14 +27,16 @@ API::
   if that is unsupported too we refuse with a SyncdError rather than fall back to a replacing rename.
 * With ``replace`` the scratch is renamed over the destination; a symlink there is replaced, not followed.
 * Anything that fails or is interrupted (KeyboardInterrupt included) before the file is in place removes
-  the scratch. A SIGKILL cannot be caught: ``remove_stale_scratch`` later deletes scratch files of dead
-  processes. The file and then its directory are fsync-ed so a publish survives power loss.
+  the scratch. A SIGKILL cannot be caught: ``remove_stale_scratch`` later deletes scratch files whose lock
+  (an flock held while the scratch is open) no living process holds. The file and then its directory are
+  fsync-ed so a publish survives power loss.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import itertools
 import os
 import platform
@@ -165,6 +167,9 @@ def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
         with _open_lock:
             _open_scratches.add(path)
         try:
+            # ownership: held while the file is open, dropped by the kernel when this process dies however it
+            # dies; works across PID namespaces and (NFS, through its lock manager) across hosts
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, mode & 0o777)  # fchmod is not filtered by the umask
         except BaseException:
             scratch.discard()
@@ -218,23 +223,42 @@ def abandon_open_scratches() -> list[Path]:
 
 
 def remove_stale_scratch(directory: Path) -> list[Path]:
-    """Delete our scratch files left by processes that died (SIGKILL, power loss); return what went.
+    """Delete our scratch files that no living process holds (SIGKILL, power loss); return what went.
 
-    Only regular files named like our scratch files, owned by this user, whose pid is not alive.
+    Only regular files named like our scratch files and owned by this user. A scratch file is live exactly
+    while the process writing it holds its lock (open_scratch), so the pid in its name decides nothing: a
+    syncd in another PID namespace or on another host sharing the tree keeps its files, and a syncd that ran
+    as PID 1 in a container gets its own back after a SIGKILL.
     """
     removed = []
     with os.scandir(directory) as entries:
         for entry in entries:
-            match = _SCRATCH_RE.fullmatch(entry.name)
-            if match is None or _pid_alive(int(match["pid"])):
-                continue
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and _unlink_quietly(entry.path):
+            if _SCRATCH_RE.fullmatch(entry.name) is not None and _remove_if_unheld(Path(entry.path)):
                 removed.append(Path(entry.path))
     return removed
+
+
+def _remove_if_unheld(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone, a symlink (ELOOP), unreadable: not ours to judge
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: its writer is alive (or we cannot tell: keep it)
+        # unlink while holding the lock, and only if the name still is this file
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino) and _unlink_quietly(path)
+    finally:
+        os.close(fd)
 
 
 def _scratch_name(name: str, pid: int, n: int) -> str:
@@ -406,19 +430,6 @@ def _fsync_directory(dest: Path) -> None:
             f"saved, but syncing its directory failed, so it may not survive power loss ({e.strerror})",
             str(dest),
         ) from e
-
-
-def _pid_alive(pid: int) -> bool:
-    """Conservative: anything but a definite 'no such process' counts as alive."""
-    if pid <= 0:
-        return True  # kill(0 or -n) addresses process groups, not a writer
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 def _exists(path: Path) -> bool:

@@ -117,11 +117,16 @@ class DaemonRun:
     # -- the process
 
     def start(
-        self, drop_capabilities: Iterable[int] = (), user: int | None = None, env: dict[str, str] | None = None
+        self,
+        drop_capabilities: Iterable[int] = (),
+        user: int | None = None,
+        env: dict[str, str] | None = None,
+        wrapper: Iterable[str] = (),
     ) -> list[str]:
         """Start the daemon and wait for READY=1; returns that notification's lines. `drop_capabilities`
         (e.g. CAP_LEASE) are removed from its bounding set, so even root runs without them; `user` runs it
-        as that uid (and gid), with no supplementary groups, as the service's own user would run."""
+        as that uid (and gid), with no supplementary groups, as the service's own user would run; `wrapper`
+        goes in front of the command (e.g. `unshare --pid --fork` for a daemon in its own PID namespace)."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         extra = env or {}
         env = {**os.environ, "NOTIFY_SOCKET": os.fspath(self.notify_path), "PYTHONPATH": os.fspath(REPO)}
@@ -134,7 +139,7 @@ class DaemonRun:
             os.chmod(self.notify_path, 0o777)
         with open(self.stderr_path, "ab") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "syncd", "run", "-c", os.fspath(self.config_path)],
+                [*wrapper, sys.executable, "-m", "syncd", "run", "-c", os.fspath(self.config_path)],
                 cwd=self.root,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import multiprocessing
 import os
 import random
@@ -252,12 +253,15 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_destination(tmp_path: 
         tmp_path / f".z.bpk.syncd-{dead}-1.tmp",  # dead pid, but someone else's file
     ]
     keep[0].write_bytes(b"live")
+    live = os.open(keep[0], os.O_RDONLY)
+    fcntl.flock(live, fcntl.LOCK_EX)  # a living holder, as open_scratch takes
     keep[1].write_bytes(b"burn")
     keep[2].symlink_to(tmp_path / "calibration.bpk")
     keep[3].write_bytes(b"other user")
     os.chown(keep[3], 65534, 65534)
 
     assert set(remove_stale_scratch(tmp_path)) == leftovers
+    os.close(live)
     assert all(os.path.lexists(p) for p in keep)
     assert set(_scratch_files(tmp_path)) == {keep[0], keep[2], keep[3]}
     assert (tmp_path / "calibration.bpk").read_bytes() == _content(99, size)
@@ -503,10 +507,11 @@ def test_is_scratch_name() -> None:
     assert not is_scratch_name("model.bpk")
 
 
-def test_remove_stale_scratch_ignores_a_missing_pid_range(tmp_path: Path) -> None:
-    (tmp_path / f".a.syncd-{10**30}-0.tmp").write_bytes(b"")  # not a pid kill() accepts: keep
-    (tmp_path / ".b.syncd-0-0.tmp").write_bytes(b"")  # pid 0 means a process group: keep
-    stale = tmp_path / f".c.syncd-{_dead_pid()}-0.tmp"
-    stale.write_bytes(b"")
-    assert remove_stale_scratch(tmp_path) == [stale]
-    assert len(list(tmp_path.iterdir())) == 2
+def test_a_scratch_is_stale_exactly_when_nobody_holds_its_lock_whatever_its_pid(tmp_path: Path) -> None:
+    # pids decide nothing: another PID namespace reuses them, PID 1 is always alive
+    unheld = [tmp_path / f".a.syncd-{10**30}-0.tmp", tmp_path / ".b.syncd-1-0.tmp", tmp_path / ".c.syncd-0-0.tmp"]
+    for path in unheld:
+        path.write_bytes(b"")
+    with open_scratch(tmp_path / "d.bpk") as held:  # a live scratch, this process's own
+        assert sorted(remove_stale_scratch(tmp_path)) == sorted(unheld)
+        assert [p.name for p in tmp_path.iterdir()] == [held.path.name]
