@@ -587,3 +587,20 @@ def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
     run.wait_for("converted", [source], timeout=120)
     assert [r["source"] for r in run.statuses("removed")] == [str(p) for p in left]
     stop_wrapped(run)
+
+
+# ------------------------------------------------------------------------------------------ 9. vanished sources
+
+
+def test_a_source_renamed_away_during_its_conversion_leaves_no_output(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    source = runs / "big.safetensors"
+    write_file(source, checkpoint(1, **HUGE))
+    wait_until(lambda: scratch_files(runs), 60, "the conversion in flight")
+    os.rename(source, run.root / "kept-elsewhere.safetensors")  # the writer's cleanup took it away
+    wait_until(lambda: not scratch_files(runs), 120, "the conversion to end")
+    run.quiet(1.0)
+    assert sorted(p.name for p in runs.iterdir()) == [], run.log_text()
+    stop_cleanly(run)
