@@ -110,17 +110,32 @@ class PublishResult:
 class Scratch:
     """An open scratch file for `dest`. Use as a context manager: leaving it unpublished removes the file."""
 
-    def __init__(self, path: Path, fd: int, dest: Path) -> None:
+    def __init__(self, path: Path, fd: int, dest: Path, dir_fd: int = -1) -> None:
         self.path = path
         self.fd = fd
         self.dest = dest
+        self.dir_fd = dir_fd  # its directory, wherever that is moved meanwhile
         self.published = False
+
+    def unlink(self) -> bool:
+        """Remove the scratch name from its directory, found through the directory's descriptor: a directory
+        moved (out of the tree) while we worked still gets its scratch file removed."""
+        if self.dir_fd < 0:
+            return _unlink_quietly(self.path)
+        try:
+            os.unlink(self.path.name, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            return False
+        return True
 
     def discard(self) -> None:
         """Close and delete the scratch file (best effort: it may already be gone)."""
         self.close()
         if not self.published:
-            _unlink_quietly(self.path)
+            self.unlink()
+        if self.dir_fd >= 0:
+            dir_fd, self.dir_fd = self.dir_fd, -1
+            os.close(dir_fd)
         with _open_lock:
             _open_scratches.discard(self.path)
 
@@ -155,15 +170,20 @@ def ensure_destination_free(dest: Path) -> None:
 def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
     """Create a fresh scratch file beside `dest` whose permission bits are exactly `mode & 0o777`."""
     dest = Path(dest)
+    try:
+        dir_fd = os.open(dest.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SyncdError.from_os_error("cannot open the directory to write it in", str(dest), e) from e
     while True:
         path = dest.parent / _scratch_name(dest.name, os.getpid(), next(_counter))
         try:
-            fd = os.open(path, _SCRATCH_FLAGS, 0o600)
+            fd = os.open(path.name, _SCRATCH_FLAGS, 0o600, dir_fd=dir_fd)
         except FileExistsError:
             continue  # a leftover or a planted file/symlink: never touch it, take the next name
         except OSError as e:
+            os.close(dir_fd)
             raise SyncdError.from_os_error("cannot create a scratch file beside it", str(dest), e) from e
-        scratch = Scratch(path, fd, dest)
+        scratch = Scratch(path, fd, dest, dir_fd)
         with _open_lock:
             _open_scratches.add(path)
         try:
@@ -328,7 +348,7 @@ def _place_new(scratch: Scratch) -> bool:
             return _place_new_by_rename(scratch)
         raise SyncdError.from_os_error("cannot link the finished output into place", str(scratch.dest), e) from e
     scratch.published = True
-    _unlink_quietly(scratch.path)
+    scratch.unlink()
     return True
 
 

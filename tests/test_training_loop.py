@@ -604,3 +604,21 @@ def test_a_source_renamed_away_during_its_conversion_leaves_no_output(make_daemo
     run.quiet(1.0)
     assert sorted(p.name for p in runs.iterdir()) == [], run.log_text()
     stop_cleanly(run)
+
+
+def test_a_directory_moved_out_of_the_tree_mid_conversion_keeps_no_scratch(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    (runs / "job").mkdir()
+    run.start()
+    source = runs / "job" / "big.safetensors"
+    write_file(source, checkpoint(1, **HUGE))
+    wait_until(lambda: scratch_files(runs), 60, "the conversion in flight")
+    moved = run.root / "archived-job"
+    os.rename(runs / "job", moved)
+    wait_until(lambda: not scratch_files(moved), 120, "the scratch file gone from the moved directory")
+    run.quiet(1.0)
+    assert sorted(p.name for p in moved.iterdir()) == ["big.safetensors"], run.log_text()
+    stop_cleanly(run)

@@ -1,0 +1,103 @@
+"""The kill -9 soak for releases (not run in CI): the daemon is SIGKILLed again and again while checkpoints
+stream in, some rewritten in place and some re-saved under the same name; at the end every source must have
+exactly one output, equal to its conversion, and no scratch file may be left anywhere.
+
+    .venv/bin/python tests/soak.py                 # 30 kills (a few minutes)
+    .venv/bin/python tests/soak.py --kills 200 --seed 7
+
+Prints one line per kill and a verdict; exits 1 on the first broken property.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+
+from daemonutil import DaemonRun, scratch_files, wait_until  # noqa: E402
+from test_training_loop import checkpoint, conversion_of, rewrite_in_place, write_file  # noqa: E402
+
+NAMES = 12  # distinct source names; each is created, rewritten and re-saved many times over
+
+
+def stream(runs: Path, rng: random.Random, versions: dict[str, int], seconds: float) -> None:
+    """For `seconds`, write checkpoints as a training loop would: a new file, a re-save (new inode, renamed
+    into place), or an in-place rewrite of an existing one (same size, same inode)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        name = f"ckpt-{rng.randrange(NAMES)}.safetensors"
+        version = rng.randrange(1 << 30)
+        data = checkpoint(version, layers=3, width=rng.choice((64, 256, 512)))
+        path = runs / name
+        how = rng.random()
+        if path.exists() and how < 0.4 and path.stat().st_size == len(data):
+            rewrite_in_place(path, data)
+        elif how < 0.7:
+            write_file(runs / "incoming.partial", data)
+            os.replace(runs / "incoming.partial", path)
+        else:
+            write_file(path, data)
+        versions[name] = version
+        time.sleep(rng.uniform(0.0, 0.15))
+
+
+def check(run: DaemonRun, runs: Path, work: Path) -> list[str]:
+    problems = []
+    sources = sorted(p for p in runs.iterdir() if p.suffix == ".safetensors")
+    outputs = sorted(p for p in runs.iterdir() if p.suffix == ".bpk")
+    if [p.stem for p in sources] != [p.stem for p in outputs]:
+        problems.append(f"sources {[p.name for p in sources]} but outputs {[p.name for p in outputs]}")
+    for source in sources:
+        output = source.with_suffix(".bpk")
+        if output.exists() and output.read_bytes() != conversion_of(source.read_bytes(), source.name, work):
+            problems.append(f"{output.name} is not the conversion of {source.name}")
+    leftovers = scratch_files(runs)
+    if leftovers:
+        problems.append(f"scratch files left: {[p.name for p in leftovers]}")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="syncd-soak-"))
+    versions: dict[str, int] = {}
+    with DaemonRun(root / "d", [{"path": "runs", "direction": "safetensors->bpk"}]) as run:
+        runs = run.watch_dir()
+        for kill in range(1, args.kills + 1):
+            run.start()
+            stream(runs, rng, versions, rng.uniform(0.5, 2.5))
+            run.send(signal.SIGKILL)
+            assert run.proc is not None
+            run.proc.wait(30)
+            print(f"kill {kill}/{args.kills}: {len(scratch_files(runs))} scratch file(s) left by the kill", flush=True)
+        run.start()
+        wait_until(lambda: not scratch_files(runs), 120, "start-up cleaning the scratch files")
+        run.quiet(5.0)
+        problems = check(run, runs, root / "expected")
+        code, _ = run.stop()
+        if code != 0:
+            problems.append(f"the last daemon exited {code}")
+    statuses: dict[str, int] = {}
+    for record in run.records():
+        statuses[record["status"]] = statuses.get(record["status"], 0) + 1
+    print(f"seed {args.seed}; {len(versions)} sources; sync log: {statuses}")
+    for problem in problems:
+        print(f"FAIL: {problem}")
+    if not problems:
+        print(f"PASS: {args.kills} kills; each source has exactly one output, equal to its conversion; no scratch")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
