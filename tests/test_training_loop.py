@@ -622,3 +622,16 @@ def test_a_directory_moved_out_of_the_tree_mid_conversion_keeps_no_scratch(
     run.quiet(1.0)
     assert sorted(p.name for p in moved.iterdir()) == ["big.safetensors"], run.log_text()
     stop_cleanly(run)
+
+
+def test_a_syncd_output_copied_alone_into_a_tree_is_converted(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "both"}])
+    runs = run.watch_dir()
+    output = conversion_of(checkpoint(1), "model.safetensors", tmp_path / "made-elsewhere")  # names its source
+    run.start()
+    write_file(runs / "model.bpk", output)  # copied without its source
+    run.wait_for("converted", [runs / "model.bpk"])
+    assert (runs / "model.safetensors").exists()
+    stop_cleanly(run)
