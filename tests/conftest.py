@@ -7,9 +7,14 @@ spelling paths of their own.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # daemonutil imports this module's paths: import it where used
+    from daemonutil import DaemonRun
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -40,9 +45,18 @@ def fixture_files() -> list[Path]:
 
 
 @pytest.fixture
-def daemon_run(tmp_path: Path):
-    """A real daemon (`python -m syncd run`) on a fresh tree under tmp_path; stopped at the end of the test."""
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
+    """Makes real daemons (`python -m syncd run`, tests/daemonutil.py), each on its own tree under tmp_path:
+    `make_daemon(watches, **settings)`; every one still running is killed at the end of the test."""
     from daemonutil import DaemonRun
 
-    with DaemonRun(tmp_path) as run:
-        yield run
+    runs: list[DaemonRun] = []
+
+    def make(watches: list[dict] | None = None, **settings: object) -> DaemonRun:
+        run = DaemonRun(tmp_path / f"d{len(runs)}", watches, **settings)
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()

@@ -135,20 +135,6 @@ def mentioning(records: list[dict], text: str) -> list[dict]:
 
 
 @pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
-    runs: list[DaemonRun] = []
-
-    def make(watches: list[dict] | None = None, **settings: object) -> DaemonRun:
-        run = DaemonRun(tmp_path / f"d{len(runs)}", watches, **settings)
-        runs.append(run)
-        return run
-
-    yield make
-    for run in runs:
-        run.close()
-
-
-@pytest.fixture
 def daemon(make_daemon: Callable[..., DaemonRun]) -> DaemonRun:
     run = make_daemon()
     run.start()

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -85,20 +85,6 @@ def has_open(pid: int, path: Path) -> bool:
 
 def statuses_of(run: DaemonRun, source: Path) -> list[str]:
     return [r["status"] for r in run.records() if r.get("source") == str(source)]
-
-
-@pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
-    runs: list[DaemonRun] = []
-
-    def make(watches: list[dict] | None = None, **settings: object) -> DaemonRun:
-        run = DaemonRun(tmp_path / f"d{len(runs)}", watches, **settings)
-        runs.append(run)
-        return run
-
-    yield make
-    for run in runs:
-        run.close()
 
 
 def stop_cleanly(run: DaemonRun) -> None:

@@ -12,7 +12,6 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from daemonutil import DaemonRun, scratch_files
 from safetensors.torch import save
@@ -48,20 +47,6 @@ def names(directory: Path) -> set[str]:
 
 def mentioning(run: DaemonRun, text: str) -> list[dict]:
     return [r for r in run.records() if text in json.dumps(r)]
-
-
-@pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
-    runs: list[DaemonRun] = []
-
-    def make(watches: list[dict] | None = None, **settings: object) -> DaemonRun:
-        run = DaemonRun(tmp_path / f"d{len(runs)}", watches, **settings)
-        runs.append(run)
-        return run
-
-    yield make
-    for run in runs:
-        run.close()
 
 
 def stop_cleanly(run: DaemonRun) -> None:
