@@ -94,6 +94,11 @@ class FormatError(SyncdError):
         super().__init__(f"tensor '{tensor}': {message}" if tensor else message, path, kind=kind, transient=transient)
 
 
+class IncompleteFileError(FormatError):
+    """The file is shorter than its own header says (or than a header needs): a writer may still be
+    appending to it, closing it between chunks, so the daemon looks again while it keeps changing."""
+
+
 class UnsupportedError(SyncdError):
     """A well-formed file holds something the other format or side cannot represent."""
 

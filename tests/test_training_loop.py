@@ -621,3 +621,48 @@ def test_a_syncd_output_copied_alone_into_a_tree_is_converted(
     run.wait_for("converted", [runs / "model.bpk"])
     assert (runs / "model.safetensors").exists()
     stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ 9. writers in chunks
+
+
+def write_in_chunks(path: Path, data: bytes, cuts: list[int], pause: float) -> None:
+    """A writer that opens, appends one chunk and closes, pausing between chunks (every close is an event)."""
+    for start, end in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        with open(path, "ab") as handle:
+            handle.write(data[start:end])
+        time.sleep(pause)
+
+
+def test_a_writer_closing_after_every_chunk_gets_one_converted_line_and_no_refusal(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    source = runs / "chunked.safetensors"
+    data = checkpoint(1, layers=4, width=64)
+    step = len(data) // 5
+    cuts = [20, 200, step, 2 * step, 3 * step, 4 * step]  # inside the header, then through the tensor data
+    write_in_chunks(source, data, cuts, pause=0.5)
+    run.wait_for("converted", [source])
+    run.quiet(2.0)
+    assert statuses_of(run, source) == ["converted"], run.log_text()
+    assert (runs / "chunked.bpk").read_bytes() == conversion_of(data, source.name, tmp_path / "expected")
+    stop_cleanly(run)
+
+
+def test_a_file_that_stays_truncated_is_refused_once_saying_so(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    source = runs / "cut.safetensors"
+    write_file(source, checkpoint(1, layers=4, width=64)[:3000])  # header whole, tensor data cut short
+    long_ago = time.time() - 3600  # unchanged for an hour: nobody is still writing it
+    os.utime(source, (long_ago, long_ago))
+    run.wait_for("refused", [source], timeout=120)
+    run.quiet(2.0)
+    refusals = run.statuses("refused", source)
+    assert len(refusals) == 1 and "truncated" in refusals[0]["error"], run.log_text()
+    assert not (runs / "cut.bpk").exists()
+    stop_cleanly(run)

@@ -34,6 +34,7 @@ from syncd.errors import (
     AmbiguousLayoutError,
     ConflictError,
     FormatError,
+    IncompleteFileError,
     SyncdError,
     UnsupportedError,
     VerificationError,
@@ -58,6 +59,11 @@ BUSY_RETRY_SECONDS = 1.0  # how soon a file still being written is looked at aga
 UNLEASED_SETTLE_SECONDS = 10.0
 FUTURE_SLACK_SECONDS = 2.0  # clock skew tolerated before a modification time counts as "in the future"
 MAX_BACKOFF_SECONDS = 60.0
+# A file shorter than its header says (a writer that closes after every chunk) is looked at again, quietly,
+# with backoff from INCOMPLETE_FIRST_RETRY up to INCOMPLETE_MAX_RETRY seconds, while it changed less than
+# INCOMPLETE_GRACE_SECONDS ago; one unchanged for longer is refused once, saying so.
+INCOMPLETE_FIRST_RETRY = 0.25
+INCOMPLETE_MAX_RETRY = 8.0
 STATE_RETRY_SECONDS = 5.0
 
 
@@ -83,6 +89,7 @@ class Syncer:
         # who wants to follow a conversion's bytes (the daemon's status); called with the source path
         self.progress_for: Callable[[Path], ProgressCallback | None] = lambda _path: None
         self._future: dict[tuple[Path, int], float] = {}  # (path, mtime_ns) in the future -> first seen
+        self._incomplete: dict[Path, int] = {}  # path seen shorter than its header says -> looks so far
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
@@ -269,6 +276,7 @@ class Syncer:
         else:
             status = "updated" if updated and result.status == "replaced" else "converted"
         self.state.record(path, version, dest, status="in_sync" if status == "in_sync" else "converted")
+        self._incomplete.pop(path, None)
         self.synclog.log(
             status,
             **base,
@@ -287,11 +295,37 @@ class Syncer:
             log.info("%s", one_line(exc))
             gone = not os.path.lexists(path)
             return Outcome(None, retry_in=None if gone else max(self.settle_seconds, BUSY_RETRY_SECONDS))
+        if isinstance(exc, IncompleteFileError):
+            wait = self._incomplete_wait(path)
+            if wait is not None:
+                log.debug("%s is not complete yet, looking again in %.2f s: %s", path, wait, exc)
+                return Outcome(None, retry_in=wait)
         content_error = isinstance(exc, FormatError) and exc.kind == "input"
         if content_error and not finished and _recently_changed(version):
             log.debug("%s does not read yet, looking again later: %s", path, exc)
             return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
         return self._failed(path, version, exc, base, started)
+
+    def _incomplete_wait(self, path: Path) -> float | None:
+        """Seconds until a file shorter than its header says is looked at again, or None once it has been
+        unchanged for INCOMPLETE_GRACE_SECONDS (nobody is still appending: it is refused). A writer that
+        closes after every chunk is not done at its first close; each new chunk's close brings it back
+        sooner than the backoff."""
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            self._incomplete.pop(path, None)
+            return None
+        quiet = self._age(None, path, info)
+        if quiet >= INCOMPLETE_GRACE_SECONDS:
+            self._incomplete.pop(path, None)
+            return None
+        if len(self._incomplete) > 10_000:
+            self._incomplete.clear()
+        looks = self._incomplete.get(path, 0)
+        self._incomplete[path] = looks + 1
+        backoff = min(INCOMPLETE_MAX_RETRY, INCOMPLETE_FIRST_RETRY * 2.0**looks)
+        return min(backoff, INCOMPLETE_GRACE_SECONDS - quiet + 0.1)
 
     def _is_reverse_of_own_output(self, watch: Watch, path: Path, dest: Path) -> bool:
         """An output of ours names its source in metadata; converting it back would chase our own tail. Only
@@ -365,6 +399,9 @@ class Syncer:
             suggestion = getattr(exc, "suggestion", None)
             if suggestion:
                 fields["reason"] = "module map that would settle it:\n" + suggestion
+            elif isinstance(exc, IncompleteFileError):
+                fields["reason"] = (f"shorter than its header says and unchanged for "
+                                    f"{INCOMPLETE_GRACE_SECONDS:.0f} s: truncated, not still being written")
             elif transient:
                 fields["reason"] = "will retry"
             self.synclog.log(status, **fields)

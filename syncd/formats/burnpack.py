@@ -16,7 +16,7 @@ from typing import Any
 
 import cbor2
 
-from syncd.errors import FormatError
+from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.dtypes import byte_length
 from syncd.formats.fileio import (
     DECODE_BUDGET,
@@ -75,11 +75,15 @@ class BurnpackReader(TensorFileReader):
     def _fail(self, message: str, tensor: str | None = None) -> FormatError:
         return FormatError(message, self.path, tensor)
 
+    def _short(self, message: str, tensor: str | None = None) -> FormatError:
+        """The file ends before its header says it does: truncated, or still being written."""
+        return IncompleteFileError(message, self.path, tensor)
+
     def _parse(self) -> None:
         if self.file_size > MAX_FILE_SIZE:
             raise self._fail(f"File size {self.file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes")
         if self.file_size < HEADER_SIZE:
-            raise self._fail(f"Invalid header: insufficient bytes ({self.file_size} of {HEADER_SIZE})")
+            raise self._short(f"Invalid header: insufficient bytes ({self.file_size} of {HEADER_SIZE})")
         magic, version, meta_size = struct.unpack("<IHI", pread_exact(self.fd, HEADER_SIZE, 0, self.path, "header"))
         if magic != MAGIC:
             raise self._fail(f"Invalid magic number 0x{magic:08x}: not a burnpack file")
@@ -88,7 +92,7 @@ class BurnpackReader(TensorFileReader):
         if meta_size > MAX_METADATA_SIZE:
             raise self._fail(f"Metadata size {meta_size} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes")
         if self.file_size < HEADER_SIZE + meta_size:
-            raise self._fail(
+            raise self._short(
                 f"Invalid header: metadata needs {meta_size} bytes but the file has "
                 f"{self.file_size - HEADER_SIZE} after the header (truncated)"
             )
@@ -137,7 +141,7 @@ class BurnpackReader(TensorFileReader):
         if unaligned != aligned and unaligned + max_end == self.file_size:
             return LAYOUT_PACKED, unaligned
         last = max(descriptors, key=lambda d: d.end).name if descriptors else None  # the tensor that runs past
-        raise self._fail(
+        raise self._short(
             f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes", last
         )
 

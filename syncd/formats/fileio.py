@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from syncd.errors import TRANSIENT_ERRNOS, FormatError
+from syncd.errors import TRANSIENT_ERRNOS, FormatError, IncompleteFileError
 from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 
@@ -94,7 +94,7 @@ def pread_exact(fd: int, size: int, offset: int, path: str, what: str) -> bytes:
         except OSError as exc:
             raise _read_error(f"cannot read {what}: {exc.strerror}", path, exc) from exc
         if not chunk:
-            raise FormatError(f"file truncated while reading {what} (got {got} of {size} bytes)", path)
+            raise IncompleteFileError(f"file truncated while reading {what} (got {got} of {size} bytes)", path)
         parts.append(chunk)
         got += len(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -109,7 +109,7 @@ def preadinto_exact(fd: int, buf: memoryview, offset: int, path: str, what: str)
         except OSError as exc:
             raise _read_error(f"cannot read {what}: {exc.strerror}", path, exc) from exc
         if n == 0:
-            raise FormatError(f"file truncated while reading {what}", path)
+            raise IncompleteFileError(f"file truncated while reading {what}", path)
         done += n
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from syncd.errors import FormatError
+from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.dtypes import (
     DTYPE_TO_SAFETENSORS,
     SAFETENSORS_DTYPE_RANK,
@@ -37,12 +37,14 @@ class SafetensorsReader(TensorFileReader):
 
     def _parse(self) -> None:
         if self.file_size < 8:
-            raise FormatError(f"header too small: file has {self.file_size} bytes, needs at least 8", self.path)
+            raise IncompleteFileError(
+                f"header too small (truncated): file has {self.file_size} bytes, needs at least 8", self.path
+            )
         (size,) = struct.unpack("<Q", pread_exact(self.fd, 8, 0, self.path, "header length"))
         if size > MAX_HEADER_SIZE:
             raise FormatError(f"header length {size} exceeds the limit of {MAX_HEADER_SIZE} bytes", self.path)
         if 8 + size > self.file_size:
-            raise FormatError(
+            raise IncompleteFileError(
                 f"header length {size} runs past the end of the file ({self.file_size} bytes): truncated?", self.path
             )
         document = parse_header_json(pread_exact(self.fd, size, 8, self.path, "header"), self.path)
@@ -163,6 +165,10 @@ def check_coverage(tensors: list[TensorInfo], buffer_len: int, data_start: int, 
             what = "overlaps the previous tensor" if start < cursor else f"leaves a gap before it (at {cursor})"
             raise FormatError(f"data range {start}..{start + info.nbytes} {what}", path, info.name)
         cursor = start + info.nbytes
+    if cursor > buffer_len:
+        raise IncompleteFileError(
+            f"tensor data covers {cursor} bytes but the file holds {buffer_len} after the header: truncated", path
+        )
     if cursor != buffer_len:
         raise FormatError(f"tensor data covers {cursor} bytes but the file holds {buffer_len} after the header", path)
 
