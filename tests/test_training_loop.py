@@ -700,3 +700,27 @@ def test_a_source_renamed_away_before_its_conversion_starts_is_not_reported(
     assert {r["status"] for r in run.records() if r.get("source") == str(x)} <= {"converted", "updated"}, run.log_text()
     assert not [r for r in run.records() if r["status"] in ("refused", "error", "conflict", "skipped")], run.log_text()
     stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ retry --all-failed
+
+
+def test_syncd_retry_all_failed_looks_again_with_the_fixed_configuration(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir()
+    run.start()
+    source = runs / "square.safetensors"
+    write_file(source, save({"fc.weight": np.ones((4, 4), np.float32)}))  # a lone square weight: ambiguous
+    run.wait_for("refused", [source])
+    # the administrator adds the module map, with no SIGHUP; the source itself does not change
+    run.write_config([{"path": "runs", "direction": "safetensors->bpk", "modules": SQUARE_ONLY, "layout": "pytorch"}])
+    retry = subprocess.run(
+        [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), "--all-failed"],
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+    )
+    assert retry.returncode == 0, retry.stderr
+    assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
+    run.wait_for("converted", [source])
+    assert (runs / "square.bpk").exists()
+    assert len(run.statuses("refused", source)) == 1, run.log_text()
+    stop_cleanly(run)

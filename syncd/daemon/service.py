@@ -58,6 +58,7 @@ class Daemon:
         self._next_safety_rescan: float | None = None
         self.counts = {"converted": 0, "failed": 0}
         self.lock_fd: int | None = None
+        self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
 
     # -- wiring
 
@@ -160,7 +161,7 @@ class Daemon:
                 self.reload()
             if self._retry:
                 self._retry = False
-                self._scan_all()
+                self._look_again()
             self._run_rescans()
             if self._workers_healthy():
                 notify.watchdog()
@@ -209,6 +210,7 @@ class Daemon:
         """Apply a changed configuration. Nothing in it can end the daemon: any failure is one line and the
         running configuration stays. Settings only a restart applies are named in the `reloaded` line."""
         notify.reloading()
+        self._config_stamp = _file_stamp(self.config.path)
         try:
             new = load_config(self.config.path)
         except Exception as exc:  # noqa: BLE001 - a config the loader chokes on is refused like an invalid one
@@ -247,6 +249,15 @@ class Daemon:
         except SyncdError as exc:
             self.synclog.log("error", reason=f"cannot mark refusals for another look: {one_line(exc)}")
 
+    def _look_again(self) -> None:
+        """What `syncd retry` asks for: the failures it marked are looked at again by a scan. A configuration
+        file edited since it was loaded is applied first (as SIGHUP would): the fix a refusal needed is often
+        a module map added to it, and looking again with the old one would only refuse again."""
+        if _file_stamp(self.config.path) != self._config_stamp:
+            self.reload()  # scans every watch itself
+        else:
+            self._scan_all()
+
     def request_retry(self, *_: object) -> None:
         """SIGUSR1 (sent by `syncd retry`): scan every watch; failures marked in the state are looked at again."""
         self._retry = True
@@ -272,6 +283,15 @@ class Daemon:
     def request_reload(self, *_: object) -> None:
         self._reload = True
         self._wake.set()
+
+
+def _file_stamp(path: Path) -> tuple[int, ...] | None:
+    """What changes when a file is edited or replaced (None if it cannot be stat'ed)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
