@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 from daemonutil import CAP_LEASE, DaemonRun, scratch_files, wait_until
+from hfsets import save_llama
 from safetensors.numpy import save
 
 from syncd.convert import ConvertRequest, convert
@@ -723,4 +724,28 @@ def test_syncd_retry_all_failed_looks_again_with_the_fixed_configuration(make_da
     run.wait_for("converted", [source])
     assert (runs / "square.bpk").exists()
     assert len(run.statuses("refused", source)) == 1, run.log_text()
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ sharded sets
+
+
+@pytest.mark.parametrize("on_exists", ["skip", "error"])
+def test_a_sharded_sets_existing_output_is_in_sync_after_a_restart_with_no_state(
+    make_daemon: Callable[..., DaemonRun], on_exists: str
+) -> None:
+    run = make_daemon([{"path": "runs", "on_exists": on_exists}])
+    runs = run.watch_dir()
+    run.start()
+    index = save_llama(runs / "llama", sharded=True)  # save_pretrained writes straight into the watch
+    run.wait_for("converted", [index])
+    published = (runs / "llama" / "model.bpk").read_bytes()
+    stop_cleanly(run)
+    shutil.rmtree(run.state_dir)  # the state is lost (a new machine, a wiped state directory)
+    run.start()
+    run.wait_for("in_sync", [index])
+    run.quiet(2.0)
+    assert [r["status"] for r in run.records() if r["status"] not in ("started", "stopped")] == [
+        "converted", "in_sync"], run.log_text()
+    assert (runs / "llama" / "model.bpk").read_bytes() == published
     stop_cleanly(run)

@@ -43,7 +43,14 @@ from syncd.errors import (
 from syncd.formats import BURNPACK, SAFETENSORS, Format, format_for_path, open_checkpoint
 from syncd.formats.fileio import open_regular_file
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import INDEX_SUFFIX, index_listing, is_index_name, looks_like_shard, member_files
+from syncd.formats.shards import (
+    INDEX_SUFFIX,
+    index_listing,
+    is_index_name,
+    looks_like_shard,
+    member_files,
+    read_index,
+)
 from syncd.progress import ProgressCallback
 from syncd.publish import FileIdentity
 from syncd.stores import StoreOptions
@@ -479,9 +486,10 @@ def _source_named_in(dest: Path, root: Path) -> str | None:
 
 
 def _carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path) -> bool:
-    """True if `dest` is a syncd output of exactly this `source` content (name and sha256 match). Both files
-    are opened confined, without following symlinks and without blocking (a FIFO or a symlink to a device
-    renamed onto either name must not hang a worker)."""
+    """True if `dest` is a syncd output of exactly this `source` content (name and sha256 match; of a sharded
+    set, the sha256 covers the index and every shard, as the conversion records it). Every file is opened
+    confined, without following symlinks and without blocking (a FIFO or a symlink to a device renamed onto
+    any of the names must not hang a worker)."""
     try:
         with open_checkpoint(dest, dest_root) as reader:
             metadata = reader.header.metadata
@@ -489,22 +497,37 @@ def _carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path
         return False
     if metadata.get(carry.SOURCE) != carry.file_label(source.name) or carry.SOURCE_SHA256 not in metadata:
         return False
-    try:
-        fd, size = open_regular_file(source, source_root)
-    except SyncdError:
-        return False
-    try:
-        return metadata[carry.SOURCE_SHA256] == fd_sha256(fd, size)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return metadata[carry.SOURCE_SHA256] == source_sha256(source, source_root)
 
 
-def fd_sha256(fd: int, size: int) -> str:
-    """sha256 of the first `size` bytes of an open regular file (never more: a file growing meanwhile is
-    not read forever)."""
+def source_sha256(source: Path, within: Path) -> str | None:
+    """sha256 of a source as `syncd.source_sha256` records it (convert.file_sha256): one file's bytes, or a
+    set's index followed by every shard it lists, in the index's order; None if any part cannot be read."""
+    parts = [source]
+    if is_index_name(source):
+        try:
+            files = read_index(source, within).files
+        except SyncdError:
+            return None
+        parts += [source.parent / name for name in files]
     sha = hashlib.sha256()
+    for part in parts:
+        try:
+            fd, size = open_regular_file(part, within)
+        except SyncdError:
+            return None
+        try:
+            hash_fd(sha, fd, size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+    return sha.hexdigest()
+
+
+def hash_fd(sha: hashlib._Hash, fd: int, size: int) -> None:
+    """Feed the first `size` bytes of an open regular file to `sha` (never more: a file growing meanwhile is
+    not read forever)."""
     offset = 0
     while offset < size:
         chunk = os.pread(fd, min(8 << 20, size - offset), offset)
@@ -512,7 +535,6 @@ def fd_sha256(fd: int, size: int) -> str:
             break
         sha.update(chunk)
         offset += len(chunk)
-    return sha.hexdigest()
 
 
 def open_for_writing(path: Path) -> bool | None:
