@@ -1,0 +1,57 @@
+"""Bit-exact transposes: a compiled cache-blocked kernel when it was built, numpy otherwise.
+
+Both move elements as unsigned integers of their width (never as floats), so every bit pattern, signalling
+NaNs included, arrives unchanged, and both give identical bytes (tests/test_kernels.py holds them to it).
+The compiled kernel (`_transpose.c`, an optional extension built by `pip install`) walks the matrix in
+32x32 tiles and releases the GIL, so transposes on several threads use several cores; numpy's best
+bit-exact form is a copy of a few source rows at a time, which also releases the GIL but runs at a third
+of the speed (issue 15's measurements).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+STRIP_ROWS = 16  # source rows per numpy assignment: measured fastest for a transposing copy
+
+Kernel = Callable[[np.ndarray, np.ndarray, int], None]
+
+
+def transpose_numpy(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> None:
+    """out[:, first_col:first_col+rows] = src.T, a few source rows at a time (cache-friendly)."""
+    rows = src.shape[0]
+    for r0 in range(0, rows, STRIP_ROWS):
+        r1 = min(rows, r0 + STRIP_ROWS)
+        out[:, first_col + r0 : first_col + r1] = src[r0:r1].T
+
+
+def _compiled() -> Kernel | None:
+    if os.environ.get("SYNCD_KERNEL") == "numpy":  # for measuring and testing the fallback
+        return None
+    try:
+        from syncd.kernels import _transpose
+    except ImportError:
+        return None
+    return make_compiled(_transpose.transpose)
+
+
+def make_compiled(raw: Callable[..., None]) -> Kernel:
+    """Wrap the extension's transpose(src, dst, rows, cols, itemsize, dst_stride, dst_col) as a Kernel."""
+
+    def transpose_compiled(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> None:
+        rows, cols = src.shape
+        if out.shape[0] != cols or first_col + rows > out.shape[1] or src.dtype != out.dtype:
+            raise ValueError(f"cannot transpose {src.shape} into columns {first_col}.. of {out.shape}")
+        if not (src.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError("the compiled transpose needs contiguous matrices")
+        raw(src, out, rows, cols, src.itemsize, out.shape[1], first_col)
+
+    return transpose_compiled
+
+
+_KERNEL = _compiled()
+transpose: Kernel = _KERNEL or transpose_numpy
+KERNEL_NAME = "compiled" if _KERNEL is not None else "numpy"
