@@ -1,0 +1,162 @@
+"""Checks that prove a written file corresponds to its source without reading it back (issue 15).
+
+A full read-back of the output cannot reach the disk (it reads the page cache syncd just wrote), so it
+proves only what checks taken while writing prove too, at a second pass over every byte. Instead:
+
+* every transposed block is checked in cache against the block it came from (`check_transposed`): one row
+  and one column of every 32x32 tile of the result, at a random offset per block, must equal the source's
+  column and row. A transpose done wrong (not done, dimensions swapped, a tile misplaced or left stale)
+  fails; the check does not share code with the transposing kernel.
+* every write is recorded in a `WriteLedger` (where, how much, an XXH3-64 of the bytes as written); after
+  the last write the ledger must tile each tensor's window of the *re-read* output table exactly once, and
+  the file must have its planned size. A block written at a wrong offset, a short write, a window left
+  partly unwritten or a header that does not describe where the data went all fail.
+* the source's change check (size, mtime, ctime, inode before and after) catches a source rewritten while it
+  was converted ("torn"); the recorded source hash is of the very bytes that were converted.
+
+`--verify full` re-reads everything for audits (`verify_full` in convert).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from threading import Lock
+
+import numpy as np
+
+from syncd.errors import FormatError, VerificationError
+
+TILE = 32  # the compiled kernel's tile edge; the numpy kernel's strips are 16 rows, a divisor of it
+
+
+FULL_CHECK_ELEMENTS = 1 << 16  # blocks up to this many elements are compared whole
+SAMPLES_PER_TILE = 4
+
+
+def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0, rng: random.Random | None = None) -> bool:
+    """True if out[:, first_col:first_col+rows] holds src.T.
+
+    Small blocks are compared whole. Larger ones at SAMPLES_PER_TILE elements of every TILE x TILE tile, each
+    at its own random place: that touches about one cache line in eight of the block, where a whole row and
+    column per tile would stream through all of it (0.3-0.6 s/GiB measured). A systematic fault (no
+    transpose, swapped dimensions, a misplaced or stale tile, two rows swapped along a band of tiles) fails
+    with near certainty; a lone flipped element is not what a transpose gets wrong.
+    """
+    rows, cols = src.shape
+    if rows == 0 or cols == 0:
+        return True
+    if out.shape[0] != cols or out.shape[1] < first_col + rows:
+        return False
+    window = out[:, first_col : first_col + rows]
+    if rows * cols <= FULL_CHECK_ELEMENTS:
+        return bool(np.array_equal(window.T, src))
+    gen = np.random.default_rng((rng or random).getrandbits(64))
+    tile_r = np.arange(0, rows, TILE)[:, None]
+    tile_c = np.arange(0, cols, TILE)[None, :]
+    for _ in range(SAMPLES_PER_TILE):
+        r = np.minimum(tile_r + gen.integers(0, TILE, (tile_r.shape[0], tile_c.shape[1])), rows - 1)
+        c = np.minimum(tile_c + gen.integers(0, TILE, r.shape), cols - 1)
+        if not np.array_equal(src[r, c], window[c, r]):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Entry:
+    """`count` writes of `length` bytes at window offsets start, start+stride, ... and the XXH3-64 of them."""
+
+    start: int
+    length: int
+    count: int = 1
+    stride: int = 0
+    digest: int = 0
+
+
+@dataclass
+class WriteLedger:
+    """Every write of a conversion, per target tensor (thread-safe: the writers run in parallel)."""
+
+    windows: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (absolute offset, nbytes)
+    entries: dict[str, list[Entry]] = field(default_factory=lambda: defaultdict(list))
+    _lock: Lock = field(default_factory=Lock)
+
+    def expect(self, name: str, offset: int, nbytes: int) -> None:
+        self.windows[name] = (offset, nbytes)
+
+    def record(self, name: str, entry: Entry) -> None:
+        with self._lock:
+            self.entries[name].append(entry)
+
+    def check(self, table: dict[str, tuple[int, int]], file_size: int, actual_size: int, path: str) -> None:
+        """The writes tile every window of the re-read `table` (name -> (offset, nbytes)) exactly once."""
+        if actual_size != file_size:
+            raise VerificationError(f"the output is {actual_size} bytes, {file_size} were planned", path)
+        for name, (offset, nbytes) in self.windows.items():
+            if table.get(name) != (offset, nbytes):
+                raise VerificationError(
+                    f"tensor '{name}' was written at {offset} ({nbytes} bytes) but the header says "
+                    f"{table.get(name)}",
+                    path,
+                )
+            if not _tiles(self.entries.get(name, []), nbytes):
+                raise VerificationError(f"tensor '{name}' was not written exactly once in full", path)
+
+    def tensor_digests(self) -> dict[str, int]:
+        """One XXH3-64 per tensor over its writes' digests (in window order): what --verify full re-derives."""
+        import xxhash
+
+        out = {}
+        for name, entries in self.entries.items():
+            ordered = sorted(entries, key=lambda e: (e.start, e.count))
+            out[name] = xxhash.xxh3_64_intdigest(b"".join(e.digest.to_bytes(8, "little") for e in ordered))
+        return out
+
+
+def _tiles(entries: list[Entry], nbytes: int) -> bool:
+    """True if the entries cover [0, nbytes) exactly once: either contiguous pieces, or strided segments that
+    all share one stride (a transposed tensor's output row) and together cover that row exactly once."""
+    if nbytes == 0:
+        return all(e.length == 0 or e.count == 0 for e in entries)
+    strided = [e for e in entries if e.count > 1]
+    if strided:
+        if len(strided) != len(entries):
+            return False
+        stride, count = strided[0].stride, strided[0].count
+        if any(e.stride != stride or e.count != count for e in strided) or stride * count != nbytes:
+            return False
+        return _covers([(e.start, e.length) for e in strided], stride)
+    return _covers([(e.start, e.length) for e in entries], nbytes)
+
+
+def _covers(pieces: list[tuple[int, int]], size: int) -> bool:
+    cursor = 0
+    for start, length in sorted(pieces):
+        if start != cursor or length < 0:
+            return False
+        cursor += length
+    return cursor == size
+
+
+@dataclass(frozen=True)
+class SourceStamp:
+    """What fstat says about a source: compared before and after converting it."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, fd: int) -> SourceStamp:
+        info = os.fstat(fd)
+        return cls(info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+    def check_unchanged(self, fd: int, path: str) -> None:
+        now = SourceStamp.of(fd)
+        if now.size != self.size:
+            raise FormatError("the file changed size while it was being converted", path)
+        if now != self:
+            raise FormatError("the file was modified while it was being converted", path)

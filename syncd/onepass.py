@@ -1,0 +1,257 @@
+"""One pass over the source's bytes (issue 15): each byte is read once, in file order, into a cache-sized
+buffer; that read feeds the identity hash (on the reading thread, in order) and the conversion (on worker
+threads, which transform, check and write blocks in parallel).
+
+Memory is bounded by a ring of buffer slots capped in bytes (RING_BYTES), whatever the model: a slot is
+taken before a block is read and given back when its write is done, so the reader waits when the writers
+fall behind. Buffers are 64-byte aligned (reads into buffers at 16 mod 64, where large bytearrays and numpy
+arrays land, cost three times as much) and at most SLOT_BYTES, under the last-level cache.
+
+What is moved is a list of `Move`s: a source window, a target window, and for transposed tensors the source
+matrix shape. Untransformed tensors go in BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes
+whole, a larger one in strips of source rows whose transposes land as segments of every output row. Every
+write lands in a WriteLedger (blockcheck.py), every transposed block is checked in cache.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from syncd import kernels
+from syncd.blockcheck import Entry, SourceStamp, WriteLedger, check_transposed
+from syncd.errors import FormatError, VerificationError
+from syncd.formats.fileio import pwrite_all
+from syncd.formats.table import Buffer
+from syncd.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
+
+BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
+SLOT_BYTES = 16 << 20  # largest transpose done in one piece; larger ones go in strips of this size
+RING_BYTES = 128 << 20  # all slots together (two buffers each): the conversion's memory, model-independent
+ALIGN = 64
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True)
+class Move:
+    """One target tensor: `nbytes` from `src_offset` in the source to `dst_offset` in the output (absolute);
+    `matrix` = (rows, cols) of the source when it is written transposed."""
+
+    name: str
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+    itemsize: int = 1
+    matrix: tuple[int, int] | None = None
+    check: Callable[[Buffer], None] | None = None  # e.g. bool values must be 0 or 1
+
+
+def aligned(size: int) -> np.ndarray:
+    """An uninitialised uint8 buffer of `size` bytes whose address is a multiple of ALIGN."""
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip : skip + size]
+
+
+class _Slot:
+    """Two reusable aligned buffers: what was read, and its transpose. Grown on demand up to SLOT_BYTES."""
+
+    def __init__(self) -> None:
+        self._src = np.empty(0, np.uint8)
+        self._out = np.empty(0, np.uint8)
+
+    def src(self, size: int) -> np.ndarray:
+        if len(self._src) < size:
+            self._src = aligned(size)
+        return self._src[:size]
+
+    def out(self, size: int) -> np.ndarray:
+        if len(self._out) < size:
+            self._out = aligned(size)
+        return self._out[:size]
+
+
+def default_workers() -> int:
+    """The cores this process may run on (taskset and cgroups included)."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass
+class OnePass:
+    """Reads `src_fd` once from 0 to `src_size`, writes every move into `out_fd`; `run()` returns the source
+    hash. Make one per conversion."""
+
+    src_fd: int
+    src_size: int
+    src_path: str
+    out_fd: int
+    out_path: str
+    moves: list[Move]
+    hash_name: str = DEFAULT_HASH
+    workers: int = field(default_factory=default_workers)
+    ring_bytes: int = RING_BYTES
+    slot_bytes: int = SLOT_BYTES
+    block_bytes: int = BLOCK_BYTES
+    ledger: WriteLedger = field(default_factory=WriteLedger)
+
+    def __post_init__(self) -> None:
+        self.hasher: Hasher = new_hasher(self.hash_name)
+        slots = max(2, min(self.workers + 2, self.ring_bytes // (2 * self.slot_bytes)))
+        self._free: queue.Queue[_Slot] = queue.Queue()
+        for _ in range(slots):
+            self._free.put(_Slot())
+        self._rng = random.Random()
+        self._rng_lock = threading.Lock()
+
+    # -- the reading thread
+
+    def run(self) -> str:
+        """Convert; the source hash of the bytes converted. The source must not change meanwhile."""
+        stamp = SourceStamp.of(self.src_fd)
+        if stamp.size != self.src_size:
+            raise FormatError("the file changed size before it was converted", self.src_path)
+        digest = self._run()
+        stamp.check_unchanged(self.src_fd, self.src_path)
+        return digest
+
+    def _run(self) -> str:
+        for move in self.moves:
+            self.ledger.expect(move.name, move.dst_offset, move.nbytes)
+        pending: list[Future[None]] = []
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-write") as pool:
+            try:
+                cursor = 0
+                for move in sorted(self.moves, key=lambda m: m.src_offset):
+                    if move.src_offset < cursor:
+                        raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
+                    self._hash_only(cursor, move.src_offset)
+                    for job in self._jobs(move):
+                        pending.append(pool.submit(*job))
+                        pending = self._reap(pending)
+                    cursor = move.src_offset + move.nbytes
+                self._hash_only(cursor, self.src_size)
+            finally:
+                for future in pending:  # wait for every writer, then raise the first failure
+                    future.exception()
+            for future in pending:
+                future.result()
+        return self.hasher.hexdigest()
+
+    def _reap(self, pending: list[Future[None]]) -> list[Future[None]]:
+        """Raise a writer's failure early (the reader would otherwise go on to the end of the file)."""
+        done = [f for f in pending if f.done()]
+        for future in done:
+            future.result()
+        return [f for f in pending if not f.done()]
+
+    def _read(self, buf: np.ndarray, offset: int) -> memoryview:
+        """Fill `buf` from the source at `offset` and feed the hash (in file order: only this thread reads)."""
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(self.src_fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
+            if n == 0:
+                raise FormatError("file truncated while it was being converted", self.src_path)
+            done += n
+        self.hasher.update(view)
+        return view
+
+    def _hash_only(self, start: int, end: int) -> None:
+        """Headers, padding, tensors not converted: read and hashed, not written."""
+        if start >= end:
+            return
+        slot = self._free.get()
+        try:
+            for offset in range(start, end, self.block_bytes):
+                self._read(slot.src(min(self.block_bytes, end - offset)), offset)
+        finally:
+            self._free.put(slot)
+
+    def _jobs(self, move: Move) -> Iterator[tuple]:
+        """Read the move's bytes block by block; yield (function, args...) for the writers."""
+        if move.nbytes == 0:
+            self.ledger.record(move.name, Entry(0, 0))
+            return
+        if move.matrix is None:
+            for rel in range(0, move.nbytes, self.block_bytes):
+                slot = self._free.get()
+                n = min(self.block_bytes, move.nbytes - rel)
+                self._read(slot.src(n), move.src_offset + rel)
+                yield self._copy_block, slot, move, rel, n
+            return
+        rows, cols = move.matrix
+        row_bytes = cols * move.itemsize
+        strip = max(1, self.slot_bytes // row_bytes)
+        if row_bytes > self.slot_bytes and rows > 1:
+            raise FormatError(
+                f"tensor '{move.name}' has rows of {row_bytes} bytes, more than the {self.slot_bytes} a "
+                "transposing block may hold",
+                self.src_path,
+            )
+        for r0 in range(0, rows, strip):
+            n = min(strip, rows - r0)
+            slot = self._free.get()
+            self._read(slot.src(n * row_bytes), move.src_offset + r0 * row_bytes)
+            yield self._transpose_strip, slot, move, r0, n
+
+    # -- the writing threads
+
+    def _copy_block(self, slot: _Slot, move: Move, rel: int, n: int) -> None:
+        try:
+            data = slot.src(n)
+            if move.check is not None:
+                move.check(data)
+            self._write(move, data, rel)
+        finally:
+            self._free.put(slot)
+
+    def _transpose_strip(self, slot: _Slot, move: Move, r0: int, n: int) -> None:
+        """Source rows r0:r0+n become columns r0:r0+n of every output row."""
+        try:
+            rows, cols = move.matrix  # type: ignore[misc]
+            size = n * cols * move.itemsize
+            dtype = _UINT[move.itemsize]
+            src = slot.src(size).view(dtype).reshape(n, cols)
+            out = slot.out(size).view(dtype).reshape(cols, n)
+            kernels.transpose(src, out, 0)
+            with self._rng_lock:
+                seed = self._rng.random()
+            if not check_transposed(src, out, 0, random.Random(seed)):
+                raise VerificationError(f"tensor '{move.name}': a transposed block does not match its source",
+                                        self.out_path)
+            if move.check is not None:
+                move.check(out.view(np.uint8))
+            if n == rows:
+                self._write(move, out.view(np.uint8).reshape(-1), 0)
+            else:
+                self._write_segments(move, out, r0, n)
+        finally:
+            self._free.put(slot)
+
+    def _write(self, move: Move, data: np.ndarray, rel: int) -> None:
+        written = self._pwrite(data, move.dst_offset + rel)
+        self.ledger.record(move.name, Entry(rel, written, digest=block_digest(data[:written])))
+
+    def _write_segments(self, move: Move, out: np.ndarray, r0: int, n: int) -> None:
+        rows = move.matrix[0]  # type: ignore[index]
+        segment = n * move.itemsize
+        stride = rows * move.itemsize
+        base = move.dst_offset + r0 * move.itemsize
+        written = min(self._pwrite(out[c], base + c * stride) for c in range(out.shape[0]))
+        self.ledger.record(move.name, Entry(r0 * move.itemsize, written if written == segment else -1,
+                                            count=out.shape[0], stride=stride, digest=block_digest(out)))
+
+    def _pwrite(self, data: np.ndarray, offset: int) -> int:
+        """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""
+        pwrite_all(self.out_fd, data, offset)
+        return data.nbytes

@@ -1,0 +1,256 @@
+"""One pass over the source (issue 15): exact output with any number of writers and any buffer size, and
+every fault class the old full read-back caught is still caught without it: a wrong offset, a wrong
+transpose, a torn source, a short write."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from syncd import onepass
+from syncd.blockcheck import check_transposed
+from syncd.errors import FormatError, VerificationError
+from syncd.formats.dtypes import ITEMSIZE
+from syncd.formats.fileio import bool_checker, pwrite_all
+from syncd.formats.safetensors import SafetensorsReader, plan_safetensors
+from syncd.formats.table import TensorSpec
+from syncd.hashing import file_digest
+from syncd.onepass import Move, OnePass
+
+
+def _source(tmp_path: Path, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "a.weight": rng.standard_normal((300, 170)).astype(np.float32),  # transposed
+        "b.weight": rng.standard_normal((64, 1000)).astype(np.float32),  # transposed, wide
+        "c.weight": rng.integers(0, 1 << 16, size=(33, 31), dtype=np.uint16).view(np.float16),  # 2-byte
+        "d.bias": rng.standard_normal(4097).astype(np.float32),  # copied
+        "e.flag": rng.integers(0, 2, size=100, dtype=np.uint8).astype(np.bool_),  # copied, checked
+        "f.empty": np.zeros((0, 5), dtype=np.float32),
+    }
+    path = tmp_path / "src.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+class _Output:
+    """A real safetensors output planned from the source: transposed weights, copied rest."""
+
+    def __init__(self, source: Path, dest: Path) -> None:
+        self.reader = SafetensorsReader(source)
+        self.dest = dest
+        infos = self.reader.tensors
+        self.transposed = {t.name for t in infos if t.name.endswith(".weight")}
+        specs = [
+            TensorSpec(t.name, t.dtype, tuple(reversed(t.shape)) if t.name in self.transposed else t.shape, t.nbytes,
+                       fill=lambda sink: None)
+            for t in infos
+        ]
+        self.plan = plan_safetensors(specs)
+        self.fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, self.plan.file_size)
+        pwrite_all(self.fd, self.plan.header, 0)
+        self.moves = [
+            Move(t.name, t.offset, t.nbytes, self.plan.starts[i], ITEMSIZE[t.dtype],
+                 t.shape if t.name in self.transposed else None, bool_checker(t.dtype, t.name))
+            for i, t in enumerate(infos)
+        ]
+
+    def engine(self, cls: type[OnePass] = OnePass, **kw: int) -> OnePass:
+        return cls(self.reader.fd, self.reader.file_size, self.reader.path, self.fd, str(self.dest), self.moves, **kw)
+
+    def check(self, engine: OnePass) -> None:
+        try:
+            with SafetensorsReader(self.dest) as out:
+                table = {t.name: (t.offset, t.nbytes) for t in out.tensors}
+        except FormatError as exc:  # the structural re-read: a header that does not parse is a failed write
+            raise VerificationError(f"the written header does not read back: {exc}", str(self.dest)) from None
+        engine.ledger.check(table, self.plan.file_size, os.fstat(self.fd).st_size, str(self.dest))
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.reader.close()
+
+
+@pytest.mark.parametrize(
+    ("workers", "slot_bytes", "block_bytes"),
+    [(1, onepass.SLOT_BYTES, onepass.BLOCK_BYTES), (2, 8192, 4096), (4, 4000, 1000), (3, 1 << 20, 7)],
+)
+def test_every_tensor_arrives_exact_with_any_writers_and_buffers(tmp_path: Path, workers: int, slot_bytes: int,
+                                                                  block_bytes: int) -> None:
+    source = _source(tmp_path)
+    output = _Output(source, tmp_path / "out.safetensors")
+    engine = output.engine(workers=workers, slot_bytes=slot_bytes, block_bytes=block_bytes)
+    digest = engine.run()
+    output.check(engine)
+    output.close()
+    assert digest == file_digest(source)
+    before, after = load_file(str(source)), load_file(str(tmp_path / "out.safetensors"))
+    for name, value in before.items():
+        expected = value.T if name in output.transposed else value
+        assert after[name].shape == expected.shape
+        assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
+
+
+def test_the_sha256_option_records_sha256(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+    output = _Output(source, tmp_path / "out.safetensors")
+    assert output.engine(hash_name="sha256").run() == file_digest(source, "sha256")
+    output.close()
+
+
+def test_memory_is_capped_by_the_ring_not_the_model(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+    output = _Output(source, tmp_path / "out.safetensors")
+    engine = output.engine(workers=8, slot_bytes=4096, ring_bytes=4 * 2 * 4096)
+    assert engine._free.qsize() == 4  # slots = ring / two buffers of a slot, whatever the worker count
+    engine.run()
+    output.check(engine)
+    output.close()
+
+
+# -- fault injection: each class the full read-back caught
+
+
+def test_a_block_written_at_a_wrong_offset_is_caught(tmp_path: Path) -> None:
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(block_bytes=4096)
+    moves = engine.moves
+    engine.moves = [m if m.name != "d.bias" else Move(m.name, m.src_offset, m.nbytes, m.dst_offset + 4)
+                    for m in moves]  # the writes follow a wrong window: the re-read header disagrees
+    engine.run()
+    with pytest.raises(VerificationError, match="'d.bias' was written at .* but the header says"):
+        output.check(engine)
+    output.close()
+
+
+def test_a_piece_written_to_a_wrong_place_in_its_window_is_caught(tmp_path: Path) -> None:
+    class Misplaced(OnePass):
+        def _write(self, move: Move, data: np.ndarray, rel: int) -> None:
+            super()._write(move, data, rel + 4 if move.name == "d.bias" and rel else rel)
+
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(Misplaced, block_bytes=4096)
+    engine.run()
+    with pytest.raises(VerificationError, match="'d.bias' was not written exactly once in full"):
+        output.check(engine)
+    output.close()
+
+
+@pytest.mark.parametrize("fault", ["not transposed", "last tile stale", "rows swapped"])
+def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    def wrong(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> None:
+        rows, cols = src.shape
+        out[:, first_col : first_col + rows] = src.T
+        if fault == "not transposed":
+            out.reshape(-1)[:] = src.reshape(-1)
+        elif fault == "last tile stale":
+            out[-1, first_col + rows - 1] ^= 1
+            out[-17:, first_col + rows - 17 : first_col + rows] = 0
+        else:
+            out[:, first_col : first_col + 2] = out[:, first_col + 1 :: -1][:, :2].copy() if rows > 1 else 0
+
+    monkeypatch.setattr(onepass.kernels, "transpose", wrong)
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    with pytest.raises(VerificationError, match="a transposed block does not match its source"):
+        output.engine().run()
+    output.close()
+
+
+@pytest.mark.parametrize("shape", [(100, 70), (1000, 700)])  # compared whole; sampled per tile
+def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(shape: tuple[int, int]) -> None:
+    src = np.arange(shape[0] * shape[1], dtype=np.uint32).reshape(shape)
+    out = np.ascontiguousarray(src.T)
+    rng = random.Random(15)
+    assert check_transposed(src, out, 0, rng)
+    for r0 in (0, 64, shape[0] - shape[0] % 32):  # tiles at the edges (short ones) included
+        for c0 in (0, 32, shape[1] - shape[1] % 32):
+            bad = out.copy()
+            bad[c0 : c0 + 32, r0 : r0 + 32] += 1
+            assert not check_transposed(src, bad, 0, rng), (r0, c0)
+    swapped = out.copy()
+    swapped[:, [5, 6]] = swapped[:, [6, 5]]  # two source rows traded places along a band of tiles
+    assert not check_transposed(src, swapped, 0, rng)
+    assert not check_transposed(src, np.ascontiguousarray(src).reshape(out.shape), 0, rng)  # not transposed
+
+
+def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+
+    class Torn(OnePass):
+        reads = 0
+
+        def _read(self, buf: np.ndarray, offset: int) -> memoryview:
+            Torn.reads += 1
+            if Torn.reads == 2:  # a training job saves again while we are half-way through
+                time.sleep(0.05)  # past the file system's timestamp granularity
+                with open(source, "r+b") as handle:
+                    handle.seek(-64, os.SEEK_END)
+                    handle.write(bytes(64))  # still valid bools: only the change check can tell
+            return super()._read(buf, offset)
+
+    output = _Output(source, tmp_path / "out.safetensors")
+    with pytest.raises(FormatError, match="modified while it was being converted"):
+        output.engine(Torn, block_bytes=4096).run()
+    output.close()
+
+
+def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+
+    class Truncated(OnePass):
+        def _read(self, buf: np.ndarray, offset: int) -> memoryview:
+            if offset > 20000:
+                os.truncate(source, 20000)
+            return super()._read(buf, offset)
+
+    output = _Output(source, tmp_path / "out.safetensors")
+    with pytest.raises(FormatError, match="truncated while it was being converted"):
+        output.engine(Truncated, block_bytes=4096).run()
+    output.close()
+
+
+def test_a_short_write_is_caught(tmp_path: Path) -> None:
+    class Short(OnePass):
+        def _pwrite(self, data: np.ndarray, offset: int) -> int:
+            if data.nbytes > 100:  # what a write path that ignores pwrite's count would leave behind
+                pwrite_all(self.out_fd, data[: data.nbytes - 4].view(np.uint8).reshape(-1), offset)
+                return data.nbytes - 4
+            return super()._pwrite(data, offset)
+
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(Short)
+    engine.run()
+    with pytest.raises(VerificationError, match="was not written exactly once in full"):
+        output.check(engine)
+    output.close()
+
+
+def test_an_output_cut_short_after_writing_is_caught(tmp_path: Path) -> None:
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine()
+    engine.run()
+    os.ftruncate(output.fd, output.plan.file_size - 1)
+    with pytest.raises(VerificationError, match="does not read back|bytes were planned"):
+        output.check(engine)
+    output.close()
+
+
+def test_a_bool_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+    output = _Output(source, tmp_path / "out.safetensors")
+    flag = output.reader.tensor("e.flag")
+    with open(source, "r+b") as handle:
+        handle.seek(flag.offset + 3)
+        handle.write(b"\x02")
+    output.close()
+    output = _Output(source, tmp_path / "out.safetensors")
+    with pytest.raises(FormatError, match="bool tensor holds a byte other than 0 or 1"):
+        output.engine().run()
+    output.close()
