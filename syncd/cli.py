@@ -30,11 +30,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{command + ': ' if command else ''}{message}{hint}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with `command`, only that command's options are filled in, so a command imports
+    nothing another one needs (`convert`'s choices come from the adapters, `status` and `log` from the daemon)."""
     parser = _Parser(prog="syncd", description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.")
     parser.add_argument("--version", action="version", version=f"syncd {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    _add_convert(commands)
+    convert = commands.add_parser("convert", help="convert one checkpoint to the other format and layout")
+    if command in (None, "convert"):
+        _add_convert_arguments(convert)
 
     inspect = commands.add_parser("inspect", help="show a checkpoint's header, metadata and tensors")
     inspect.add_argument("file", type=Path)
@@ -44,11 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the daemon")
     run.add_argument("-c", "--config", type=Path, required=True)
 
-    from syncd.daemon.config import DEFAULT_CONFIG_PATH
-
     status = commands.add_parser("status", help="what the running daemon does now, what waits, what failed")
-    status.add_argument("-c", "--config", type=Path, default=Path(DEFAULT_CONFIG_PATH), help="daemon config")
-    status.add_argument("--json", action="store_true", help="one JSON document")
+    if command in (None, "status"):
+        from syncd.daemon.config import DEFAULT_CONFIG_PATH
+
+        status.add_argument("-c", "--config", type=Path, default=Path(DEFAULT_CONFIG_PATH), help="daemon config")
+        status.add_argument("--json", action="store_true", help="one JSON document")
 
     retry = commands.add_parser("retry", help="look again at files that failed, once their cause is fixed")
     retry.add_argument("-c", "--config", type=Path, required=True)
@@ -59,19 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", type=Path)
     check.add_argument("--user", help="warn about what this user (the service's) cannot read or write (needs root)")
 
-    from syncd.daemon.logview import add_log_arguments
+    log = commands.add_parser("log", help="show the sync log")
+    if command in (None, "log"):
+        from syncd.daemon.logview import add_log_arguments
 
-    add_log_arguments(commands.add_parser("log", help="show the sync log"))
+        add_log_arguments(log)
     completion = commands.add_parser("completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash"])
     return parser
 
 
-def _add_convert(commands: argparse._SubParsersAction) -> None:
+def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     from syncd.adapters import AUTO, LAYOUT_CHOICES
     from syncd.formats.registry import BY_SHORT
 
-    convert = commands.add_parser("convert", help="convert one checkpoint to the other format and layout")
     convert.add_argument("source", type=Path)
     convert.add_argument("-o", "--output", type=Path, help="destination (default: SOURCE with the other extension)")
     convert.add_argument(
@@ -109,11 +115,16 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
+def _command_word(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (the first word not starting with '-'), if any."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     as_json = "--json" in argv  # known before parsing, so argparse's own errors come out as JSON too
     try:
-        parser = build_parser()
+        parser = build_parser(_command_word(argv))
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help(sys.stderr)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any, TextIO
 
@@ -43,6 +42,8 @@ def _describe(reader: TensorFileReader, with_hash: bool) -> dict[str, Any]:
 
 
 def _tensor_sha256(reader: TensorFileReader, name: str) -> str:
+    import hashlib  # only for --hash
+
     sha = hashlib.sha256()
     for piece in reader.iter_chunks(name):
         sha.update(piece)

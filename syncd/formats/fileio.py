@@ -13,8 +13,6 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import numpy as np
-
 from syncd.errors import TRANSIENT_ERRNOS, FormatError, IncompleteFileError
 from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
@@ -269,6 +267,8 @@ def bool_checker(dtype: str, name: str) -> Any:
     """Bool bytes must be exactly 0 or 1 (§6): a writer must not emit 0xFF for true."""
     if dtype not in BOOL_DTYPES:
         return None
+    import numpy as np  # here: reading a table (`syncd inspect`) does not need numpy
+
     element = np.uint32 if dtype == "Bool(U32)" else np.uint8
 
     def check(data: Buffer) -> None:

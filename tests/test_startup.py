@@ -1,0 +1,42 @@
+"""Start-up cost (issue 15): each CLI command imports only what it needs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import MNIST_BPK, REPO
+
+PROBE = """
+import contextlib, io, json, sys
+from syncd.cli import main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as exc:  # --help
+        status = exc.code
+print(json.dumps([status, sorted(m for m in sys.modules if m.split('.')[0] in
+                  ('numpy', 'yaml', 'watchdog', 'xxhash', 'syncd', 'cbor2', 'hashlib'))]))
+"""
+
+
+def _imports(*argv: str) -> tuple[int, set[str]]:
+    out = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=REPO, env={"PYTHONPATH": str(REPO)},
+                         check=True, capture_output=True, text=True).stdout
+    status, modules = json.loads(out)
+    return status, set(modules)
+
+
+def test_inspect_reads_a_table_without_numpy_yaml_or_the_daemon() -> None:
+    status, modules = _imports("inspect", str(MNIST_BPK))
+    assert status == 0
+    assert "cbor2" in modules  # it did read the burnpack
+    assert not {m for m in modules if m.split(".")[0] in ("numpy", "yaml", "watchdog", "xxhash", "hashlib")}
+    assert not {m for m in modules if m.startswith(("syncd.daemon", "syncd.adapters", "syncd.convert"))}
+
+
+def test_the_log_command_still_gets_its_options() -> None:
+    status, modules = _imports("log", "--help")
+    assert status == 0
+    assert "syncd.daemon.logview" in modules
