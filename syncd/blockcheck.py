@@ -20,7 +20,6 @@ proves only what checks taken while writing prove too, at a second pass over eve
 from __future__ import annotations
 
 import os
-import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 from threading import Lock
@@ -36,7 +35,8 @@ FULL_CHECK_ELEMENTS = 1 << 16  # blocks up to this many elements are compared wh
 SAMPLES_PER_TILE = 4
 
 
-def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0, rng: random.Random | None = None) -> bool:
+def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0,
+                     rng: np.random.Generator | None = None) -> bool:
     """True if out[:, first_col:first_col+rows] holds src.T.
 
     Small blocks are compared whole. Larger ones at SAMPLES_PER_TILE elements of every TILE x TILE tile, each
@@ -53,7 +53,7 @@ def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0, rng: 
     window = out[:, first_col : first_col + rows]
     if rows * cols <= FULL_CHECK_ELEMENTS:
         return bool(np.array_equal(window.T, src))
-    gen = np.random.default_rng((rng or random).getrandbits(64))
+    gen = rng if rng is not None else np.random.default_rng()
     tile_r = np.arange(0, rows, TILE)[:, None]
     tile_c = np.arange(0, cols, TILE)[None, :]
     for _ in range(SAMPLES_PER_TILE):
@@ -66,7 +66,8 @@ def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0, rng: 
 
 @dataclass(frozen=True)
 class Entry:
-    """`count` writes of `length` bytes at window offsets start, start+stride, ... and the XXH3-64 of them."""
+    """`count` writes of `length` bytes at window offsets start, start+stride, ... (stride 0: one write)
+    and the XXH3-64 of them."""
 
     start: int
     length: int
@@ -116,19 +117,21 @@ class WriteLedger:
 
 
 def _tiles(entries: list[Entry], nbytes: int) -> bool:
-    """True if the entries cover [0, nbytes) exactly once: either contiguous pieces, or strided segments that
-    all share one stride (a transposed tensor's output row) and together cover that row exactly once."""
+    """True if the entries cover [0, nbytes) exactly once: either contiguous pieces, or strided pieces (a
+    transposed tensor written strip by strip) that share one stride, the output row, and form a grid: their
+    column ranges tile the row, and for each column range their rows tile all rows."""
     if nbytes == 0:
-        return all(e.length == 0 or e.count == 0 for e in entries)
-    strided = [e for e in entries if e.count > 1]
-    if strided:
-        if len(strided) != len(entries):
-            return False
-        stride, count = strided[0].stride, strided[0].count
-        if any(e.stride != stride or e.count != count for e in strided) or stride * count != nbytes:
-            return False
-        return _covers([(e.start, e.length) for e in strided], stride)
-    return _covers([(e.start, e.length) for e in entries], nbytes)
+        return all(e.length == 0 for e in entries)
+    strided = [e for e in entries if e.stride]
+    if not strided:
+        return _covers([(e.start, e.length) for e in entries], nbytes)
+    stride = strided[0].stride
+    if len(strided) != len(entries) or any(e.stride != stride for e in strided) or nbytes % stride:
+        return False
+    by_columns: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for e in strided:
+        by_columns[(e.start % stride, e.length)].append((e.start // stride, e.count))
+    return _covers(list(by_columns), stride) and all(_covers(rows, nbytes // stride) for rows in by_columns.values())
 
 
 def _covers(pieces: list[tuple[int, int]], size: int) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,8 +32,9 @@ from syncd.formats.table import Buffer
 from syncd.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
-SLOT_BYTES = 16 << 20  # largest transpose done in one piece; larger ones go in strips of this size
-RING_BYTES = 128 << 20  # all slots together (two buffers each): the conversion's memory, model-independent
+SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of this size
+BAND_BYTES = 1 << 20  # transposed output produced and written this much at a time, in cache
+RING_BYTES = 128 << 20  # all slots together: the conversion's buffer memory, whatever the model
 ALIGN = 64
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -61,7 +61,8 @@ def aligned(size: int) -> np.ndarray:
 
 
 class _Slot:
-    """Two reusable aligned buffers: what was read, and its transpose. Grown on demand up to SLOT_BYTES."""
+    """Two reusable aligned buffers: what was read (up to SLOT_BYTES) and a band of its transpose (up to
+    BAND_BYTES). Grown on demand."""
 
     def __init__(self) -> None:
         self._src = np.empty(0, np.uint8)
@@ -99,16 +100,16 @@ class OnePass:
     ring_bytes: int = RING_BYTES
     slot_bytes: int = SLOT_BYTES
     block_bytes: int = BLOCK_BYTES
+    band_bytes: int = BAND_BYTES
     ledger: WriteLedger = field(default_factory=WriteLedger)
 
     def __post_init__(self) -> None:
         self.hasher: Hasher = new_hasher(self.hash_name)
-        slots = max(2, min(self.workers + 2, self.ring_bytes // (2 * self.slot_bytes)))
+        slots = max(2, min(self.workers + 2, self.ring_bytes // (self.slot_bytes + self.band_bytes)))
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(slots):
             self._free.put(_Slot())
-        self._rng = random.Random()
-        self._rng_lock = threading.Lock()
+        self._local = threading.local()
 
     # -- the reading thread
 
@@ -206,6 +207,13 @@ class OnePass:
 
     # -- the writing threads
 
+    def _generator(self) -> np.random.Generator:
+        """This writer thread's source of sample positions for the in-cache checks (fresh per conversion)."""
+        gen = getattr(self._local, "generator", None)
+        if gen is None:
+            gen = self._local.generator = np.random.default_rng()
+        return gen
+
     def _copy_block(self, slot: _Slot, move: Move, rel: int, n: int) -> None:
         try:
             data = slot.src(n)
@@ -216,25 +224,25 @@ class OnePass:
             self._free.put(slot)
 
     def _transpose_strip(self, slot: _Slot, move: Move, r0: int, n: int) -> None:
-        """Source rows r0:r0+n become columns r0:r0+n of every output row."""
+        """Source rows r0:r0+n become columns r0:r0+n of every output row, a band of output rows at a time:
+        each band is transposed, checked, hashed and written while it is in cache (a transposed buffer
+        larger than the cache costs three times as much to write, measured)."""
         try:
             rows, cols = move.matrix  # type: ignore[misc]
-            size = n * cols * move.itemsize
             dtype = _UINT[move.itemsize]
-            src = slot.src(size).view(dtype).reshape(n, cols)
-            out = slot.out(size).view(dtype).reshape(cols, n)
-            kernels.transpose(src, out, 0)
-            with self._rng_lock:
-                seed = self._rng.random()
-            if not check_transposed(src, out, 0, random.Random(seed)):
-                raise VerificationError(f"tensor '{move.name}': a transposed block does not match its source",
-                                        self.out_path)
-            if move.check is not None:
-                move.check(out.view(np.uint8))
-            if n == rows:
-                self._write(move, out.view(np.uint8).reshape(-1), 0)
-            else:
-                self._write_segments(move, out, r0, n)
+            src = slot.src(n * cols * move.itemsize).view(dtype).reshape(n, cols)
+            band = max(1, self.band_bytes // (n * move.itemsize))
+            for c0 in range(0, cols, band):
+                c1 = min(cols, c0 + band)
+                out = slot.out((c1 - c0) * n * move.itemsize).view(dtype).reshape(c1 - c0, n)
+                kernels.transpose(src[:, c0:c1], out, 0)
+                if not check_transposed(src[:, c0:c1], out, 0, self._generator()):
+                    raise VerificationError(f"tensor '{move.name}': a transposed block does not match its source",
+                                            self.out_path)
+                if n == rows:
+                    self._write(move, out.reshape(-1).view(np.uint8), c0 * rows * move.itemsize)
+                else:
+                    self._write_segments(move, out, r0, c0)
         finally:
             self._free.put(slot)
 
@@ -242,14 +250,15 @@ class OnePass:
         written = self._pwrite(data, move.dst_offset + rel)
         self.ledger.record(move.name, Entry(rel, written, digest=block_digest(data[:written])))
 
-    def _write_segments(self, move: Move, out: np.ndarray, r0: int, n: int) -> None:
+    def _write_segments(self, move: Move, out: np.ndarray, r0: int, c0: int) -> None:
+        """Row k of `out` is a piece of output row c0+k, from column r0 on."""
         rows = move.matrix[0]  # type: ignore[index]
-        segment = n * move.itemsize
+        segment = out.shape[1] * move.itemsize
         stride = rows * move.itemsize
-        base = move.dst_offset + r0 * move.itemsize
-        written = min(self._pwrite(out[c], base + c * stride) for c in range(out.shape[0]))
-        self.ledger.record(move.name, Entry(r0 * move.itemsize, written if written == segment else -1,
-                                            count=out.shape[0], stride=stride, digest=block_digest(out)))
+        first = c0 * stride + r0 * move.itemsize
+        written = min(self._pwrite(out[k], move.dst_offset + first + k * stride) for k in range(out.shape[0]))
+        self.ledger.record(move.name, Entry(first, written if written == segment else -1, count=out.shape[0],
+                                            stride=stride, digest=block_digest(out)))
 
     def _pwrite(self, data: np.ndarray, offset: int) -> int:
         """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""

@@ -65,6 +65,15 @@ def test_both_kernels_write_into_a_column_window_and_nowhere_else(compiled: Kern
         assert (out[:, :50] == 0xDEADBEEF).all() and (out[:, 87:] == 0xDEADBEEF).all(), name
 
 
+def test_both_kernels_transpose_a_band_of_columns_of_a_larger_matrix(compiled: Kernel) -> None:
+    whole = _random((53, 90), np.uint32, 11)
+    for name, kernel in _kernels(compiled):
+        for c0, c1 in [(0, 32), (32, 64), (64, 90), (5, 6), (0, 90)]:
+            out = np.empty((c1 - c0, 53), dtype=np.uint32)
+            kernel(whole[:, c0:c1], out, 0)
+            assert np.array_equal(out, whole[:, c0:c1].T), (name, c0, c1)
+
+
 def test_signalling_nans_and_odd_float_bits_survive_unchanged(compiled: Kernel) -> None:
     # float32 signalling NaN (quiet bit clear), a NaN with payload, -0.0, a denormal, infinities; and the
     # bfloat16 and float64 counterparts: a float load/store on x87 or a BLAS copy could quieten the sNaN
@@ -101,6 +110,8 @@ def test_the_compiled_kernel_refuses_what_does_not_fit(compiled: Kernel) -> None
         compiled(src, np.zeros((6, 4), dtype=np.uint16), 0)  # element sizes differ
     with pytest.raises(ValueError):
         compiled(src, np.zeros((6, 8), dtype=np.uint32)[:, ::2], 0)  # not contiguous
+    with pytest.raises(ValueError):
+        compiled(np.zeros((4, 12), dtype=np.uint32)[:, ::2], np.zeros((6, 4), dtype=np.uint32), 0)  # strided elements
 
 
 def test_the_fallback_is_chosen_when_asked_and_gives_the_same_bytes() -> None:

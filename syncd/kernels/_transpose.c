@@ -5,8 +5,9 @@
  * rows read and the rows written stay in L1 while a tile is moved. The GIL is released for the copy: the
  * caller may run several transposes on several threads.
  *
- * transpose(src, dst, rows, cols, itemsize, dst_stride, dst_col): dst[c, dst_col + r] = src[r, c], with
- * dst rows dst_stride elements apart. Built by setup.py as an optional extension; syncd.kernels falls back
+ * transpose(src, dst, rows, cols, itemsize, src_stride, src_col, dst_stride, dst_col):
+ * dst[c, dst_col + r] = src[r, src_col + c] for r < rows, c < cols, rows of src src_stride elements apart and
+ * rows of dst dst_stride apart: a band of columns of a larger matrix can be transposed without copying it out. Built by setup.py as an optional extension; syncd.kernels falls back
  * to numpy (identical bytes) when it is absent.
  */
 #define PY_SSIZE_T_CLEAN
@@ -17,14 +18,14 @@
 #define TILE 32
 
 #define DEFINE_TRANSPOSE(NAME, T)                                                               \
-    static void NAME(const T *src, T *dst, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t stride) { \
+    static void NAME(const T *src, T *dst, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t sstride, Py_ssize_t stride) { \
         for (Py_ssize_t r0 = 0; r0 < rows; r0 += TILE) {                                         \
             Py_ssize_t r1 = r0 + TILE < rows ? r0 + TILE : rows;                                  \
             for (Py_ssize_t c0 = 0; c0 < cols; c0 += TILE) {                                     \
                 Py_ssize_t c1 = c0 + TILE < cols ? c0 + TILE : cols;                              \
                 for (Py_ssize_t c = c0; c < c1; c++) {                                            \
                     T *out = dst + c * stride;                                                    \
-                    for (Py_ssize_t r = r0; r < r1; r++) out[r] = src[r * cols + c];              \
+                    for (Py_ssize_t r = r0; r < r1; r++) out[r] = src[r * sstride + c];              \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
@@ -35,7 +36,7 @@ DEFINE_TRANSPOSE(transpose16, uint16_t)
 #ifdef __SSE2__
 #include <emmintrin.h>
 /* 4x4 blocks of 32-bit elements through SSE2 registers (integer unpacks: the bits are not interpreted). */
-static inline void block4x4(const uint32_t *s, Py_ssize_t cols, uint32_t *d, Py_ssize_t stride) {
+static inline void block4x4(const uint32_t *s, Py_ssize_t cols, uint32_t *d, Py_ssize_t stride) { /* cols: source row stride */
     __m128i a = _mm_loadu_si128((const __m128i *)(s));
     __m128i b = _mm_loadu_si128((const __m128i *)(s + cols));
     __m128i c = _mm_loadu_si128((const __m128i *)(s + 2 * cols));
@@ -48,7 +49,8 @@ static inline void block4x4(const uint32_t *s, Py_ssize_t cols, uint32_t *d, Py_
     _mm_storeu_si128((__m128i *)(d + 3 * stride), _mm_unpackhi_epi64(ab1, ce1));
 }
 
-static void transpose32(const uint32_t *src, uint32_t *dst, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t stride) {
+static void transpose32(const uint32_t *src, uint32_t *dst, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t sstride,
+                        Py_ssize_t stride) {
     for (Py_ssize_t r0 = 0; r0 < rows; r0 += TILE) {
         Py_ssize_t r1 = r0 + TILE < rows ? r0 + TILE : rows;
         for (Py_ssize_t c0 = 0; c0 < cols; c0 += TILE) {
@@ -56,12 +58,12 @@ static void transpose32(const uint32_t *src, uint32_t *dst, Py_ssize_t rows, Py_
             Py_ssize_t r = r0;
             for (; r + 4 <= r1; r += 4) {
                 Py_ssize_t c = c0;
-                for (; c + 4 <= c1; c += 4) block4x4(src + r * cols + c, cols, dst + c * stride + r, stride);
+                for (; c + 4 <= c1; c += 4) block4x4(src + r * sstride + c, sstride, dst + c * stride + r, stride);
                 for (; c < c1; c++)
-                    for (Py_ssize_t k = r; k < r + 4; k++) dst[c * stride + k] = src[k * cols + c];
+                    for (Py_ssize_t k = r; k < r + 4; k++) dst[c * stride + k] = src[k * sstride + c];
             }
             for (; r < r1; r++)
-                for (Py_ssize_t c = c0; c < c1; c++) dst[c * stride + r] = src[r * cols + c];
+                for (Py_ssize_t c = c0; c < c1; c++) dst[c * stride + r] = src[r * sstride + c];
         }
     }
 }
@@ -72,24 +74,26 @@ DEFINE_TRANSPOSE(transpose64, uint64_t)
 
 static PyObject *py_transpose(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
-    Py_ssize_t rows, cols, itemsize, stride, col;
-    if (!PyArg_ParseTuple(args, "y*w*nnnnn", &src, &dst, &rows, &cols, &itemsize, &stride, &col)) return NULL;
+    Py_ssize_t rows, cols, itemsize, sstride, scol, stride, col;
+    if (!PyArg_ParseTuple(args, "y*w*nnnnnnn", &src, &dst, &rows, &cols, &itemsize, &sstride, &scol, &stride, &col))
+        return NULL;
     PyObject *result = NULL;
-    if (rows < 0 || cols < 0 || col < 0 || stride < rows + col || !(itemsize == 1 || itemsize == 2 ||
-        itemsize == 4 || itemsize == 8)) {
+    Py_ssize_t selems = src.len / (itemsize > 0 ? itemsize : 1), delems = dst.len / (itemsize > 0 ? itemsize : 1);
+    if (rows < 0 || cols < 0 || scol < 0 || col < 0 || sstride < cols + scol || stride < rows + col ||
+        !(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8)) {
         PyErr_SetString(PyExc_ValueError, "bad transpose geometry");
-    } else if (rows && cols && (src.len / itemsize / cols < rows || dst.len / itemsize / stride < cols - 1 ||
-               (cols - 1) * stride + col + rows > dst.len / itemsize)) {
+    } else if (rows && cols && (selems / sstride < rows - 1 || (rows - 1) * sstride + scol + cols > selems ||
+                                delems / stride < cols - 1 || (cols - 1) * stride + col + rows > delems)) {
         PyErr_SetString(PyExc_ValueError, "buffers too small for the transpose");
     } else if ((uintptr_t)src.buf % itemsize || (uintptr_t)dst.buf % itemsize) {
         PyErr_SetString(PyExc_ValueError, "buffers not aligned to the element size");
     } else {
         Py_BEGIN_ALLOW_THREADS
         switch (itemsize) {
-        case 1: transpose8(src.buf, (uint8_t *)dst.buf + col, rows, cols, stride); break;
-        case 2: transpose16(src.buf, (uint16_t *)dst.buf + col, rows, cols, stride); break;
-        case 4: transpose32(src.buf, (uint32_t *)dst.buf + col, rows, cols, stride); break;
-        default: transpose64(src.buf, (uint64_t *)dst.buf + col, rows, cols, stride); break;
+        case 1: transpose8((const uint8_t *)src.buf + scol, (uint8_t *)dst.buf + col, rows, cols, sstride, stride); break;
+        case 2: transpose16((const uint16_t *)src.buf + scol, (uint16_t *)dst.buf + col, rows, cols, sstride, stride); break;
+        case 4: transpose32((const uint32_t *)src.buf + scol, (uint32_t *)dst.buf + col, rows, cols, sstride, stride); break;
+        default: transpose64((const uint64_t *)src.buf + scol, (uint64_t *)dst.buf + col, rows, cols, sstride, stride); break;
         }
         Py_END_ALLOW_THREADS
         result = Py_None;
@@ -101,7 +105,7 @@ static PyObject *py_transpose(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"transpose", py_transpose, METH_VARARGS, "dst[c, col + r] = src[r, c], bit for bit (GIL released)"},
+    {"transpose", py_transpose, METH_VARARGS, "dst[c, col + r] = src[r, scol + c], bit for bit (GIL released)"},
     {NULL, NULL, 0, NULL},
 };
 
