@@ -187,12 +187,13 @@ def store_facts(
         metadata[PRECISION] = dumps(carried.precision)
 
 
-def stamp(metadata: dict[str, str], layout: str, source_name: str, source_sha256: str) -> None:
-    """What every output records: its tensor layout when decided, its source's name and sha256."""
+def stamp(metadata: dict[str, str], layout: str, source_name: str, hash_key: str, source_hash: str) -> None:
+    """What every output records: its tensor layout when decided, its source's name and hash (`hash_key`:
+    syncd.source_xxh3_128, or syncd.source_sha256 by choice; see hashing.py)."""
     if layout in CARRIED_LAYOUTS:
         metadata[LAYOUT] = layout
     metadata[SOURCE] = file_label(source_name)
-    metadata[SOURCE_SHA256] = source_sha256
+    metadata[hash_key] = source_hash
 
 
 def parse(metadata: dict[str, str], path: str) -> Carried:

@@ -254,6 +254,8 @@ def _convert(args: argparse.Namespace) -> int:
         store=store,
         shard_size=shard_size,
         one_file=one_file,
+        hash_name=args.hash,
+        verify=args.verify,
     )
     try:
         result = convert(request)

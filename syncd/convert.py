@@ -12,7 +12,6 @@ a safetensors output may be written as a set (setout.py), shards first and the i
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from syncd import carry
+from syncd import carry, hashing
 from syncd.adapters import (
     AUTO,
     BURN,
@@ -50,6 +49,14 @@ from syncd.formats.shards import (
     member_files,
 )
 from syncd.formats.table import TensorInfo, TensorSpec
+from syncd.passwrite import (
+    VERIFY_CHOICES,
+    FromSource,
+    Written,
+    check_written,
+    verify_full,
+    write_planned,
+)
 from syncd.progress import ProgressCallback, track
 from syncd.publish import FileIdentity, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
 from syncd.setout import set_paths, write_set
@@ -60,7 +67,6 @@ from syncd.transfer import Transfer
 # The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
 Rename = Callable[[list[tuple[str, str]]], list[tuple[str, str]]]
 
-SHA_PLACEHOLDER = "sha256-of-the-source-pending".ljust(64, "0")  # exactly as long as a hex sha256
 
 
 @dataclass
@@ -80,6 +86,8 @@ class ConvertRequest:
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision (issue 16)
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
     one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
+    hash_name: str = hashing.DEFAULT_HASH  # the source hash recorded: xxh3_128 | sha256
+    verify: str = "fast"  # fast: checks taken while writing, table re-read; full: also every tensor re-read
 
 
 @dataclass
@@ -116,6 +124,10 @@ def convert(request: ConvertRequest) -> ConvertResult:
         source_path = Path(find_index(source_path))
     if request.layout not in LAYOUT_CHOICES:
         raise UsageError(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {request.layout!r}")
+    if request.hash_name not in hashing.HASH_CHOICES:
+        raise UsageError(f"--hash must be one of {', '.join(hashing.HASH_CHOICES)}, got {request.hash_name!r}")
+    if request.verify not in VERIFY_CHOICES:
+        raise UsageError(f"--verify must be one of {', '.join(VERIFY_CHOICES)}, got {request.verify!r}")
     with open_source(source_path, request.within) as source:
         to_format = request.to_format or BY_NAME[source.header.format].converts_to
         dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
@@ -125,7 +137,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
                 _check_distinct(Path(member), path)
             if request.fail_early_if_exists and not request.overwrite:
                 ensure_destination_free(path)
-        if request.progress is not None:
+        if request.progress is not None and not conversion.one_pass:  # the one pass reports its own writes
             conversion.specs = track(conversion.specs, request.progress)
         outcome = write_verify_publish(conversion)
     return ConvertResult(
@@ -223,6 +235,7 @@ class Conversion:
     store: StorePlan = field(default_factory=StorePlan.empty)  # what filters, remap rules and casts did
     casts: dict[str, CastCopy] = field(default_factory=dict)  # output name -> its cast
     shards: ShardLayout | None = None  # a safetensors output written as a sharded set
+    one_pass: bool = False  # one source file to one output file: written in one pass over the source
     directory: Path = Path()  # where a set's files go
 
     def output_paths(self) -> list[Path]:
@@ -244,7 +257,8 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carry.store_facts(
         c.metadata, _carried_shards(c), store.renames, cast, next(iter(store.casts.values()), None), carried
     )
-    carry.stamp(c.metadata, adapted.target_layout, os.path.basename(source.path), SHA_PLACEHOLDER)
+    carry.stamp(c.metadata, adapted.target_layout, os.path.basename(source.path),
+                hashing.SOURCE_HASH_KEYS[request.hash_name], hashing.placeholder(request.hash_name))
     carry.record_kinds(c.metadata, adapted.target_layout, adapted.kinds)
     c.shards = _output_shards(c, explicit_dest=request.dest is not None)
     c.directory = dest if dest.is_dir() else dest.parent
@@ -252,7 +266,23 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         c.dest = set_paths(c.shards, c.directory)[-1]  # the index (or the one file of a one-shard split)
     elif dest.is_dir():  # `-o DIR`: the default name, in that directory
         c.dest = dest / default_destination(Path(source.path), target.format.name).name
+    c.one_pass = c.shards is None and source.sharded is None
+    if c.one_pass:
+        c.specs = _from_source(c)
     return c
+
+
+def _from_source(c: Conversion) -> list[TensorSpec]:
+    """The tensors moved unchanged or transposed get FromSource fills: write_planned moves them in its one
+    pass over the source (which also hashes it). Cast and restored tensors keep their own fills."""
+    entry_of = {e.target: e for e in c.entries}
+    return [
+        replace(spec, fill=FromSource(c.source.reader_of(entry_of[spec.name].source), entry_of[spec.name].source,
+                                      entry_of[spec.name].transpose))
+        if spec.name in entry_of and spec.name not in c.casts
+        else spec
+        for spec in c.specs
+    ]
 
 
 def _adapt(
@@ -369,8 +399,10 @@ def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
 def write_verify_publish(c: Conversion) -> PublishResult:
     if c.shards is not None:
         return _write_set(c)
+    if c.one_pass:
+        return _write_one_pass(c)
     mode = os.fstat(c.source.primary.fd).st_mode & 0o777
-    hasher = _SourceHasher(c.source)
+    hasher = _SourceHasher(c.source, c.request.hash_name)
     with open_scratch(c.dest, mode) as scratch:
         try:
             header, c.output_size = c.target.write(scratch.fd, c)
@@ -381,6 +413,48 @@ def write_verify_publish(c: Conversion) -> PublishResult:
         verify(c, scratch.path)
         _fill_in_source_hash(c, scratch.fd, header, hasher.result())
         return _publish(scratch, c)
+
+
+def _write_one_pass(c: Conversion) -> PublishResult:
+    """One source file to one output file: planned, written in one pass over the source (which gives the
+    source hash), checked without reading the data back, the hash filled in, then published."""
+    mode = os.fstat(c.source.primary.fd).st_mode & 0o777
+    with open_scratch(c.dest, mode) as scratch:
+        try:
+            header, c.output_size, starts = c.target.lay_out(c)
+            written = write_planned(scratch.fd, str(scratch.path), header, c.output_size,
+                                    list(zip(c.specs, starts, strict=True)), c.source.primary, c.request.hash_name,
+                                    progress=c.request.progress)
+        except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
+            raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
+        verify_one_pass(c, scratch.path, scratch.fd, written)
+        _fill_in_source_hash(c, scratch.fd, header, written.source_hash)
+        return _publish(scratch, c)
+
+
+def verify_one_pass(c: Conversion, written_path: Path, fd: int, written: Written) -> None:
+    """Re-read the written header and table (a fresh reader validates them as any reader would): the table
+    must be the plan's, and the ledger of writes must tile it exactly. The data is not read back (it would
+    come from the page cache just written); transposed blocks were checked in cache as they were written.
+    Cast and restored tensors are checked as in `verify`. `--verify full` also re-reads every tensor."""
+    try:
+        output = c.target.format.reader(written_path)
+    except FormatError as exc:
+        raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
+    with output:
+        _verify_table(c, output, c.specs)
+        c.target.check_written(c, output)
+        check_written(written.ledger, output, c.output_size, fd)
+        moved = [s.fill for s in c.specs if isinstance(s.fill, FromSource)]
+        if c.request.verify == "full":
+            verify_full([(f.reader, f.name, s.name, f.transpose) for s, f in zip(
+                [s for s in c.specs if isinstance(s.fill, FromSource)], moved, strict=True)], output)
+        for spec in c.specs:
+            if spec.name in c.restored:
+                if output.read(spec.name) != c.carried.dropped[spec.name][2]:
+                    raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
+            elif spec.name in c.casts:
+                c.casts[spec.name].verify(output, spec.name)
 
 
 def _write_set(c: Conversion) -> PublishResult:
@@ -403,14 +477,14 @@ def _write_set(c: Conversion) -> PublishResult:
     return PublishResult(status, c.dest)  # type: ignore[arg-type]
 
 
-def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, sha: str) -> None:
-    """The source hash is computed while the tensors are written, so the header went out with a placeholder
-    of the same length: patching it in place keeps the header's size and every offset where it is."""
-    placeholder = SHA_PLACEHOLDER.encode("ascii")
+def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, digest: str) -> None:
+    """The source hash is known once the source has been read, so the header went out with a placeholder of
+    the same length: patching it in place keeps the header's size and every offset where it is."""
+    placeholder = hashing.placeholder(c.request.hash_name).encode("ascii")
     if header.count(placeholder) != 1:
         raise SyncdError("cannot place the source hash in the output header", str(c.dest))
-    c.metadata[carry.SOURCE_SHA256] = sha
-    final = header.replace(placeholder, sha.encode("ascii"))
+    c.metadata[hashing.SOURCE_HASH_KEYS[c.request.hash_name]] = digest
+    final = header.replace(placeholder, digest.encode("ascii"))
     pwrite_all(fd, final, 0)
     if os.pread(fd, len(final), 0) != final:
         raise VerificationError("the output header reads back different from what was written", str(c.dest))
@@ -456,12 +530,13 @@ def _naming_file(exc: SyncdError, path: str) -> SyncdError:
 
 
 class _SourceHasher:
-    """sha256 of the whole source, computed on another thread while the conversion runs (hashlib releases
-    the GIL on large buffers, so on two cores this costs almost no wall time)."""
+    """The hash of a sharded source set, computed on another thread while its conversion runs (single files
+    are hashed by the one pass, from the read that feeds the conversion)."""
 
     CHUNK = 8 << 20
 
-    def __init__(self, source: Source) -> None:
+    def __init__(self, source: Source, hash_name: str = hashing.DEFAULT_HASH) -> None:
+        self.hash_name = hash_name
         # a set is hashed as its index followed by its shards, in order (as file_sha256)
         self.prefix = source.sharded.index.raw if source.sharded is not None else b""
         self.parts = [(os.dup(reader.fd), reader.file_size, reader.path) for reader in source.readers]
@@ -473,7 +548,8 @@ class _SourceHasher:
 
     def _run(self) -> None:
         try:
-            sha = hashlib.sha256(self.prefix)
+            sha = hashing.new_hasher(self.hash_name)
+            sha.update(self.prefix)
             buf = memoryview(bytearray(self.CHUNK))
             for fd, size, path in self.parts:
                 offset = 0
@@ -550,8 +626,13 @@ def _stamp(info: os.stat_result) -> tuple[int, ...]:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file; of a sharded set (its index), the index followed by every shard it lists, in order."""
-    sha = hashlib.sha256()
+    return source_digest(path, hashing.SHA256)
+
+
+def source_digest(path: Path, hash_name: str = hashing.DEFAULT_HASH) -> str:
+    """The hash of a source file; of a sharded set (its index), the index followed by every shard it lists,
+    in order (as a conversion records it)."""
+    sha = hashing.new_hasher(hash_name)
     paths = [Path(path)]
     if is_index_name(path):
         paths += [Path(p) for p in member_files(path)]

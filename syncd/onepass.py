@@ -102,6 +102,7 @@ class OnePass:
     block_bytes: int = BLOCK_BYTES
     band_bytes: int = BAND_BYTES
     ledger: WriteLedger = field(default_factory=WriteLedger)
+    progress: Callable[[int], None] | None = None  # told the bytes of each write as it lands
 
     def __post_init__(self) -> None:
         self.hasher: Hasher = new_hasher(self.hash_name)
@@ -263,4 +264,6 @@ class OnePass:
     def _pwrite(self, data: np.ndarray, offset: int) -> int:
         """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""
         pwrite_all(self.out_fd, data, offset)
+        if self.progress is not None:
+            self.progress(data.nbytes)
         return data.nbytes

@@ -11,8 +11,9 @@ audit (`--verify full`): every tensor of the output re-read and compared with it
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,31 +44,59 @@ class FromSource:
 
 @dataclass
 class Written:
-    source_hash: str
+    source_hash: str  # of `reader`, the source's primary file
     ledger: WriteLedger
+    other_hashes: dict[str, str] = field(default_factory=dict)  # path -> hash of further files (sharded sources)
 
 
 def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Sequence[tuple[TensorSpec, int]],
-                  reader: TensorFileReader, hash_name: str = DEFAULT_HASH, workers: int | None = None) -> Written:
-    """Write a whole output: `header` at 0, each (spec, absolute start) of `placed`, zeros in between."""
+                  reader: TensorFileReader, hash_name: str = DEFAULT_HASH, workers: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> Written:
+    """Write a whole output: `header` at 0, each (spec, absolute start) of `placed`, zeros in between.
+    `FromSource` tensors may come from several files (a sharded checkpoint): one pass over each, `reader`'s
+    always (its hash is the one recorded)."""
     os.ftruncate(fd, file_size)
     pwrite_all(fd, header, 0)
     ledger = WriteLedger()
-    moves = []
+    counted = _Progress(sum(spec.nbytes for spec, _ in placed), progress) if progress else None
+    moves: dict[TensorFileReader, list[Move]] = {reader: []}
     cursor = len(header)
     for spec, start in sorted(placed, key=lambda p: p[1]):
         if start > cursor:
             write_zeros(fd, cursor, start - cursor)  # padding is zero bytes on disk, not a hole
         cursor = max(cursor, start + spec.nbytes)
         if isinstance(spec.fill, FromSource):
-            moves.append(_move(spec, start, spec.fill))
+            moves.setdefault(spec.fill.reader, []).append(_move(spec, start, spec.fill))
         else:
             _write_small(fd, spec, start, ledger)
+            if counted:
+                counted.add(spec.nbytes)
     if file_size > cursor:
         write_zeros(fd, cursor, file_size - cursor)
-    engine = OnePass(reader.fd, reader.file_size, reader.path, fd, path, moves, hash_name,
-                     workers or default_workers(), ledger=ledger)
-    return Written(engine.run(), ledger)
+    hashes = {
+        source.path: OnePass(source.fd, source.file_size, source.path, fd, path, source_moves, hash_name,
+                             workers or default_workers(), ledger=ledger,
+                             progress=counted.add if counted else None).run()
+        for source, source_moves in moves.items()
+    }
+    primary = hashes.pop(reader.path)
+    return Written(primary, ledger, hashes)
+
+
+class _Progress:
+    """Bytes written so far, reported as (done, total) to a progress callback (writers run in parallel)."""
+
+    def __init__(self, total: int, callback: Callable[[int, int], None]) -> None:
+        self.total = total
+        self.done = 0
+        self.callback = callback
+        self.lock = threading.Lock()
+        callback(0, total)
+
+    def add(self, count: int) -> None:
+        with self.lock:
+            self.done += count
+            self.callback(self.done, self.total)
 
 
 def _move(spec: TensorSpec, start: int, fill: FromSource) -> Move:

@@ -14,11 +14,11 @@ from syncd import carry
 from syncd.adapters import PlanEntry
 from syncd.errors import FormatError, UnsupportedError, VerificationError
 from syncd.formats import BURNPACK, SAFETENSORS
-from syncd.formats.burnpack import LAYOUT_ALIGNED, write_burnpack
+from syncd.formats.burnpack import LAYOUT_ALIGNED, plan_burnpack, write_burnpack
 from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader
 from syncd.formats.registry import BY_NAME, PYTORCH_LAYOUT, Format
-from syncd.formats.safetensors import write_safetensors
+from syncd.formats.safetensors import plan_safetensors, write_safetensors
 from syncd.formats.table import TensorInfo, TensorSpec
 
 if TYPE_CHECKING:  # the pipeline's state; convert.py imports this module, not the other way round at run time
@@ -55,7 +55,12 @@ class Target:
         raise NotImplementedError
 
     def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
-        """Write the whole output to `fd`; returns (its header bytes, its size)."""
+        """Write the whole output to `fd` through the specs' fills; returns (its header bytes, its size)."""
+        raise NotImplementedError
+
+    def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
+        """Where everything goes: (the header bytes, the file size, the absolute start of each of c.specs).
+        convert writes it all (passwrite.write_planned)."""
         raise NotImplementedError
 
     def comparable(self, dtype: str) -> str:
@@ -121,6 +126,10 @@ class BurnpackTarget(Target):
         plan = write_burnpack(fd, c.specs, c.metadata, c.scalars, self._data_layout(c))
         return plan.header, plan.file_size
 
+    def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
+        plan = plan_burnpack(c.specs, c.metadata, c.scalars, self._data_layout(c))
+        return plan.header, plan.file_size, [plan.data_start + start for start in plan.starts]
+
     def check_written(self, c: Conversion, output: TensorFileReader) -> None:
         ids = {s.name: s.param_id for s in c.specs}
         if any(ids[t.name] != t.param_id for t in output.tensors):
@@ -151,6 +160,10 @@ class SafetensorsTarget(Target):
     def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
         plan = write_safetensors(fd, c.specs, c.metadata)
         return plan.header, plan.file_size
+
+    def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
+        plan = plan_safetensors(c.specs, c.metadata)
+        return plan.header, plan.file_size, plan.starts
 
     def comparable(self, dtype: str) -> str:
         return DTYPE_TO_SAFETENSORS[dtype]  # Flex32 is written as F32, the Bool stores as BOOL...

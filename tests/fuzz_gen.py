@@ -241,7 +241,7 @@ SUBBYTE = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 QUANT_VALUES = ["Q8F", "E5M2", "E4M3", "Q4F", "E2M1", "Q2F", "Q8S", "Q4S", "Q2S"]
 CARRIED_KEYS = ["syncd.layout", "syncd.param_ids", "syncd.dtypes", "syncd.data_order", "syncd.burnpack_metadata",
                 "syncd.burnpack_layout", "syncd.scalars", "syncd.dropped", "syncd.safetensors_metadata",
-                "syncd.source", "syncd.source_sha256", "format"]
+                "syncd.source", "syncd.source_sha256", "syncd.source_xxh3_128", "format"]
 META_KEYS = CARRIED_KEYS + ["version", "producer", "note"]
 LAYOUT_VALUES = ["pytorch", "burn", "keep", "packed", "aligned", "", "x" * 300]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 import yaml
 from conftest import MNIST_BPK as MNIST_WEB  # noqa: E402
 from conftest import MNIST_ST as MNIST_PT  # noqa: E402
@@ -42,7 +43,8 @@ from syncd.convert import ConvertRequest, convert
 from syncd.errors import FormatError, UnsupportedError, UsageError, VerificationError
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
 from syncd.formats.safetensors import SafetensorsReader
-from syncd.transfer import WHOLE_BYTES
+from syncd.onepass import SLOT_BYTES
+from syncd.passwrite import verify_full
 
 TO_TORCH_LEAF = {"gamma": "weight", "beta": "bias"}
 
@@ -57,9 +59,14 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _xxh3_128(path: Path) -> str:
+    return xxhash.xxh3_128_hexdigest(path.read_bytes())
+
+
 def _assert_provenance(output: Checkpoint, source: Path) -> None:
     assert output.metadata["syncd.source"] == source.name
-    assert output.metadata["syncd.source_sha256"] == _sha256(source)
+    assert output.metadata["syncd.source_xxh3_128"] == _xxh3_128(source)
+    assert "syncd.source_sha256" not in output.metadata
 
 
 def _write_bpk(path: Path, specs: list, metadata=None, scalars=None, layout: str = "aligned") -> Path:
@@ -590,7 +597,7 @@ def test_rename_rewrites_output_names_and_the_carried_facts_follow(tmp_path: Pat
 def test_large_and_empty_linear_weights_transpose_exactly(tmp_path: Path) -> None:
     # one weight above the size transposed in memory in one piece (it goes strip by strip), and empty ones
     rows, cols = 16400, 1027
-    assert rows * cols * 4 > WHOLE_BYTES
+    assert rows * cols * 4 > SLOT_BYTES
     big = np.random.default_rng(1).integers(0, 1 << 32, (rows, cols), dtype=np.uint32).view(np.float32)
     state = {
         "big.weight": torch.from_numpy(big),
@@ -770,3 +777,62 @@ def test_bad_input_exits_1_with_one_line(tmp_path: Path, name: str, content: byt
 def test_directory_as_source_exits_1(tmp_path: Path) -> None:
     (tmp_path / "model.bpk").mkdir()
     assert_one_line_error(run_cli("convert", tmp_path / "model.bpk"), 1, "model.bpk")
+
+
+# ------------------------------------------------------------------------------------------------------
+# issue 15: the recorded source hash, and the full read-back kept for audits
+
+
+def test_hash_sha256_records_the_sha256_of_the_source(tmp_path: Path) -> None:
+    source = _copy(MNIST_WEB, tmp_path)
+    proc = run_cli("convert", source, "-o", tmp_path / "out.safetensors", "--hash", "sha256")
+    assert proc.returncode == 0, proc.stderr
+    metadata = read_safetensors(tmp_path / "out.safetensors").metadata
+    assert metadata["syncd.source_sha256"] == _sha256(source)
+    assert "syncd.source_xxh3_128" not in metadata
+
+
+def test_verify_full_converts_both_ways_and_gives_the_same_bytes_as_fast(tmp_path: Path) -> None:
+    source = _copy(MNIST_WEB, tmp_path)
+    for verify in ("fast", "full"):
+        proc = run_cli("convert", source, "-o", tmp_path / f"{verify}.safetensors", "--verify", verify)
+        assert proc.returncode == 0, proc.stderr
+        proc = run_cli("convert", tmp_path / f"{verify}.safetensors", "-o", tmp_path / f"{verify}.bpk",
+                       "--verify", verify)
+        assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "full.safetensors").read_bytes()
+    assert read_bpk(tmp_path / "fast.bpk").tensors == read_bpk(tmp_path / "full.bpk").tensors
+    assert read_bpk(tmp_path / "full.bpk").tensors == read_bpk(source).tensors
+
+
+def test_verify_full_catches_what_verify_tensor_catches(tmp_path: Path) -> None:
+    source = _copy(MNIST_WEB, tmp_path)
+    good = tmp_path / "good.safetensors"
+    convert(ConvertRequest(source=source, dest=good))
+    raw = bytearray(good.read_bytes())
+    written = read_safetensors(good)
+    header_end = 8 + struct.unpack("<Q", raw[:8])[0]
+    for name in ("fc1.weight", "conv2.conv.weight"):  # one transposed, one copied
+        where = raw.find(written.tensors[name].data, header_end)
+        raw[where + len(written.tensors[name].data) // 2] ^= 0x01
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(raw))
+    with BurnpackReader(source) as src, SafetensorsReader(good) as ok, SafetensorsReader(bad) as corrupt:
+        verify_full([(src, "fc1.weight", "fc1.weight", True), (src, "conv2.conv.weight", "conv2.conv.weight", False)],
+                    ok)
+        verify_full([(src, "fc2.bias", "fc2.bias", False)], corrupt)  # untouched tensors still pass
+        for name, transposed in (("fc1.weight", True), ("conv2.conv.weight", False)):
+            with pytest.raises(VerificationError, match=name):
+                verify_full([(src, name, name, transposed)], corrupt)
+        with pytest.raises(VerificationError):  # a transpose that was not done
+            verify_full([(src, "fc2.weight", "fc2.weight", False)], ok)
+
+
+def test_unknown_hash_or_verify_choices_are_usage_errors(tmp_path: Path) -> None:
+    source = _copy(MNIST_WEB, tmp_path)
+    for option in (("--hash", "md5"), ("--verify", "none")):
+        proc = run_cli("convert", source, *option)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    with pytest.raises(UsageError, match="--hash"):
+        convert(ConvertRequest(source=source, hash_name="md5"))
+    assert dir_listing(tmp_path) == [source.name]
