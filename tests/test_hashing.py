@@ -55,3 +55,20 @@ def test_recorded_hash_reads_new_and_old_outputs(tmp_path: Path) -> None:
 def test_an_unknown_hash_is_refused() -> None:
     with pytest.raises(ValueError, match="choose one of xxh3_128, sha256"):
         hashing.new_hasher("md5")
+
+
+def test_the_daemon_knows_its_outputs_by_either_recorded_hash(tmp_path: Path) -> None:
+    from syncd.convert import ConvertRequest, convert
+    from syncd.daemon.sync import _carries_source
+
+    source = tmp_path / MNIST_BPK.name
+    source.write_bytes(MNIST_BPK.read_bytes())
+    new, old = tmp_path / "new.safetensors", tmp_path / "old.safetensors"
+    convert(ConvertRequest(source=source, dest=new))
+    convert(ConvertRequest(source=source, dest=old, hash_name="sha256"))  # as versions before XXH3 wrote them
+    assert _carries_source(new, source, tmp_path, tmp_path) and _carries_source(old, source, tmp_path, tmp_path)
+    data = bytearray(source.read_bytes())  # the same name and size, other content: neither output belongs to it
+    data[-1] ^= 0x01
+    source.write_bytes(bytes(data))
+    assert not _carries_source(new, source, tmp_path, tmp_path)
+    assert not _carries_source(old, source, tmp_path, tmp_path)

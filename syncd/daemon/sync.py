@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from syncd import carry
+from syncd import carry, hashing
 from syncd.adapters.keys import TensorFilter, compile_rule
 from syncd.convert import ConvertRequest, ConvertResult, convert
 from syncd.daemon.config import Watch
@@ -486,8 +485,9 @@ def _source_named_in(dest: Path, root: Path) -> str | None:
 
 
 def _carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path) -> bool:
-    """True if `dest` is a syncd output of exactly this `source` content (name and sha256 match; of a sharded
-    set, the sha256 covers the index and every shard, as the conversion records it). Every file is opened
+    """True if `dest` is a syncd output of exactly this `source` content (name and recorded hash match: XXH3-128,
+    or sha256 in outputs of older versions and with `hash: sha256`; of a sharded set, the hash covers the
+    index and every shard, as the conversion records it). Every file is opened
     confined, without following symlinks and without blocking (a FIFO or a symlink to a device renamed onto
     any of the names must not hang a worker)."""
     try:
@@ -495,14 +495,15 @@ def _carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path
             metadata = reader.header.metadata
     except SyncdError:
         return False
-    if metadata.get(carry.SOURCE) != carry.file_label(source.name) or carry.SOURCE_SHA256 not in metadata:
+    recorded = hashing.recorded_source_hash(metadata)
+    if metadata.get(carry.SOURCE) != carry.file_label(source.name) or recorded is None:
         return False
-    return metadata[carry.SOURCE_SHA256] == source_sha256(source, source_root)
+    return recorded.hexdigest == source_digest(source, source_root, recorded.name)
 
 
-def source_sha256(source: Path, within: Path) -> str | None:
-    """sha256 of a source as `syncd.source_sha256` records it (convert.file_sha256): one file's bytes, or a
-    set's index followed by every shard it lists, in the index's order; None if any part cannot be read."""
+def source_digest(source: Path, within: Path, hash_name: str) -> str | None:
+    """The hash of a source as a conversion records it (convert.source_digest): one file's bytes, or a set's
+    index followed by every shard it lists, in the index's order; None if any part cannot be read."""
     parts = [source]
     if is_index_name(source):
         try:
@@ -510,7 +511,7 @@ def source_sha256(source: Path, within: Path) -> str | None:
         except SyncdError:
             return None
         parts += [source.parent / name for name in files]
-    sha = hashlib.sha256()
+    sha = hashing.new_hasher(hash_name)
     for part in parts:
         try:
             fd, size = open_regular_file(part, within)
@@ -525,7 +526,7 @@ def source_sha256(source: Path, within: Path) -> str | None:
     return sha.hexdigest()
 
 
-def hash_fd(sha: hashlib._Hash, fd: int, size: int) -> None:
+def hash_fd(sha: hashing.Hasher, fd: int, size: int) -> None:
     """Feed the first `size` bytes of an open regular file to `sha` (never more: a file growing meanwhile is
     not read forever)."""
     offset = 0
