@@ -68,6 +68,7 @@ def test_full_config_is_read_and_relative_paths_resolve_against_the_config_dir(
         state_dir: ./var/state
         log: {path: logs/sync.jsonl, max_bytes: 1000, backups: 2, level: debug}
         poll_interval: 3
+        hash: sha256
         watches:
           - path: ./runs
             recursive: false
@@ -84,6 +85,7 @@ def test_full_config_is_read_and_relative_paths_resolve_against_the_config_dir(
     monkeypatch.chdir("/")  # the working directory must not matter
     config = load_config(path)
     assert config.workers == 4 and config.settle_seconds == 0.5 and config.poll_interval == 3.0
+    assert config.hash_name == "sha256"
     assert config.state_dir == tmp_path.resolve() / "var" / "state"
     assert config.log.path == tmp_path.resolve() / "logs" / "sync.jsonl"
     assert (config.log.max_bytes, config.log.backups, config.log.level) == (1000, 2, "debug")
@@ -132,6 +134,7 @@ def test_bad_enum_names_file_line_key_and_choices(tmp_path: Path, runs: Path) ->
         ("log: {colour: red}", "log.colour: unknown key"),
         ("log: [1]", "log: expected a mapping, got a list"),
         ("worker: 3", "worker: unknown key (did you mean 'workers'?)"),
+        ("hash: md5", "hash: expected one of xxh3_128, sha256, got 'md5'"),
     ],
 )
 def test_global_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, line: str, expected: str) -> None:

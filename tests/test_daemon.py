@@ -3,6 +3,7 @@ a real sd_notify socket, real checkpoint files. See daemonutil.py for the harnes
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -179,6 +180,22 @@ def test_sighup_with_a_new_watch_serves_it(daemon: DaemonRun) -> None:
     model.check_bpk(more / "new.bpk")
     old.check_bpk(runs / "old.bpk")
     stop_cleanly(daemon)
+
+
+def test_the_configured_hash_is_recorded_and_a_reload_changes_it(daemon: DaemonRun) -> None:
+    runs = daemon.watch_dir("runs")
+    first, second = Linear(1), Linear(2)
+    write_file(runs / "first.safetensors", first.bytes())
+    daemon.wait_for("converted", [runs / "first.safetensors"])
+    daemon.write_config([{"path": "runs"}], hash="sha256")
+    daemon.send(signal.SIGHUP)
+    daemon.wait_for("reloaded")
+    write_file(runs / "second.safetensors", second.bytes())
+    daemon.wait_for("converted", [runs / "second.safetensors"])
+    with open_checkpoint(runs / "first.bpk") as a, open_checkpoint(runs / "second.bpk") as b:
+        assert set(a.header.metadata) & {"syncd.source_xxh3_128", "syncd.source_sha256"} == {"syncd.source_xxh3_128"}
+        assert set(b.header.metadata) & {"syncd.source_xxh3_128", "syncd.source_sha256"} == {"syncd.source_sha256"}
+        assert b.header.metadata["syncd.source_sha256"] == hashlib.sha256(second.bytes()).hexdigest()
 
 
 def test_sighup_with_an_invalid_config_keeps_the_old_one(daemon: DaemonRun) -> None:

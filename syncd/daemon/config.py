@@ -60,10 +60,12 @@ TOP_LEVEL_KEYS = (
     "rescan_interval",
     "stuck_worker_seconds",
     "ignore",
+    "hash",
     "watches",
 )
 # settings a running daemon cannot change: a SIGHUP names them in its `reloaded` line
 RESTART_SETTINGS = ("workers", "state_dir", "log.path")
+HASH_CHOICES = ("xxh3_128", "sha256")  # syncd.hashing.HASH_CHOICES, without importing the converter
 LOG_KEYS = ("path", "max_bytes", "backups", "level")
 WATCH_KEYS = (
     "path",
@@ -152,6 +154,7 @@ class Config:
         now = {"workers": self.workers, "state_dir": self.state_dir, "log.path": self.log.path}
         then = {"workers": new.workers, "state_dir": new.state_dir, "log.path": new.log.path}
         return [name for name in RESTART_SETTINGS if now[name] != then[name]]
+    hash_name: str = "xxh3_128"  # the source hash recorded in outputs (`hash:`)
 
     def polling_interval_for(self, watch: Watch) -> float | None:
         """Seconds between polls when `watch` must be polled, None when inotify serves it."""
@@ -484,6 +487,7 @@ class _ConfigBuilder:
             "rescan_interval", DEFAULT_RESCAN_INTERVAL, minimum=0.0, allow_null=True, strictly_positive=True
         )
         stuck = top.number("stuck_worker_seconds", 1800.0, minimum=0.0, strictly_positive=True)
+        hash_name = top.choice("hash", "xxh3_128", HASH_CHOICES)
         state_dir = top.path("state_dir", "./state")
         log = self._log(top)
         ignore = _ignore_list(top, DEFAULT_IGNORE)
@@ -499,6 +503,7 @@ class _ConfigBuilder:
             poll_interval=poll_interval,
             rescan_interval=rescan_interval,
             stuck_worker_seconds=stuck,
+            hash_name=hash_name,
         )
 
     def _log(self, top: _Section) -> LogSettings:

@@ -44,7 +44,7 @@ class Daemon:
             config.log.path, config.log.max_bytes, config.log.backups, observers=(self.activity.record,)
         )
         self.state = StateDB(config.state_dir)
-        self.syncer = Syncer(self.state, self.synclog, config.settle_seconds)
+        self.syncer = Syncer(self.state, self.synclog, config.settle_seconds, config.hash_name)
         self.syncer.progress_for = self.activity.progress_for
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
@@ -241,6 +241,7 @@ class Daemon:
             self.watcher.stop()
         self.config = new
         self.syncer.settle_seconds = new.settle_seconds
+        self.syncer.hash_name = new.hash_name
         self._start_watcher()
 
     def _retry_config_failures(self) -> None:

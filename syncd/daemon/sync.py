@@ -88,7 +88,7 @@ def destination_for(watch: Watch, source: Path, to_format: Format) -> Path:
 class Syncer:
     """Holds what every decision needs; one instance serves all workers (state and log are thread-safe)."""
 
-    def __init__(self, state: StateDB, synclog: SyncLog, settle_seconds: float) -> None:
+    def __init__(self, state: StateDB, synclog: SyncLog, settle_seconds: float, hash_name: str = "xxh3_128") -> None:
         self.state = state
         self.synclog = synclog
         self.settle_seconds = settle_seconds
@@ -99,6 +99,7 @@ class Syncer:
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
+        self.hash_name = hash_name
 
     # -- the decision
 
@@ -269,6 +270,7 @@ class Syncer:
                     progress=self.progress_for(path),
                     store=self._store_options(watch),
                     shard_size=watch.shard_size,
+                    hash_name=self.hash_name,
                 )
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
