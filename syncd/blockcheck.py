@@ -23,10 +23,12 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from threading import Lock
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from syncd.errors import FormatError, VerificationError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 TILE = 32  # the compiled kernel's tile edge; the numpy kernel's strips are 16 rows, a divisor of it
 
@@ -45,6 +47,8 @@ def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0,
     transpose, swapped dimensions, a misplaced or stale tile, two rows swapped along a band of tiles) fails
     with near certainty; a lone flipped element is not what a transpose gets wrong.
     """
+    import numpy as np
+
     rows, cols = src.shape
     if rows == 0 or cols == 0:
         return True

@@ -16,8 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from syncd.blockcheck import Entry, WriteLedger
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
@@ -27,7 +25,6 @@ from syncd.hashing import DEFAULT_HASH, block_digest
 from syncd.onepass import Move, OnePass, default_workers
 
 VERIFY_CHOICES = ("fast", "full")
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclass(frozen=True)
@@ -168,10 +165,12 @@ def _same_bytes(reader: TensorFileReader, src_name: str, output: TensorFileReade
 def _same_transposed(reader: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
                      block: int) -> bool:
     """Source rows r0:r1 against columns r0:r1 of the output, read back row by row."""
+    import numpy as np
+
     info = reader.tensor(src_name)
     rows, cols = info.shape
     itemsize = ITEMSIZE[info.dtype]
-    dtype = _UINT[itemsize]
+    dtype = np.dtype(f"u{itemsize}")
     strip = max(1, block // (cols * itemsize))
     for r0 in range(0, rows, strip):
         n = min(strip, rows - r0)

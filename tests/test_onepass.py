@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from syncd import onepass
+from syncd import kernels, onepass
 from syncd.blockcheck import check_transposed
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
@@ -131,7 +132,7 @@ def test_a_block_written_at_a_wrong_offset_is_caught(tmp_path: Path) -> None:
 
 def test_a_piece_written_to_a_wrong_place_in_its_window_is_caught(tmp_path: Path) -> None:
     class Misplaced(OnePass):
-        def _write(self, move: Move, data: np.ndarray, rel: int) -> None:
+        def _write(self, move: Move, data: memoryview, rel: int) -> None:
             super()._write(move, data, rel + 4 if move.name == "d.bias" and rel else rel)
 
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
@@ -155,7 +156,7 @@ def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytes
         else:
             out[:, first_col : first_col + 2] = out[:, first_col + 1 :: -1][:, :2].copy() if rows > 1 else 0
 
-    monkeypatch.setattr(onepass.kernels, "transpose", wrong)
+    monkeypatch.setattr(kernels, "transpose", wrong)
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
     with pytest.raises(VerificationError, match="a transposed block does not match its source"):
         output.engine().run()
@@ -185,7 +186,7 @@ def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> N
     class Torn(OnePass):
         reads = 0
 
-        def _read(self, buf: np.ndarray, offset: int) -> memoryview:
+        def _read(self, buf: memoryview, offset: int) -> memoryview:
             Torn.reads += 1
             if Torn.reads == 2:  # a training job saves again while we are half-way through
                 time.sleep(0.05)  # past the file system's timestamp granularity
@@ -204,7 +205,7 @@ def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> N
     source = _source(tmp_path)
 
     class Truncated(OnePass):
-        def _read(self, buf: np.ndarray, offset: int) -> memoryview:
+        def _read(self, buf: memoryview, offset: int) -> memoryview:
             if offset > 20000:
                 os.truncate(source, 20000)
             return super()._read(buf, offset)
@@ -217,10 +218,11 @@ def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> N
 
 def test_a_short_write_is_caught(tmp_path: Path) -> None:
     class Short(OnePass):
-        def _pwrite(self, data: np.ndarray, offset: int) -> int:
-            if data.nbytes > 100:  # what a write path that ignores pwrite's count would leave behind
-                pwrite_all(self.out_fd, data[: data.nbytes - 4].view(np.uint8).reshape(-1), offset)
-                return data.nbytes - 4
+        def _pwrite(self, data: Any, offset: int) -> int:
+            view = memoryview(data).cast("B")
+            if len(view) > 100:  # what a write path that ignores pwrite's count would leave behind
+                pwrite_all(self.out_fd, view[:-4], offset)
+                return len(view) - 4
             return super()._pwrite(data, offset)
 
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import MNIST_BPK, REPO
 
@@ -40,3 +41,11 @@ def test_the_log_command_still_gets_its_options() -> None:
     status, modules = _imports("log", "--help")
     assert status == 0
     assert "syncd.daemon.logview" in modules
+
+
+def test_a_conversion_without_transposes_does_not_import_numpy_or_yaml(tmp_path: Path) -> None:
+    status, modules = _imports("convert", str(MNIST_BPK), "-o", str(tmp_path / "out.safetensors"), "--layout", "keep")
+    assert status == 0 and (tmp_path / "out.safetensors").exists()
+    assert "syncd.onepass" in modules and "xxhash" in modules
+    assert not {m for m in modules if m.split(".")[0] in ("numpy", "yaml", "watchdog")}
+    assert not {m for m in modules if m.startswith("syncd.daemon")}

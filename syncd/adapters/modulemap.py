@@ -26,8 +26,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from syncd.adapters.model import LAYOUTS, MAP_KINDS
 from syncd.errors import ConfigError, one_line
 
@@ -71,6 +69,8 @@ class ModuleMap:
 
     @classmethod
     def from_yaml_text(cls, text: str, *, source: str = "module map") -> ModuleMap:
+        import yaml  # here: only a module map needs it, not every conversion
+
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
