@@ -101,13 +101,12 @@ def _move(spec: TensorSpec, start: int, fill: FromSource) -> Move:
     if info.nbytes != spec.nbytes:
         raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {info.nbytes}",
                           fill.reader.path)
-    matrix = None
-    if fill.transpose:
-        if len(info.shape) != 2 or tuple(reversed(info.shape)) != tuple(spec.shape):
-            raise FormatError(f"tensor '{fill.name}' of shape {list(info.shape)} cannot be written transposed as "
-                              f"{list(spec.shape)}", fill.reader.path)
-        matrix = (info.shape[0], info.shape[1])
-    return Move(spec.name, info.offset, info.nbytes, start, ITEMSIZE[info.dtype], matrix,
+    if not fill.transpose:  # copied as bytes: the element size does not matter (QFloat, sub-byte floats)
+        return Move(spec.name, info.offset, info.nbytes, start, 1, None, bool_checker(spec.dtype, spec.name))
+    if len(info.shape) != 2 or tuple(reversed(info.shape)) != tuple(spec.shape) or info.dtype not in ITEMSIZE:
+        raise FormatError(f"tensor '{fill.name}' ({info.dtype} {list(info.shape)}) cannot be written transposed as "
+                          f"{list(spec.shape)}", fill.reader.path)
+    return Move(spec.name, info.offset, info.nbytes, start, ITEMSIZE[info.dtype], (info.shape[0], info.shape[1]),
                 bool_checker(spec.dtype, spec.name))
 
 
