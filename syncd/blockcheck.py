@@ -109,16 +109,6 @@ class WriteLedger:
             if not _tiles(self.entries.get(name, []), nbytes):
                 raise VerificationError(f"tensor '{name}' was not written exactly once in full", path)
 
-    def tensor_digests(self) -> dict[str, int]:
-        """One XXH3-64 per tensor over its writes' digests (in window order): what --verify full re-derives."""
-        import xxhash
-
-        out = {}
-        for name, entries in self.entries.items():
-            ordered = sorted(entries, key=lambda e: (e.start, e.count))
-            out[name] = xxhash.xxh3_64_intdigest(b"".join(e.digest.to_bytes(8, "little") for e in ordered))
-        return out
-
 
 def _tiles(entries: list[Entry], nbytes: int) -> bool:
     """True if the entries cover [0, nbytes) exactly once: either contiguous pieces, or strided pieces (a

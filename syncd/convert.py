@@ -53,6 +53,7 @@ from syncd.passwrite import (
     VERIFY_CHOICES,
     FromSource,
     Written,
+    check_digests,
     check_written,
     verify_full,
     write_planned,
@@ -447,6 +448,7 @@ def verify_one_pass(c: Conversion, written_path: Path, fd: int, written: Written
         check_written(written.ledger, output, c.output_size, fd)
         moved = [s.fill for s in c.specs if isinstance(s.fill, FromSource)]
         if c.request.verify == "full":
+            check_digests(written.ledger, output)
             verify_full([(f.reader, f.name, s.name, f.transpose) for s, f in zip(
                 [s for s in c.specs if isinstance(s.fill, FromSource)], moved, strict=True)], output)
         for spec in c.specs:

@@ -37,6 +37,7 @@ BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to k
 SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of this size
 BAND_BYTES = 1 << 20  # transposed output produced and written this much at a time, in cache
 WRITEBACK_BYTES = 32 << 20  # start the disk writes of the output every this many bytes written
+INLINE_BYTES = 16 << 20  # sources up to this size are converted on the calling thread alone
 RING_BYTES = 128 << 20  # all slots together: the conversion's buffer memory, whatever the model
 ALIGN = 64
 
@@ -141,6 +142,7 @@ class OnePass:
     slot_bytes: int = SLOT_BYTES
     block_bytes: int = BLOCK_BYTES
     band_bytes: int = BAND_BYTES
+    inline_bytes: int = INLINE_BYTES
     ledger: WriteLedger = field(default_factory=WriteLedger)
     progress: Callable[[int], None] | None = None  # told the bytes of each write as it lands
 
@@ -167,25 +169,34 @@ class OnePass:
     def _run(self) -> str:
         for move in self.moves:
             self.ledger.expect(move.name, move.dst_offset, move.nbytes)
+        if self.workers == 1 or self.src_size <= self.inline_bytes:
+            # small files (the daemon's common case) and one core: no threads to start or hand work to
+            for job in self._all_jobs():
+                job[0](*job[1:])
+            return self.hasher.hexdigest()
         pending: list[Future[None]] = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-write") as pool:
             try:
-                cursor = 0
-                for move in sorted(self.moves, key=lambda m: m.src_offset):
-                    if move.src_offset < cursor:
-                        raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
-                    self._hash_only(cursor, move.src_offset)
-                    for job in self._jobs(move):
-                        pending.append(pool.submit(*job))
-                        pending = self._reap(pending)
-                    cursor = move.src_offset + move.nbytes
-                self._hash_only(cursor, self.src_size)
+                for job in self._all_jobs():
+                    pending.append(pool.submit(*job))
+                    pending = self._reap(pending)
             finally:
                 for future in pending:  # wait for every writer, then raise the first failure
                     future.exception()
             for future in pending:
                 future.result()
         return self.hasher.hexdigest()
+
+    def _all_jobs(self) -> Iterator[tuple]:
+        """Read the whole source in file order (hashing it), yielding the writers' jobs as their bytes arrive."""
+        cursor = 0
+        for move in sorted(self.moves, key=lambda m: m.src_offset):
+            if move.src_offset < cursor:
+                raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
+            self._hash_only(cursor, move.src_offset)
+            yield from self._jobs(move)
+            cursor = move.src_offset + move.nbytes
+        self._hash_only(cursor, self.src_size)
 
     def _reap(self, pending: list[Future[None]]) -> list[Future[None]]:
         """Raise a writer's failure early (the reader would otherwise go on to the end of the file)."""

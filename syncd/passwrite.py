@@ -148,6 +148,20 @@ def verify_full(pairs: Sequence[tuple[TensorFileReader, str, str, bool]], output
             raise VerificationError(f"tensor '{out_name}' differs from its source '{src_name}'", output.path)
 
 
+def check_digests(ledger: WriteLedger, output: TensorFileReader) -> None:
+    """Part of the audit: every write, re-read from the output, has the XXH3-64 it had when it was written
+    (told apart from a difference with the source, this says the bytes changed after syncd wrote them)."""
+    for name, entries in ledger.entries.items():
+        if name not in ledger.windows or ledger.windows[name][1] == 0:
+            continue
+        base = ledger.windows[name][0]
+        for entry in entries:
+            pieces = [os.pread(output.fd, entry.length, base + entry.start + k * entry.stride)
+                      for k in range(max(1, entry.count))]
+            if block_digest(b"".join(pieces)) != entry.digest:
+                raise VerificationError(f"tensor '{name}' reads back different from what was written", output.path)
+
+
 def _same_bytes(reader: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
                 block: int) -> bool:
     nbytes = reader.tensor(src_name).nbytes

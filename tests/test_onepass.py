@@ -22,6 +22,7 @@ from syncd.formats.safetensors import SafetensorsReader, plan_safetensors
 from syncd.formats.table import TensorSpec
 from syncd.hashing import file_digest
 from syncd.onepass import Move, OnePass
+from syncd.passwrite import check_digests
 
 
 def _source(tmp_path: Path, seed: int = 0) -> Path:
@@ -63,6 +64,7 @@ class _Output:
         ]
 
     def engine(self, cls: type[OnePass] = OnePass, **kw: int) -> OnePass:
+        kw.setdefault("inline_bytes", 0)  # these sources are small: use the writer threads all the same
         return cls(self.reader.fd, self.reader.file_size, self.reader.path, self.fd, str(self.dest), self.moves, **kw)
 
     def check(self, engine: OnePass) -> None:
@@ -82,11 +84,13 @@ class _Output:
     ("workers", "slot_bytes", "block_bytes"),
     [(1, onepass.SLOT_BYTES, onepass.BLOCK_BYTES), (2, 8192, 4096), (4, 4000, 1000), (3, 1 << 20, 7)],
 )
+@pytest.mark.parametrize("inline", [False, True])  # writer threads, or all on the reading thread
 def test_every_tensor_arrives_exact_with_any_writers_and_buffers(tmp_path: Path, workers: int, slot_bytes: int,
-                                                                  block_bytes: int) -> None:
+                                                                  block_bytes: int, inline: bool) -> None:
     source = _source(tmp_path)
     output = _Output(source, tmp_path / "out.safetensors")
-    engine = output.engine(workers=workers, slot_bytes=slot_bytes, block_bytes=block_bytes)
+    engine = output.engine(workers=workers, slot_bytes=slot_bytes, block_bytes=block_bytes,
+                           inline_bytes=1 << 30 if inline else 0)
     digest = engine.run()
     output.check(engine)
     output.close()
@@ -254,4 +258,20 @@ def test_a_bool_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
     output = _Output(source, tmp_path / "out.safetensors")
     with pytest.raises(FormatError, match="bool tensor holds a byte other than 0 or 1"):
         output.engine().run()
+    output.close()
+
+
+def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -> None:
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(slot_bytes=8192, block_bytes=4096)  # strided strips and whole pieces both
+    engine.run()
+    with SafetensorsReader(output.dest) as out:
+        check_digests(engine.ledger, out)
+        for name in ("a.weight", "d.bias"):
+            where = out.tensor(name).offset + 100
+            original = os.pread(output.fd, 1, where)
+            os.pwrite(output.fd, bytes([original[0] ^ 1]), where)
+            with pytest.raises(VerificationError, match=f"'{name}' reads back different"):
+                check_digests(engine.ledger, out)
+            os.pwrite(output.fd, original, where)
     output.close()
