@@ -42,6 +42,7 @@ COMMANDS = [
     ("cp", "cp", "st", ".safetensors"),
     ("cp_fsync", "cp + fsync", "st", ".safetensors"),
     ("naive", "naive (load, .T, save)", "st", ".safetensors"),
+    ("torch", "torch (load, .t(), save)", "st", ".safetensors"),
     ("syncd_to_bpk", "syncd pytorch->burn", "st", ".bpk"),
     ("cp_bpk", "cp (.bpk)", "bpk", ".bpk"),
     ("cp_fsync_bpk", "cp + fsync (.bpk)", "bpk", ".bpk"),
@@ -57,4 +58,6 @@ def command_argv(key: str, src: Path, dst: Path, syncd: SyncdUnderTest) -> list[
         return ["cp", "--reflink=never", "--", str(src), str(dst)]
     if key == "naive":
         return [PYTHON, str(BENCH / "naive.py"), str(src), str(dst)]
+    if key == "torch":
+        return [PYTHON, str(BENCH / "naive.py"), "--torch", str(src), str(dst)]
     return [*syncd.argv(), "convert", str(src), "-o", str(dst)]
