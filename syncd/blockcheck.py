@@ -58,14 +58,10 @@ def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0,
     if rows * cols <= FULL_CHECK_ELEMENTS:
         return bool(np.array_equal(window.T, src))
     gen = rng if rng is not None else np.random.default_rng()
-    tile_r = np.arange(0, rows, TILE)[:, None]
-    tile_c = np.arange(0, cols, TILE)[None, :]
-    for _ in range(SAMPLES_PER_TILE):
-        r = np.minimum(tile_r + gen.integers(0, TILE, (tile_r.shape[0], tile_c.shape[1])), rows - 1)
-        c = np.minimum(tile_c + gen.integers(0, TILE, r.shape), cols - 1)
-        if not np.array_equal(src[r, c], window[c, r]):
-            return False
-    return True
+    shape = (SAMPLES_PER_TILE, -(-rows // TILE), -(-cols // TILE))  # samples x tile rows x tile columns
+    r = np.minimum(np.arange(0, rows, TILE)[:, None] + gen.integers(0, TILE, shape), rows - 1)
+    c = np.minimum(np.arange(0, cols, TILE)[None, :] + gen.integers(0, TILE, shape), cols - 1)
+    return bool(np.array_equal(src[r, c], window[c, r]))
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,19 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
 from conftest import REPO
 
-from syncd.kernels import Kernel, make_compiled, transpose_numpy
+from syncd.kernels import Kernel, columns_numpy, make_columns, make_compiled, transpose_numpy
 
 SHAPES = [(1, 1), (1, 7), (7, 1), (31, 33), (32, 32), (64, 96), (100, 3), (3, 100), (257, 129), (4, 1000)]
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> Kernel:
+def extension(tmp_path_factory: pytest.TempPathFactory) -> Any:
     build = tmp_path_factory.mktemp("build")
     subprocess.run(
         [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(build / "lib"),
@@ -32,7 +33,12 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Kernel:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return make_compiled(module.transpose)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compiled(extension: Any) -> Kernel:
+    return make_compiled(extension.transpose)
 
 
 def _kernels(compiled: Kernel) -> list[tuple[str, Kernel]]:
@@ -72,6 +78,17 @@ def test_both_kernels_transpose_a_band_of_columns_of_a_larger_matrix(compiled: K
             out = np.empty((c1 - c0, 53), dtype=np.uint32)
             kernel(whole[:, c0:c1], out, 0)
             assert np.array_equal(out, whole[:, c0:c1].T), (name, c0, c1)
+
+
+def test_both_column_kernels_transpose_each_band_in_place(extension: Any) -> None:
+    whole = _random((70, 100), np.uint16, 12)
+    for name, kernel in [("numpy", columns_numpy), ("compiled", make_columns(extension.transpose))]:
+        for c0, c1 in [(0, 32), (32, 64), (64, 100), (99, 100), (0, 100)]:
+            out = np.full((c1 - c0, 70), 7, dtype=np.uint16)
+            kernel(whole, out, c0)
+            assert out.tobytes() == np.ascontiguousarray(whole[:, c0:c1].T).tobytes(), (name, c0, c1)
+        with pytest.raises(ValueError):
+            kernel(whole, np.empty((10, 70), dtype=np.uint16), 95)  # past the last column
 
 
 def test_signalling_nans_and_odd_float_bits_survive_unchanged(compiled: Kernel) -> None:

@@ -28,6 +28,11 @@ def transpose_numpy(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> Non
         out[:, first_col + r0 : first_col + r1] = src[r0:r1].T
 
 
+def columns_numpy(src: np.ndarray, out: np.ndarray, first: int) -> None:
+    """out = src[:, first:first+len(out)].T for a contiguous `src`: a band of columns, transposed."""
+    transpose_numpy(src[:, first : first + out.shape[0]], out, 0)
+
+
 def _compiled() -> Kernel | None:
     if os.environ.get("SYNCD_KERNEL") == "numpy":  # for measuring and testing the fallback
         return None
@@ -61,6 +66,24 @@ def make_compiled(raw: Callable[..., None]) -> Kernel:
     return transpose_compiled
 
 
+def make_columns(raw: Callable[..., None]) -> Kernel:
+    """The extension's transpose as `columns(src, out, first)`: out = src[:, first:first+len(out)].T, with
+    `src` and `out` contiguous (no view of the band is built: this runs once per band of every tensor)."""
+
+    def columns_compiled(src: np.ndarray, out: np.ndarray, first: int) -> None:
+        rows, cols = src.shape
+        if out.shape[1] != rows or first + out.shape[0] > cols or src.dtype != out.dtype:
+            raise ValueError(f"cannot transpose columns {first}.. of {src.shape} into {out.shape}")
+        raw(src, out, rows, out.shape[0], src.itemsize, cols, first, rows, 0)
+
+    return columns_compiled
+
+
 _KERNEL = _compiled()
 transpose: Kernel = _KERNEL or transpose_numpy
+columns: Kernel = columns_numpy
+if _KERNEL is not None:
+    from syncd.kernels import _transpose
+
+    columns = make_columns(_transpose.transpose)
 KERNEL_NAME = "compiled" if _KERNEL is not None else "numpy"
