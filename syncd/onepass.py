@@ -1,10 +1,11 @@
-"""One pass over the source's bytes (issue 15): each byte is read once, in file order, into a cache-sized
-buffer; that read feeds the identity hash (on the reading thread, in order) and the conversion (on worker
-threads, which transform, check and write blocks in parallel).
+"""One pass over the source's bytes (issue 15): each byte is read once into a cache-sized buffer, and that
+read feeds both the identity hash (which takes the bytes in file order) and the conversion. The source is cut
+into jobs in file order; worker threads, one per core, read, hash (in turn), transform, check and write them
+in parallel.
 
 Memory is bounded by a ring of buffer slots capped in bytes (RING_BYTES), whatever the model: a slot is
-taken before a block is read and given back when its write is done, so the reader waits when the writers
-fall behind. Buffers are 64-byte aligned (reads into buffers at 16 mod 64, where large bytearrays and numpy
+taken before a job is handed out and given back when its write is done, so no more is read than the
+writers can take. Buffers are 64-byte aligned (reads into buffers at 16 mod 64, where large bytearrays and numpy
 arrays land, cost three times as much) and at most SLOT_BYTES, under the last-level cache.
 
 What is moved is a list of `Move`s: a source window, a target window, and for transposed tensors the source
@@ -153,6 +154,9 @@ class OnePass:
         for _ in range(slots):
             self._free.put(_Slot())
         self._local = threading.local()
+        self._turn = threading.Condition()  # guards _hashed_to and _aborted
+        self._hashed_to = 0  # every source byte before this offset has been hashed
+        self._aborted = False
         self._writeback = _Writeback(self.out_fd, WRITEBACK_BYTES)
 
     # -- the reading thread
@@ -175,59 +179,99 @@ class OnePass:
                 job[0](*job[1:])
             return self.hasher.hexdigest()
         pending: list[Future[None]] = []
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-write") as pool:
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-pass") as pool:
             try:
                 for job in self._all_jobs():
-                    pending.append(pool.submit(*job))
+                    pending.append(pool.submit(self._guarded, *job))
                     pending = self._reap(pending)
+            except BaseException:
+                self._abort()
+                raise
             finally:
-                for future in pending:  # wait for every writer, then raise the first failure
+                for future in pending:  # wait for every job, then raise the first failure in file order
                     future.exception()
             for future in pending:
                 future.result()
         return self.hasher.hexdigest()
 
     def _all_jobs(self) -> Iterator[tuple]:
-        """Read the whole source in file order (hashing it), yielding the writers' jobs as their bytes arrive."""
+        """The whole source in file order as jobs, each holding a slot (taken here, so memory stays within
+        the ring and jobs start in file order): what is converted, and between it what is only hashed."""
         cursor = 0
         for move in sorted(self.moves, key=lambda m: m.src_offset):
             if move.src_offset < cursor:
                 raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
-            self._hash_only(cursor, move.src_offset)
+            if move.src_offset > cursor:
+                yield self._hash_only, self._free.get(), cursor, move.src_offset
             yield from self._jobs(move)
             cursor = move.src_offset + move.nbytes
-        self._hash_only(cursor, self.src_size)
+        if self.src_size > cursor:
+            yield self._hash_only, self._free.get(), cursor, self.src_size
 
     def _reap(self, pending: list[Future[None]]) -> list[Future[None]]:
-        """Raise a writer's failure early (the reader would otherwise go on to the end of the file)."""
+        """Raise a job's failure early (the reader would otherwise go on to the end of the file)."""
         done = [f for f in pending if f.done()]
         for future in done:
             future.result()
         return [f for f in pending if not f.done()]
 
-    def _read(self, buf: memoryview, offset: int) -> memoryview:
-        """Fill `buf` from the source at `offset` and feed the hash (in file order: only this thread reads),
-        a block at a time so each block is hashed while it is still in cache."""
-        view = buf
-        for start in range(0, len(view), self.block_bytes):
-            piece = view[start : start + self.block_bytes]
-            done = 0
-            while done < len(piece):
-                try:
-                    n = os.preadv(self.src_fd, [piece[done:]], offset + start + done)
-                except OSError as exc:
-                    raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
-                if n == 0:
-                    raise FormatError("file truncated while it was being converted", self.src_path)
-                done += n
-            self.hasher.update(piece)
-        return view
+    def _guarded(self, job: Callable[..., None], *args: object) -> None:
+        try:
+            job(*args)
+        except BaseException:
+            self._abort()
+            raise
 
-    def _hash_only(self, start: int, end: int) -> None:
+    def _abort(self) -> None:
+        with self._turn:
+            self._aborted = True
+            self._turn.notify_all()
+
+    def _read(self, buf: memoryview, offset: int) -> memoryview:
+        """Fill `buf` from the source at `offset`, a block at a time, and feed the hash in file order.
+
+        Jobs read in parallel; the hash takes the bytes in file order. A block read when every byte before
+        it has been hashed is hashed at once, while in cache; otherwise the job reads the rest of its
+        region and then waits for its turn. Jobs start in file order, so the one whose turn it is never
+        waits for a later one."""
+        deferred: list[memoryview] = []
+        for start in range(0, len(buf), self.block_bytes):
+            piece = buf[start : start + self.block_bytes]
+            self._pread(piece, offset + start)
+            if not deferred and self._hashed_to == offset + start:
+                self._hash(piece)
+            else:
+                deferred.append(piece)
+        if deferred:
+            first = offset + len(buf) - sum(len(p) for p in deferred)
+            with self._turn:
+                self._turn.wait_for(lambda: self._hashed_to == first or self._aborted)
+                if self._aborted:
+                    raise FormatError("conversion abandoned", self.src_path)
+            for piece in deferred:
+                self._hash(piece)
+        return buf
+
+    def _hash(self, piece: memoryview) -> None:
+        """Only the job whose turn it is gets here: no other thread touches the hasher meanwhile."""
+        self.hasher.update(piece)
+        with self._turn:
+            self._hashed_to += len(piece)
+            self._turn.notify_all()
+
+    def _pread(self, piece: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(piece):
+            try:
+                n = os.preadv(self.src_fd, [piece[done:]], offset + done)
+            except OSError as exc:
+                raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
+            if n == 0:
+                raise FormatError("file truncated while it was being converted", self.src_path)
+            done += n
+
+    def _hash_only(self, slot: _Slot, start: int, end: int) -> None:
         """Headers, padding, tensors not converted: read and hashed, not written."""
-        if start >= end:
-            return
-        slot = self._free.get()
         try:
             for offset in range(start, end, self.block_bytes):
                 self._read(slot.src(min(self.block_bytes, end - offset)), offset)
@@ -235,16 +279,13 @@ class OnePass:
             self._free.put(slot)
 
     def _jobs(self, move: Move) -> Iterator[tuple]:
-        """Read the move's bytes block by block; yield (function, args...) for the writers."""
+        """The move as jobs of at most a slot each: (function, slot, move, where)."""
         if move.nbytes == 0:
             self.ledger.record(move.name, Entry(0, 0))
             return
         if move.matrix is None:
             for rel in range(0, move.nbytes, self.block_bytes):
-                slot = self._free.get()
-                n = min(self.block_bytes, move.nbytes - rel)
-                self._read(slot.src(n), move.src_offset + rel)
-                yield self._copy_block, slot, move, rel, n
+                yield self._copy_block, self._free.get(), move, rel, min(self.block_bytes, move.nbytes - rel)
             return
         rows, cols = move.matrix
         row_bytes = cols * move.itemsize
@@ -256,10 +297,7 @@ class OnePass:
                 self.src_path,
             )
         for r0 in range(0, rows, strip):
-            n = min(strip, rows - r0)
-            slot = self._free.get()
-            self._read(slot.src(n * row_bytes), move.src_offset + r0 * row_bytes)
-            yield self._transpose_strip, slot, move, r0, n
+            yield self._transpose_strip, self._free.get(), move, r0, min(strip, rows - r0)
 
     # -- the writing threads
 
@@ -274,7 +312,7 @@ class OnePass:
 
     def _copy_block(self, slot: _Slot, move: Move, rel: int, n: int) -> None:
         try:
-            data = slot.src(n)
+            data = self._read(slot.src(n), move.src_offset + rel)
             if move.check is not None:
                 move.check(data)
             self._write(move, data, rel)
@@ -292,13 +330,15 @@ class OnePass:
 
         try:
             rows, cols = move.matrix  # type: ignore[misc]
+            size = n * cols * move.itemsize
+            self._read(slot.src(size), move.src_offset + r0 * cols * move.itemsize)
             dtype = np.dtype(f"u{move.itemsize}")
-            src = np.frombuffer(slot.src(n * cols * move.itemsize), dtype).reshape(n, cols)
+            src = np.frombuffer(slot.src(size), dtype).reshape(n, cols)
             band = max(1, self.band_bytes // (n * move.itemsize))
             for c0 in range(0, cols, band):
                 c1 = min(cols, c0 + band)
                 out = np.frombuffer(slot.out((c1 - c0) * n * move.itemsize), dtype).reshape(c1 - c0, n)
-                kernels.transpose(src[:, c0:c1], out, 0)
+                kernels.columns(src, out, c0)
                 if not check_transposed(src[:, c0:c1], out, 0, self._generator()):
                     raise VerificationError(f"tensor '{move.name}': a transposed block does not match its source",
                                             self.out_path)

@@ -149,18 +149,18 @@ def test_a_piece_written_to_a_wrong_place_in_its_window_is_caught(tmp_path: Path
 
 @pytest.mark.parametrize("fault", ["not transposed", "last tile stale", "rows swapped"])
 def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
-    def wrong(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> None:
-        rows, cols = src.shape
-        out[:, first_col : first_col + rows] = src.T
+    def wrong(src: np.ndarray, out: np.ndarray, first: int) -> None:
+        band = src[:, first : first + out.shape[0]]  # the band of source columns this call must transpose
+        out[:] = band.T
         if fault == "not transposed":
-            out.reshape(-1)[:] = src.reshape(-1)
+            out.reshape(-1)[:] = np.ascontiguousarray(band).reshape(-1)
         elif fault == "last tile stale":
-            out[-1, first_col + rows - 1] ^= 1
-            out[-17:, first_col + rows - 17 : first_col + rows] = 0
-        else:
-            out[:, first_col : first_col + 2] = out[:, first_col + 1 :: -1][:, :2].copy() if rows > 1 else 0
+            out[-17:, -17:] = 0
+            out[-1, -1] ^= 1
+        else:  # two source rows traded places
+            out[:, [0, 1]] = out[:, [1, 0]]
 
-    monkeypatch.setattr(kernels, "transpose", wrong)
+    monkeypatch.setattr(kernels, "columns", wrong)
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
     with pytest.raises(VerificationError, match="a transposed block does not match its source"):
         output.engine().run()
