@@ -5,6 +5,7 @@ transpose, a torn source, a short write."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -274,4 +275,33 @@ def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -
             with pytest.raises(VerificationError, match=f"'{name}' reads back different"):
                 check_digests(engine.ledger, out)
             os.pwrite(output.fd, original, where)
+    output.close()
+
+
+def test_a_failing_job_releases_the_jobs_waiting_for_their_turn(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+
+    class FailsEarly(OnePass):
+        def _copy_block(self, slot: object, move: Move, rel: int, n: int) -> None:
+            if move.name == "a.weight" or rel == 0:
+                time.sleep(0.2)  # let later jobs read and queue up for their turn
+                self._free.put(slot)  # type: ignore[arg-type]
+                raise FormatError("injected failure", self.src_path)
+            super()._copy_block(slot, move, rel, n)  # type: ignore[arg-type]
+
+    output = _Output(source, tmp_path / "out.safetensors")
+    output.moves = [Move(m.name, m.src_offset, m.nbytes, m.dst_offset) for m in output.moves]  # all copies
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            output.engine(FailsEarly, workers=4, block_bytes=1024).run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    runner.join(60)  # a hang, not slowness: the waiting jobs must give up once one has failed
+    assert not runner.is_alive()
+    assert len(outcome) == 1 and "injected failure" in str(outcome[0])
     output.close()
