@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cores import label as cores_label
+from cores import pinned
 from undertest import BENCH, PYTHON, SyncdUnderTest
 
 MiB = 1 << 20
@@ -49,9 +51,24 @@ COMMANDS = [
     ("syncd_to_st", "syncd burn->pytorch", "bpk", ".safetensors"),
 ]
 FLOOR = {"st": ("cp", "cp_fsync"), "bpk": ("cp_bpk", "cp_fsync_bpk")}
+SYNCD_KEYS = ("syncd_to_bpk", "syncd_to_st")
+
+
+def commands(cores: list[int | None]) -> list[tuple[str, str, str, str]]:
+    """COMMANDS, plus both syncd conversions again pinned to each core count of `cores` (None: all cores,
+    which is the unpinned run already in COMMANDS). Keys of pinned runs are `syncd_to_bpk@N`."""
+    extra = []
+    for count in (c for c in cores if c is not None):
+        for key, label, kind, suffix in COMMANDS:
+            if key in SYNCD_KEYS:
+                extra.append((f"{key}@{count}", f"{label}, {cores_label(count)}", kind, suffix))
+    return COMMANDS + extra
 
 
 def command_argv(key: str, src: Path, dst: Path, syncd: SyncdUnderTest) -> list[str]:
+    if "@" in key:  # a pinned run: taskset -c to the first N allowed CPUs
+        base, count = key.split("@")
+        return pinned(command_argv(base, src, dst, syncd), int(count))
     if key.startswith("cp_fsync"):
         return ["sh", "-c", 'cp --reflink=never -- "$1" "$2" && sync -- "$2"', "sh", str(src), str(dst)]
     if key.startswith("cp"):

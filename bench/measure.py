@@ -94,12 +94,13 @@ def _failure(stderr_path: Path, status: int) -> str:
 
 
 def measure_case(
-    case: Case, sources: dict[str, Path], workdir: Path, reps: int, warmup: bool, syncd: SyncdUnderTest, log: Log
+    case: Case, sources: dict[str, Path], workdir: Path, reps: int, warmup: bool, syncd: SyncdUnderTest, log: Log,
+    commands: list[tuple[str, str, str, str]] = COMMANDS,
 ) -> list[Measurement]:
     """Every command of one case, interleaved: a warm-up round, then `reps` rounds each running every command
     once, so slow phases of a shared machine hit the floor and the conversions alike."""
     jobs = []
-    for key, label, kind, suffix in COMMANDS:
+    for key, label, kind, suffix in commands:
         src = sources[kind]
         m = Measurement(case.name, key, label, src.stat().st_size if src.exists() else 0)
         if not src.exists():
@@ -164,7 +165,8 @@ def startup_cost(reps: int, syncd: SyncdUnderTest) -> dict:
 
 
 def run_case(
-    case: Case, reps: int, warmup: bool, keep: bool, syncd: SyncdUnderTest, log: Log
+    case: Case, reps: int, warmup: bool, keep: bool, syncd: SyncdUnderTest, log: Log,
+    commands: list[tuple[str, str, str, str]] = COMMANDS,
 ) -> tuple[dict, list[Measurement]]:
     workdir = WORK / case.name
     shutil.rmtree(workdir, ignore_errors=True)
@@ -185,11 +187,11 @@ def run_case(
         f"  {case.name}: {info['tensors']} tensors, {info['safetensors_bytes'] / MiB:.0f} MiB, largest tensor "
         f"{info['largest_tensor_bytes'] / MiB:.2f} MiB; generated in {time.perf_counter() - t0:.1f} s"
     )
-    results = measure_case(case, {"st": src, "bpk": bpk}, workdir, reps, warmup, syncd, log)
+    results = measure_case(case, {"st": src, "bpk": bpk}, workdir, reps, warmup, syncd, log, commands)
     by_key = {m.command: m for m in results}
     floor = floors(by_key)
     info["floors_s"] = floor
-    for key, _, kind, _ in COMMANDS:
+    for key, _, kind, _ in commands:
         m = by_key[key]
         cp, cp_fsync = floor[kind]["cp"], floor[kind]["cp_fsync"]
         if m.median_s is not None and cp:

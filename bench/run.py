@@ -12,8 +12,12 @@ For every synthetic checkpoint (see gen.py) it measures, each as a subprocess:
   fsyncs its output (and the directory) before publishing. Reported as a second floor.
 - the naive pipeline (naive.py): safetensors load_file, np.ascontiguousarray(w.T), save_file (BF16 through
   safetensors.torch, since numpy has no bfloat16).
+- the torch pipeline (naive.py --torch): the same three steps with safetensors.torch and `w.t().contiguous()`,
+  the five-line script a PyTorch user writes.
 - `syncd convert SRC.safetensors -o DST.bpk` (PyTorch -> Burn) and `syncd convert SRC.bpk -o DST.safetensors`
-  (Burn -> PyTorch). The .bpk source is made by syncd itself before the measurements (untimed).
+  (Burn -> PyTorch). The .bpk source is made by syncd itself before the measurements (untimed). With
+  `--cores 1,2,all` (the default) both also run pinned with taskset to 1 and 2 cores (cores.py), in the same
+  interleaved rounds; the report records the machine's core count.
 
 Commands run interleaved: a warm-up round runs every command of a case once, then `--reps` (3) timed rounds
 each run every command once (so a slow phase of a shared machine hits the floor and the conversions alike);
@@ -44,7 +48,8 @@ import shutil
 import sys
 import time
 
-from cases import FULL_CASES, QUICK_CASES
+from cases import FULL_CASES, QUICK_CASES, commands
+from cores import core_record, parse_cores
 from daemonprobe import daemon_latency
 from measure import run_case, startup_cost
 from report import environment, report
@@ -66,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints under bench/work/")
     parser.add_argument("--no-sharded", action="store_true", help="skip the sharded-set case (sharded.py)")
+    parser.add_argument(
+        "--cores",
+        default="1,2,all",
+        help="also run the syncd conversions pinned (taskset) to these core counts: e.g. 1,2,4,all (default "
+        "1,2,all; counts above the machine's are skipped, 'all' is the unpinned run)",
+    )
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     cases = QUICK_CASES if args.quick else FULL_CASES
@@ -92,12 +103,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     log(f"  measuring {args.under_test}")
     WORK.mkdir(parents=True, exist_ok=True)
+    args.core_counts = parse_cores(args.cores)
+    args.core_record = core_record()
+    log(f"  cores: {args.core_record['allowed']} of {args.core_record['cpu_count']} allowed; syncd also pinned to "
+        f"{[c for c in args.core_counts if c is not None] or 'none'}")
     infos, measurements = [], []
     startup = startup_cost(args.reps, syncd)
     log(f"  python start + import syncd.convert: {startup['median_s']:.2f} s (a fixed cost of every syncd convert)")
     try:
         for case in cases:
-            info, results = run_case(case, args.reps, not args.quick, args.keep, syncd, log)
+            info, results = run_case(
+                case, args.reps, not args.quick, args.keep, syncd, log, commands(args.core_counts)
+            )
             infos.append(info)
             measurements += results
         if not args.no_sharded:
