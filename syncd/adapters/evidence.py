@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-import yaml
-
 from syncd.adapters.model import EMBEDDING, LINEAR, OTHER, PRELU, PYTORCH, RMS_NORM
 from syncd.adapters.modulemap import ModuleMap
 
@@ -88,6 +86,8 @@ def metadata_layout(metadata: dict[str, str]) -> str | None:
 @functools.lru_cache(maxsize=1)
 def known_architectures() -> dict[str, tuple[frozenset[str], frozenset[str], ModuleMap]]:
     """family -> (model_types, architecture class names, module map), from the shipped YAML table."""
+    import yaml  # here: only a checkpoint with a config.json beside it needs the table
+
     text = resources.files("syncd.adapters").joinpath(TABLE_FILE).read_text(encoding="utf-8")
     table = yaml.safe_load(text)
     families = {}
