@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         args.under_test = f"the syncd working tree at {args.git_start['head']}" + (
             f" with uncommitted changes to {', '.join(changed)}" if changed else ""
         )
+    args.kernel = syncd.kernel_name()
+    args.under_test += f" (transpose kernel: {args.kernel})"
     log(f"  measuring {args.under_test}")
     WORK.mkdir(parents=True, exist_ok=True)
     args.core_counts = parse_cores(args.cores)

@@ -39,6 +39,17 @@ class SyncdUnderTest:
             return [PYTHON, str(BENCH / "syncd_at.py"), str(self.snapshot), "--where"]
         return [PYTHON, "-c", "import syncd.cli, syncd.convert"]
 
+    def kernel_name(self) -> str:
+        """Which transpose kernel this syncd uses: compiled or numpy (syncd/kernels)."""
+        code = "from syncd import kernels; print(kernels.KERNEL_NAME)"
+        if self.snapshot is not None:
+            unhook = "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]"
+            argv = [PYTHON, "-c", f"import sys; {unhook}; sys.path.insert(0, {str(self.snapshot)!r}); {code}"]
+        else:
+            argv = [PYTHON, "-c", code]
+        out = subprocess.run(argv, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+
     def import_argv(self, module: str) -> list[str]:
         """A command that exits 0 if this syncd can import `module`."""
         if self.snapshot is not None:
@@ -53,8 +64,15 @@ def make_snapshot() -> tuple[SyncdUnderTest, str]:
     root.mkdir(parents=True)
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     commit = head.stdout.strip()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "syncd"], capture_output=True, check=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "syncd", "setup.py", "pyproject.toml", "README.md"],
+        capture_output=True,
+        check=True,
+    )
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    # the compiled transpose kernel, as `pip install` builds it (optional there too: without a compiler the
+    # snapshot runs the numpy kernel, and kernel_name() says so)
+    subprocess.run([PYTHON, "setup.py", "-q", "build_ext", "--inplace"], cwd=root, capture_output=True)
     where = subprocess.run([PYTHON, str(BENCH / "syncd_at.py"), str(root), "--where"], capture_output=True, text=True)
     if not where.stdout.strip().startswith(str(root)):
         raise SystemExit(f"--snapshot: syncd_at.py imports {where.stdout.strip() or where.stderr.strip()}, not {root}")
