@@ -196,15 +196,28 @@ class OnePass:
 
     def _all_jobs(self) -> Iterator[tuple]:
         """The whole source in file order as jobs, each holding a slot (taken here, so memory stays within
-        the ring and jobs start in file order): what is converted, and between it what is only hashed."""
-        cursor = 0
+        the ring and jobs start in file order): what is converted, and between it what is only hashed.
+        Runs of small untransformed tensors go as one job (one read for all of them): a job costs more than
+        copying a 4 KiB tensor."""
+        cursor = batch_start = 0
+        batch: list[Move] = []
         for move in sorted(self.moves, key=lambda m: m.src_offset):
             if move.src_offset < cursor:
                 raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
-            if move.src_offset > cursor:
+            small = move.matrix is None and 0 < move.nbytes < self.block_bytes
+            if batch and (not small or move.src_offset + move.nbytes - batch_start > self.block_bytes):
+                yield self._copy_batch, self._free.get(), batch_start, cursor, batch
+                batch = []
+            if not batch and move.src_offset > cursor:
                 yield self._hash_only, self._free.get(), cursor, move.src_offset
-            yield from self._jobs(move)
+            if small:
+                batch_start = batch_start if batch else move.src_offset
+                batch.append(move)
+            else:
+                yield from self._jobs(move)
             cursor = move.src_offset + move.nbytes
+        if batch:
+            yield self._copy_batch, self._free.get(), batch_start, cursor, batch
         if self.src_size > cursor:
             yield self._hash_only, self._free.get(), cursor, self.src_size
 
@@ -316,6 +329,19 @@ class OnePass:
             if move.check is not None:
                 move.check(data)
             self._write(move, data, rel)
+        finally:
+            self._free.put(slot)
+
+    def _copy_batch(self, slot: _Slot, start: int, end: int, moves: list[Move]) -> None:
+        """Small untransformed tensors lying in [start, end) of the source: one read (gaps included, for the
+        hash), then each tensor written to its own place."""
+        try:
+            data = self._read(slot.src(end - start), start)
+            for move in moves:
+                piece = data[move.src_offset - start : move.src_offset - start + move.nbytes]
+                if move.check is not None:
+                    move.check(piece)
+                self._write(move, piece, 0)
         finally:
             self._free.put(slot)
 
