@@ -61,7 +61,7 @@ def aligned(size: int) -> memoryview:
     """An uninitialised buffer of `size` bytes whose address is a multiple of ALIGN: an anonymous mapping,
     page-aligned, whose pages count towards memory only once touched. (Not numpy: a conversion without
     transposes never imports it, which saves a tenth of a second of start-up.)"""
-    return memoryview(mmap.mmap(-1, max(size, 1)))[:size]
+    return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))[:size]
 
 
 class _Slot:
