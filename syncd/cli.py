@@ -110,6 +110,18 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
         "--shard-size", metavar="SIZE", help="write safetensors as shards of at most SIZE (5GB, 500MB); none: one file"
     )
     convert.add_argument("--overwrite", action="store_true", help="replace the destination if it exists")
+    convert.add_argument(
+        "--hash",
+        choices=["xxh3_128", "sha256"],
+        default="xxh3_128",
+        help="source hash recorded in the output (default xxh3_128, near memory speed; sha256 is cryptographic)",
+    )
+    convert.add_argument(
+        "--verify",
+        choices=["fast", "full"],
+        default="fast",
+        help="fast: checks taken while writing and a re-read of the written table; full: also re-read every tensor",
+    )
     convert.add_argument("--json", action="store_true", help="print the result (or the error) as JSON")
     convert.add_argument("-v", "--verbose", action="store_true", help="print every layout decision")
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
