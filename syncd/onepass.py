@@ -154,6 +154,7 @@ class OnePass:
         for _ in range(slots):
             self._free.put(_Slot())
         self._local = threading.local()
+        self._write_lock = threading.Lock()
         self._turn = threading.Condition()  # guards _hashed_to and _aborted
         self._hashed_to = 0  # every source byte before this offset has been hashed
         self._aborted = False
@@ -392,7 +393,8 @@ class OnePass:
     def _pwrite(self, data: Any, offset: int) -> int:
         """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""
         view = memoryview(data).cast("B")
-        pwrite_all(self.out_fd, view, offset)
+        with self._write_lock:  # the kernel serialises writes to one file anyway; waiting here sleeps, not spins
+            pwrite_all(self.out_fd, view, offset)
         self._writeback.wrote(len(view))
         if self.progress is not None:
             self.progress(len(view))
