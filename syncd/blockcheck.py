@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from threading import Lock
 from typing import TYPE_CHECKING
 
-from syncd.errors import FormatError, VerificationError
+from syncd.errors import SourceChangedError, VerificationError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -149,7 +149,5 @@ class SourceStamp:
 
     def check_unchanged(self, fd: int, path: str) -> None:
         now = SourceStamp.of(fd)
-        if now.size != self.size:
-            raise FormatError("the file changed size while it was being converted", path)
-        if now != self:
-            raise FormatError("the file was modified while it was being converted", path)
+        if now != self:  # as convert.check_source_unchanged says it, so the daemon treats both alike
+            raise SourceChangedError("changed while it was being converted; nothing was published", path)

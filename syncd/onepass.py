@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from syncd.blockcheck import Entry, SourceStamp, WriteLedger
-from syncd.errors import FormatError, VerificationError
+from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.fileio import pwrite_all
 from syncd.formats.table import Buffer
 from syncd.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
@@ -166,7 +166,7 @@ class OnePass:
         """Convert; the source hash of the bytes converted. The source must not change meanwhile."""
         stamp = SourceStamp.of(self.src_fd)
         if stamp.size != self.src_size:
-            raise FormatError("the file changed size before it was converted", self.src_path)
+            raise SourceChangedError("changed while it was being converted; nothing was published", self.src_path)
         digest = self._run()
         stamp.check_unchanged(self.src_fd, self.src_path)
         return digest

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from syncd import kernels, onepass
 from syncd.blockcheck import check_transposed
-from syncd.errors import FormatError, VerificationError
+from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.fileio import bool_checker, pwrite_all
 from syncd.formats.safetensors import SafetensorsReader, plan_safetensors
@@ -201,7 +201,7 @@ def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> N
             return super()._read(buf, offset)
 
     output = _Output(source, tmp_path / "out.safetensors")
-    with pytest.raises(FormatError, match="modified while it was being converted"):
+    with pytest.raises(SourceChangedError, match="changed while it was being converted"):
         output.engine(Torn, block_bytes=4096).run()
     output.close()
 
