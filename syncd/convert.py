@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from syncd import carry, hashing
 from syncd.adapters import (
@@ -33,7 +33,6 @@ from syncd.adapters import (
     TensorRef,
     plan_conversion,
 )
-from syncd.cast import CastCopy, cast_nbytes
 from syncd.context import gather_context
 from syncd.errors import FormatError, SourceChangedError, SyncdError, UsageError, VerificationError, one_line
 from syncd.formats import SAFETENSORS, open_checkpoint
@@ -63,7 +62,10 @@ from syncd.publish import FileIdentity, PublishResult, Scratch, ensure_destinati
 from syncd.setout import set_paths, write_set
 from syncd.stores import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.targets import TARGETS, Target
-from syncd.transfer import Transfer
+
+if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a plain copy does not)
+    from syncd.cast import CastCopy
+    from syncd.transfer import Transfer
 
 # The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
 Rename = Callable[[list[tuple[str, str]]], list[tuple[str, str]]]
@@ -231,7 +233,7 @@ class Conversion:
     metadata: dict[str, str] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
     restored: list[str] = field(default_factory=list)  # carried tensors written back
-    transfer: Transfer = field(default_factory=Transfer)
+    transfer: Transfer | None = None  # the movers of conversions not done in one pass (sharded sets)
     output_size: int = 0
     store: StorePlan = field(default_factory=StorePlan.empty)  # what filters, remap rules and casts did
     casts: dict[str, CastCopy] = field(default_factory=dict)  # output name -> its cast
@@ -251,6 +253,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     adapted, store = _adapt(source, request, target, carried)
     c = Conversion(request, source, target, dest, carried, adapted, store=store)
     c.entries = target.order(rename(adapted.entries, request.rename, source.path), c)
+    c.one_pass = source.sharded is None and not _may_write_a_set(c)
     c.specs = [_cast_spec(c, entry, target.tensor_spec(c, entry, _fill(c, entry))) for entry in c.entries]
     c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
     c.metadata, c.scalars = target.metadata(c)
@@ -267,10 +270,18 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         c.dest = set_paths(c.shards, c.directory)[-1]  # the index (or the one file of a one-shard split)
     elif dest.is_dir():  # `-o DIR`: the default name, in that directory
         c.dest = dest / default_destination(Path(source.path), target.format.name).name
-    c.one_pass = c.shards is None and source.sharded is None
-    if c.one_pass:
+    if c.shards is None and source.sharded is None and not c.one_pass:  # a carried set layout came to nothing
+        c.one_pass = True
         c.specs = _from_source(c)
+    assert not (c.one_pass and c.shards is not None)
     return c
+
+
+def _may_write_a_set(c: Conversion) -> bool:
+    """Whether the output may be a sharded set (decided by _output_shards once the specs are known)."""
+    if c.target.format.name != SAFETENSORS or c.request.one_file:
+        return False
+    return c.request.shard_size is not None or c.carried.shards is not None
 
 
 def _from_source(c: Conversion) -> list[TensorSpec]:
@@ -334,8 +345,20 @@ def _cast_spec(c: Conversion, entry: PlanEntry, spec: TensorSpec) -> TensorSpec:
     if copy is None:
         return spec
     return replace(
-        spec, dtype=copy.to_dtype, raw_dtype=None, nbytes=cast_nbytes(spec.nbytes, copy.from_dtype, copy.to_dtype)
+        spec, dtype=copy.to_dtype, raw_dtype=None, nbytes=_cast_nbytes(spec.nbytes, copy.from_dtype, copy.to_dtype)
     )
+
+
+def _cast_nbytes(nbytes: int, from_dtype: str, to_dtype: str) -> int:
+    from syncd.cast import cast_nbytes
+
+    return cast_nbytes(nbytes, from_dtype, to_dtype)
+
+
+def _new_transfer() -> Transfer:
+    from syncd.transfer import Transfer
+
+    return Transfer()
 
 
 def _carried_shards(c: Conversion) -> ShardLayout | None:
@@ -385,11 +408,16 @@ def rename(entries: list[PlanEntry], hook: Rename | None, path: str) -> list[Pla
 
 def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
     reader = c.source.reader_of(entry.source)
+    if c.one_pass and entry.source not in c.store.casts:
+        return FromSource(reader, entry.source, entry.transpose)
     if entry.source in c.store.casts:
         info = reader.tensor(entry.source)
+        from syncd.cast import CastCopy
+
         copy = CastCopy(reader, entry.source, info.dtype, c.store.casts[entry.source], entry.transpose)
         c.casts[entry.target] = copy
         return copy.fill
+    c.transfer = c.transfer or _new_transfer()
     mover = c.transfer.transpose_fill if entry.transpose else c.transfer.copy_fill
     return mover(reader, entry.source, entry.target)
 
@@ -510,6 +538,7 @@ def verify(c: Conversion, written: Path, specs: list[TensorSpec] | None = None) 
             elif spec.name in c.casts:
                 c.casts[spec.name].verify(output, spec.name)
             else:
+                assert c.transfer is not None
                 c.transfer.verify(output, spec.name)
 
 
