@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from measure import Log, Measurement
 
 
+def _shown_python() -> str:
+    """The interpreter as the report shows it: relative to the repository (.venv/bin/python), else `python`
+    (a machine's own paths do not belong in a committed report)."""
+    path = Path(PYTHON)
+    return path.relative_to(BENCH.parent).as_posix() if path.is_relative_to(BENCH.parent) else "python"
+
+
 def fmt(value: float | None, pattern: str, missing: str = "-") -> str:
     return missing if value is None else pattern.format(value)
 
@@ -251,7 +258,7 @@ def report(
     md = [
         f"# syncd benchmark ({'quick' if args.quick else 'full'})",
         "",
-        f"Command: `{shlex.join([Path(PYTHON).as_posix(), 'bench/run.py', *sys.argv[1:]])}` "
+        f"Command: `{shlex.join([_shown_python(), 'bench/run.py', *sys.argv[1:]])}` "
         f"— {mode}; warm page cache; outputs deleted and `sync` run before every run.",
         "",
         f"Machine: {env['cpu']}, {env['cores']} cores ({env['cores_allowed']} allowed), {env['memory_gib']} GiB RAM, "
