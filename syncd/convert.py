@@ -36,7 +36,7 @@ from syncd.adapters import (
 from syncd.context import gather_context
 from syncd.errors import FormatError, SourceChangedError, SyncdError, UsageError, VerificationError, one_line
 from syncd.formats import SAFETENSORS, open_checkpoint
-from syncd.formats.fileio import TensorFileReader, pwrite_all
+from syncd.formats.fileio import TensorFileReader, open_regular_file, pwrite_all
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
     INDEX_SUFFIX,
@@ -45,7 +45,7 @@ from syncd.formats.shards import (
     find_index,
     is_index_name,
     layout_by_size,
-    member_files,
+    read_index,
 )
 from syncd.formats.table import TensorInfo, TensorSpec
 from syncd.passwrite import (
@@ -174,7 +174,7 @@ class Source:
     """The tensors a conversion reads, behind one interface: one checkpoint file, or a sharded safetensors set
     read through its index (formats/shards.py checks the index and shards agree). `reader_of` says which file
     holds a tensor; the header (format, metadata, scalars) and the permission bits are the first file's; a
-    set's `path` is its index, and its hash covers the index and then every shard (see file_sha256)."""
+    set's `path` is its index, and its hash covers the index and then every shard (see source_digest)."""
 
     def __init__(self, readers: list[TensorFileReader], sharded: ShardedReader | None = None) -> None:
         self.readers = readers
@@ -568,7 +568,7 @@ class _SourceHasher:
 
     def __init__(self, source: Source, hash_name: str = hashing.DEFAULT_HASH) -> None:
         self.hash_name = hash_name
-        # a set is hashed as its index followed by its shards, in order (as file_sha256)
+        # a set is hashed as its index followed by its shards, in order (as source_digest)
         self.prefix = source.sharded.index.raw if source.sharded is not None else b""
         self.parts = [(os.dup(reader.fd), reader.file_size, reader.path) for reader in source.readers]
         self.path = source.path
@@ -656,19 +656,38 @@ def _stamp(info: os.stat_result) -> tuple[int, ...]:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
-def file_sha256(path: Path) -> str:
-    return source_digest(path, hashing.SHA256)
-
-
-def source_digest(path: Path, hash_name: str = hashing.DEFAULT_HASH) -> str:
-    """The hash of a source file; of a sharded set (its index), the index followed by every shard it lists,
-    in order (as a conversion records it)."""
+def source_digest(source: Path, within: Path, hash_name: str) -> str | None:
+    """The hash of a source as a conversion records it : one file's bytes, or a set's
+    index followed by every shard it lists, in the index's order; None if any part cannot be read."""
+    parts = [source]
+    if is_index_name(source):
+        try:
+            files = read_index(source, within).files
+        except SyncdError:
+            return None
+        parts += [source.parent / name for name in files]
     sha = hashing.new_hasher(hash_name)
-    paths = [Path(path)]
-    if is_index_name(path):
-        paths += [Path(p) for p in member_files(path)]
-    for part in paths:
-        with open(part, "rb") as handle:
-            while chunk := handle.read(8 << 20):
-                sha.update(chunk)
+    for part in parts:
+        try:
+            fd, size = open_regular_file(part, within)
+        except SyncdError:
+            return None
+        try:
+            hash_fd(sha, fd, size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
     return sha.hexdigest()
+
+
+def hash_fd(sha: hashing.Hasher, fd: int, size: int) -> None:
+    """Feed the first `size` bytes of an open regular file to `sha` (never more: a file growing meanwhile is
+    not read forever)."""
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(8 << 20, size - offset), offset)
+        if not chunk:
+            break
+        sha.update(chunk)
+        offset += len(chunk)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from syncd import carry, hashing
 from syncd.adapters.keys import TensorFilter, compile_rule
-from syncd.convert import ConvertRequest, ConvertResult, convert
+from syncd.convert import ConvertRequest, ConvertResult, convert, source_digest
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
 from syncd.daemon.state import FileVersion, StateDB
@@ -40,7 +40,6 @@ from syncd.errors import (
     one_line,
 )
 from syncd.formats import BURNPACK, SAFETENSORS, Format, format_for_path, open_checkpoint
-from syncd.formats.fileio import open_regular_file
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
     INDEX_SUFFIX,
@@ -48,7 +47,6 @@ from syncd.formats.shards import (
     is_index_name,
     looks_like_shard,
     member_files,
-    read_index,
 )
 from syncd.progress import ProgressCallback
 from syncd.publish import FileIdentity
@@ -501,43 +499,6 @@ def _carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path
     if metadata.get(carry.SOURCE) != carry.file_label(source.name) or recorded is None:
         return False
     return recorded.hexdigest == source_digest(source, source_root, recorded.name)
-
-
-def source_digest(source: Path, within: Path, hash_name: str) -> str | None:
-    """The hash of a source as a conversion records it (convert.source_digest): one file's bytes, or a set's
-    index followed by every shard it lists, in the index's order; None if any part cannot be read."""
-    parts = [source]
-    if is_index_name(source):
-        try:
-            files = read_index(source, within).files
-        except SyncdError:
-            return None
-        parts += [source.parent / name for name in files]
-    sha = hashing.new_hasher(hash_name)
-    for part in parts:
-        try:
-            fd, size = open_regular_file(part, within)
-        except SyncdError:
-            return None
-        try:
-            hash_fd(sha, fd, size)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-    return sha.hexdigest()
-
-
-def hash_fd(sha: hashing.Hasher, fd: int, size: int) -> None:
-    """Feed the first `size` bytes of an open regular file to `sha` (never more: a file growing meanwhile is
-    not read forever)."""
-    offset = 0
-    while offset < size:
-        chunk = os.pread(fd, min(8 << 20, size - offset), offset)
-        if not chunk:
-            break
-        sha.update(chunk)
-        offset += len(chunk)
 
 
 def open_for_writing(path: Path) -> bool | None:
