@@ -62,7 +62,8 @@ class SafetensorsReader(TensorFileReader):
         )
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A json.loads object hook that refuses a key given twice (JSON allows it; a header must not)."""
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
@@ -87,7 +88,7 @@ def parse_header_json(raw: bytes, path: str) -> dict[str, Any]:
     if not text.startswith("{"):
         raise FormatError("header is not a JSON object", path)
     try:
-        document = json.loads(text, object_pairs_hook=_unique_pairs)
+        document = json.loads(text, object_pairs_hook=unique_pairs)
     except RecursionError:
         raise FormatError("header JSON is nested too deeply", path) from None
     except MemoryError:  # e.g. 100 MB of "[]," builds millions of lists: refuse it as burnpack's decode does

@@ -22,7 +22,7 @@ from typing import Any
 
 from syncd.errors import FormatError
 from syncd.formats.fileio import open_regular_file, pread_exact, refuse_costly_decode
-from syncd.formats.safetensors import SafetensorsReader, decoded_cost
+from syncd.formats.safetensors import SafetensorsReader, decoded_cost, unique_pairs
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -68,20 +68,11 @@ class ShardIndex:
         return render_index(self.metadata, self.weight_map, self.extra) == self.raw
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
-
-
 def parse_index(raw: bytes, path: str) -> ShardIndex:
     """Parse and check an index's JSON (not the shards: `ShardedReader` opens those)."""
     refuse_costly_decode(raw, decoded_cost, "index", path)
     try:
-        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
     except UnicodeDecodeError:
         raise FormatError("index is not valid UTF-8", path) from None
     except RecursionError:
