@@ -7,6 +7,7 @@ convert.py runs the pipeline and knows no format; `TARGETS` maps a format name (
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # the pipeline's state; convert.py imports this module, not t
 Fill = Callable[[Any], None]
 
 
-class Target:
+class Target(ABC):
     """The per-format half of a conversion. Subclasses set `format` and override what differs."""
 
     format: Format
@@ -51,24 +52,26 @@ class Target:
         """Tensors written besides the planned ones (default: none)."""
         return []
 
+    @abstractmethod
     def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
-        raise NotImplementedError
+        """The output's metadata, and the facts it carries for the way back."""
 
+    @abstractmethod
     def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
         """Write the whole output to `fd` through the specs' fills; returns (its header bytes, its size)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
         """Where everything goes: (the header bytes, the file size, the absolute start of each of c.specs).
         convert writes it all (passwrite.write_planned)."""
-        raise NotImplementedError
 
     def comparable(self, dtype: str) -> str:
         """A dtype as this format stores it, for comparing the written table with the plan."""
         return dtype
 
     def check_written(self, c: Conversion, output: TensorFileReader) -> None:
-        """Format-specific checks of the read-back output, after the table and the tensors."""
+        """Format-specific checks of the read-back output, after the table and the tensors (default: none)."""
+        return None
 
 
 class BurnpackTarget(Target):
