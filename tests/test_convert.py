@@ -621,18 +621,25 @@ def test_large_and_empty_linear_weights_transpose_exactly(tmp_path: Path) -> Non
 # verification and failures: nothing half-made is ever published
 
 
-def test_verify_tensor_catches_a_corrupted_output(tmp_path: Path) -> None:
+def _mnist_good_and_corrupted(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """mnist_web.bpk, its conversion, and a copy of that with one bit flipped in a transposed tensor
+    (fc1.weight) and in a copied one (conv2.conv.weight)."""
     source = _copy(MNIST_WEB, tmp_path)
     good = tmp_path / "good.safetensors"
     convert(ConvertRequest(source=source, dest=good))
-    bad = tmp_path / "bad.safetensors"
     raw = bytearray(good.read_bytes())
     written = read_safetensors(good)
     header_end = 8 + struct.unpack("<Q", raw[:8])[0]
-    for name in ("fc1.weight", "conv2.conv.weight"):  # one transposed, one copied
+    for name in ("fc1.weight", "conv2.conv.weight"):
         where = raw.find(written.tensors[name].data, header_end)
         raw[where + len(written.tensors[name].data) // 2] ^= 0x01
+    bad = tmp_path / "bad.safetensors"
     bad.write_bytes(bytes(raw))
+    return source, good, bad
+
+
+def test_verify_tensor_catches_a_corrupted_output(tmp_path: Path) -> None:
+    source, good, bad = _mnist_good_and_corrupted(tmp_path)
 
     with BurnpackReader(source) as src, SafetensorsReader(good) as ok, SafetensorsReader(bad) as corrupt:
         verify_tensor(src, "fc1.weight", ok, "fc1.weight", True)
@@ -806,17 +813,7 @@ def test_verify_full_converts_both_ways_and_gives_the_same_bytes_as_fast(tmp_pat
 
 
 def test_verify_full_catches_what_verify_tensor_catches(tmp_path: Path) -> None:
-    source = _copy(MNIST_WEB, tmp_path)
-    good = tmp_path / "good.safetensors"
-    convert(ConvertRequest(source=source, dest=good))
-    raw = bytearray(good.read_bytes())
-    written = read_safetensors(good)
-    header_end = 8 + struct.unpack("<Q", raw[:8])[0]
-    for name in ("fc1.weight", "conv2.conv.weight"):  # one transposed, one copied
-        where = raw.find(written.tensors[name].data, header_end)
-        raw[where + len(written.tensors[name].data) // 2] ^= 0x01
-    bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(bytes(raw))
+    source, good, bad = _mnist_good_and_corrupted(tmp_path)
     with BurnpackReader(source) as src, SafetensorsReader(good) as ok, SafetensorsReader(bad) as corrupt:
         verify_full([(src, "fc1.weight", "fc1.weight", True), (src, "conv2.conv.weight", "conv2.conv.weight", False)],
                     ok)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO  # noqa: E402
+from convcheck import run_cli
 from daemonutil import DaemonRun
 
 TRAINER = pwd.getpwnam("nobody")  # the training user
@@ -103,13 +104,7 @@ def test_syncd_at_trainer_converts_the_trainers_0600_checkpoints(shared_root: Pa
         as_other = _as(OTHER, sys.executable, "-m", "syncd", "check-config", run.config_path)
         assert as_other.returncode == 0
         assert f"user {OTHER.pw_name} cannot list 1 director(ies), e.g. {runs}" in as_other.stdout
-        checked = subprocess.run(
-            [sys.executable, "-m", "syncd", "check-config", str(run.config_path), "--user", TRAINER.pw_name],
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        checked = run_cli("check-config", run.config_path, "--user", TRAINER.pw_name)
         assert checked.returncode == 0 and "warning" not in checked.stdout, checked.stdout
 
         run.start(user=TRAINER.pw_uid)  # what syncd@nobody.service does: User=%i
@@ -127,13 +122,7 @@ def test_check_config_warns_about_unreadable_checkpoints_and_unwritable_director
         _save_as(pwd.getpwuid(0), runs / "private.safetensors")  # 0600 root
         (runs / "notes.txt").write_text("not a checkpoint: never a warning")
         os.chmod(runs / "notes.txt", 0o600)
-        proc = subprocess.run(
-            [sys.executable, "-m", "syncd", "check-config", str(run.config_path), "--user", OTHER.pw_name],
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = run_cli("check-config", run.config_path, "--user", OTHER.pw_name)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 2, proc.stdout

@@ -200,6 +200,16 @@ def test_remap_collision_and_bad_rules_are_refused_in_one_line_with_nothing_writ
     assert sorted(p.name for p in index.parent.iterdir()) == before
 
 
+def set_back(bpk: Path, directory: Path, *args: object) -> dict[str, torch.Tensor]:
+    """Convert `bpk` back into a set of shards in a new `directory`; returns every tensor of its shards."""
+    directory.mkdir()
+    syncd("convert", bpk, "-o", directory, *args)
+    written: dict[str, torch.Tensor] = {}
+    for shard in directory.glob("model-*.safetensors"):
+        written.update(load_file(shard))
+    return written
+
+
 def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
     index = fresh_set(saves, tmp_path / "set")
     result = syncd("convert", index, "--modules", saves["modules"], "--exclude", r"^lm_head\.", "-v")
@@ -207,11 +217,7 @@ def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
     bpk = index.parent / "model.bpk"
     assert "lm_head.weight" not in tensors_of(bpk)
     back = tmp_path / "back"
-    back.mkdir()
-    syncd("convert", bpk, "-o", back, "--modules", saves["modules"])
-    written = {}
-    for shard in back.glob("model-*.safetensors"):
-        written.update(load_file(shard))
+    written = set_back(bpk, back, "--modules", saves["modules"])
     original = LlamaForCausalLM.from_pretrained(index.parent).state_dict()
     assert set(written) == set(original) - {"lm_head.weight"}
     index_back = json.loads((back / "model.safetensors.index.json").read_text())
@@ -234,21 +240,13 @@ def test_precision_both_ways(saves: dict[str, Path], tmp_path: Path, precision: 
     original = LlamaForCausalLM.from_pretrained(index.parent).state_dict()
     # back without asking: the cast is lossy, so the tensors stay half
     half = tmp_path / "half"
-    half.mkdir()
-    syncd("convert", bpk, "-o", half, "--modules", saves["modules"])
-    written = {}
-    for shard in half.glob("model-*.safetensors"):
-        written.update(load_file(shard))
+    written = set_back(bpk, half, "--modules", saves["modules"])
     assert all(written[k].dtype == dtype and torch.equal(written[k], original[k].to(dtype)) for k in original)
     index_back = json.loads((half / "model.safetensors.index.json").read_text())
     assert index_back["metadata"]["total_size"] == sum(t.numel() * 2 for t in written.values())
     # back asking for f32: F32 again, holding the half values exactly
     full = tmp_path / "full"
-    full.mkdir()
-    syncd("convert", bpk, "-o", full, "--modules", saves["modules"], "--precision", "f32")
-    restored = {}
-    for shard in full.glob("model-*.safetensors"):
-        restored.update(load_file(shard))
+    restored = set_back(bpk, full, "--modules", saves["modules"], "--precision", "f32")
     assert all(
         restored[k].dtype == torch.float32 and torch.equal(restored[k], original[k].to(dtype).float()) for k in original
     )

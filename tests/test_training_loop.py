@@ -88,6 +88,12 @@ def statuses_of(run: DaemonRun, source: Path) -> list[str]:
     return [r["status"] for r in run.records() if r.get("source") == str(source)]
 
 
+def one_way(make_daemon: Callable[..., DaemonRun]) -> tuple[DaemonRun, Path]:
+    """A daemon (not started) on one watch, `runs`, converting safetensors to bpk only; and that directory."""
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    return run, run.watch_dir()
+
+
 def stop_cleanly(run: DaemonRun) -> None:
     code, _ = run.stop()
     assert code == 0, run.stderr()
@@ -102,8 +108,7 @@ BIG = {"layers": 6, "width": 2048}  # 6 x 12 MiB transposed weights: the convers
 def test_a_source_rewritten_in_place_during_its_conversion_is_never_published_mixed(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     assert run.proc is not None
     source = runs / "model.safetensors"
@@ -208,8 +213,7 @@ def test_overwrite_never_swaps_two_users_files_in_a_both_tree(make_daemon: Calla
 def test_symlinks_to_devices_and_fifos_renamed_onto_a_source_never_hang_a_worker(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     source = runs / "a.safetensors"
     write_file(source, checkpoint(1))
@@ -274,8 +278,7 @@ def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
 def test_a_reload_with_a_config_the_parser_chokes_on_keeps_the_daemon(
     make_daemon: Callable[..., DaemonRun], text: str
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     good = run.config_path.read_text()
     run.write_config_text(text)
@@ -439,8 +442,7 @@ def test_a_full_disk_under_the_state_database_is_logged_and_retried(make_daemon:
 def test_a_modification_time_in_the_future_is_taken_as_now_and_said_once(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     source = runs / "ahead.safetensors"
     write_file(source, checkpoint(1))
     year = 365 * 24 * 3600
@@ -457,8 +459,7 @@ SQUARE_ONLY = {"fc": "Linear"}
 def test_a_refusal_a_setting_decides_is_looked_at_again_after_the_reload_that_settles_it(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     source = runs / "square.safetensors"
     write_file(source, save({"fc.weight": np.ones((4, 4), np.float32)}))  # a lone square weight: ambiguous
@@ -500,8 +501,7 @@ NOBODY = 65534
 def test_a_presized_file_filled_in_with_pauses_is_not_taken_for_complete_without_leases(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start(drop_capabilities=[CAP_LEASE])  # and the file is not the daemon's: no lease answers
     source = runs / "presized.safetensors"
     data = checkpoint(1, layers=4, width=256)
@@ -558,8 +558,7 @@ def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
 def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start(wrapper=OWN_PID_NAMESPACE)
     source = runs / "big.safetensors"
     write_file(source, checkpoint(1, **HUGE))
@@ -580,8 +579,7 @@ def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
 
 
 def test_a_source_renamed_away_during_its_conversion_leaves_no_output(make_daemon: Callable[..., DaemonRun]) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     source = runs / "big.safetensors"
     write_file(source, checkpoint(1, **HUGE))
@@ -596,8 +594,7 @@ def test_a_source_renamed_away_during_its_conversion_leaves_no_output(make_daemo
 def test_a_directory_moved_out_of_the_tree_mid_conversion_keeps_no_scratch(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     (runs / "job").mkdir()
     run.start()
     source = runs / "job" / "big.safetensors"
@@ -638,8 +635,7 @@ def write_in_chunks(path: Path, data: bytes, cuts: list[int], pause: float) -> N
 def test_a_writer_closing_after_every_chunk_gets_one_converted_line_and_no_refusal(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     source = runs / "chunked.safetensors"
     data = checkpoint(1, layers=4, width=64)
@@ -654,8 +650,7 @@ def test_a_writer_closing_after_every_chunk_gets_one_converted_line_and_no_refus
 
 
 def test_a_file_that_stays_truncated_is_refused_once_saying_so(make_daemon: Callable[..., DaemonRun]) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     source = runs / "cut.safetensors"
     write_file(source, checkpoint(1, layers=4, width=64)[:3000])  # header whole, tensor data cut short
@@ -681,8 +676,7 @@ def save_then_rename(temporary: Path, final: Path, epochs: range, delay: Callabl
 def test_a_source_renamed_away_before_its_conversion_starts_is_not_reported(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     x, y = runs / "x.safetensors", runs / "y.safetensors"
     # renamed at once (within the few ms a close is given to settle): x is never converted, never named
@@ -707,8 +701,7 @@ def test_a_source_renamed_away_before_its_conversion_starts_is_not_reported(
 
 
 def test_syncd_retry_all_failed_looks_again_with_the_fixed_configuration(make_daemon: Callable[..., DaemonRun]) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir()
+    run, runs = one_way(make_daemon)
     run.start()
     source = runs / "square.safetensors"
     write_file(source, save({"fc.weight": np.ones((4, 4), np.float32)}))  # a lone square weight: ambiguous
