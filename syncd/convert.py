@@ -1,9 +1,9 @@
 """One source checkpoint to one published output: open -> plan -> write -> verify -> publish.
 
 Used by `syncd convert` and by the daemon's workers. The adapters decide names, shapes and transposes
-from the tensor table alone; `rename` may then rewrite output names; the target format's type (targets.py)
-turns the plan into specs and metadata (what it cannot hold travels in `syncd.*` metadata, see carry.py).
-This module moves the bytes, re-reads the written file to check every tensor, and only then publishes.
+from the tensor table alone, and the store options (remap rules) may rename their output; the target format's
+type (targets.py) turns the plan into specs and metadata (what it cannot hold travels in `syncd.*` metadata,
+see carry.py). This module moves the bytes, re-reads the written file to check every tensor, and only then publishes.
 
 Issue 16: the source may be a sharded safetensors set (its index; formats/shards.py); the store options
 (stores.py: tensor filter, remap rules, contiguous indices, precision casts through cast.py) apply to the plan;
@@ -68,7 +68,6 @@ if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a pla
     from syncd.transfer import Transfer
 
 # The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
-Rename = Callable[[list[tuple[str, str]]], list[tuple[str, str]]]
 
 
 
@@ -84,7 +83,6 @@ class ConvertRequest:
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
     # replace the destination only if it is still exactly this file (syncd's own earlier output of this source)
     replace_if: FileIdentity | None = None
-    rename: Rename | None = None  # rewrites output names after the adapters (see `rename`)
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision (issue 16)
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
@@ -246,13 +244,13 @@ class Conversion:
 
 
 def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) -> Conversion:
-    """Adapt names and shapes, let `request.rename` rewrite output names, then build the target's specs and
-    metadata. Nothing is written yet."""
+    """Adapt names and shapes (the store options included), then build the target's specs and metadata.
+    Nothing is written yet."""
     carried = carry.parse(source.header.metadata, source.path)
     target.check_dtypes(source.tensors, source.path)
     adapted, store = _adapt(source, request, target, carried)
     c = Conversion(request, source, target, dest, carried, adapted, store=store)
-    c.entries = target.order(rename(adapted.entries, request.rename, source.path), c)
+    c.entries = target.order(adapted.entries, c)
     c.one_pass = source.sharded is None and not _may_write_a_set(c)
     c.specs = [_cast_spec(c, entry, target.tensor_spec(c, entry, _fill(c, entry))) for entry in c.entries]
     c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
@@ -391,19 +389,6 @@ def _output_shards(c: Conversion, explicit_dest: bool) -> ShardLayout | None:
     if c.store.casts or c.carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
         layout = layout.with_total_size(sum(size for _, size in sizes))
     return layout
-
-
-def rename(entries: list[PlanEntry], hook: Rename | None, path: str) -> list[PlanEntry]:
-    """The seam for key remapping: `hook` gets the (source name, output name) pairs the adapters planned and
-    returns them with output names rewritten (same sources, same order, output names unique)."""
-    if hook is None:
-        return entries
-    pairs = hook([(e.source, e.target) for e in entries])
-    if [s for s, _ in pairs] != [e.source for e in entries]:
-        raise UsageError("a rename must keep every source tensor, in order", path)
-    if len({t for _, t in pairs}) != len(pairs):
-        raise UsageError("a rename gives two tensors the same output name", path)
-    return [replace(entry, target=new) for entry, (_, new) in zip(entries, pairs, strict=True)]
 
 
 def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:

@@ -39,12 +39,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from syncd.adapters import ModuleMap
+from syncd.adapters.keys import NameCollisionError, compile_rule
 from syncd.convert import ConvertRequest, convert
 from syncd.errors import FormatError, UnsupportedError, UsageError, VerificationError
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.onepass import SLOT_BYTES
 from syncd.passwrite import verify_full
+from syncd.stores import StoreOptions
 
 TO_TORCH_LEAF = {"gamma": "weight", "beta": "bias"}
 
@@ -567,30 +569,24 @@ def test_qfloat_is_refused_for_safetensors(tmp_path: Path) -> None:
         convert(ConvertRequest(source=source))
 
 
-def test_rename_rewrites_output_names_and_the_carried_facts_follow(tmp_path: Path) -> None:
-    """The key-remapping seam: a rename hook sees the planned (source, output) pairs; the written file, its
-    data order and its carried param_ids use the new names, and the tensors are still verified."""
+def test_remap_rewrites_output_names_and_the_carried_facts_follow(tmp_path: Path) -> None:
+    """Remap rules rename the adapters' output: the written file, its data order and its carried param_ids use
+    the new names, and the tensors are still verified."""
     source = _copy(MNIST_WEB, tmp_path)
     dest = tmp_path / "renamed.safetensors"
-    seen: list[tuple[str, str]] = []
-
-    def prefix(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        seen.extend(pairs)
-        return [(s, f"model.{t}") for s, t in pairs]
-
-    convert(ConvertRequest(source=source, dest=dest, rename=prefix))
+    prefix = StoreOptions(remap=(compile_rule(r"^", "model."),))
+    convert(ConvertRequest(source=source, dest=dest, store=prefix))
     plain = tmp_path / "plain.safetensors"
     convert(ConvertRequest(source=source, dest=plain))
     renamed, reference = read_safetensors(dest), read_safetensors(plain)
     assert {f"model.{name}" for name in reference.tensors} == set(renamed.tensors)
     assert all(renamed.tensors[f"model.{n}"] == tensor for n, tensor in reference.tensors.items())
-    assert ("fc1.weight", "fc1.weight") in seen
     order = json.loads(renamed.metadata["syncd.data_order"])
     assert order == [f"model.{name}" for name in json.loads(reference.metadata["syncd.data_order"])]
     assert set(json.loads(renamed.metadata["syncd.param_ids"])) == set(order)
-    clash = ConvertRequest(source=source, dest=tmp_path / "x.safetensors", rename=lambda p: [(s, "w") for s, _ in p])
-    with pytest.raises(UsageError, match="same output name"):
-        convert(clash)
+    clash = StoreOptions(remap=(compile_rule(r"^.*$", "w"),))
+    with pytest.raises(NameCollisionError, match="would both be named 'w'"):
+        convert(ConvertRequest(source=source, dest=tmp_path / "x.safetensors", store=clash))
     assert not (tmp_path / "x.safetensors").exists()
 
 
