@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, TextIO
 
 from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader
+from syncd.formats.shards import ShardedReader, is_index_name
 
 
 def describe(path: str, with_hash: bool = False) -> dict[str, Any]:
-    with open_checkpoint(path) as reader:
+    """A checkpoint's description; a sharded set's index (`*.safetensors.index.json`) describes the whole set,
+    each tensor with the shard that holds it (its offset is within that shard)."""
+    reader: TensorFileReader | ShardedReader = ShardedReader(path) if is_index_name(path) else open_checkpoint(path)
+    with reader:
         return _describe(reader, with_hash)
 
 
-def _describe(reader: TensorFileReader, with_hash: bool) -> dict[str, Any]:
+def _describe(reader: TensorFileReader | ShardedReader, with_hash: bool) -> dict[str, Any]:
     header = reader.header
+    sharded = isinstance(reader, ShardedReader)
     tensors = []
     for info in reader.tensors:
         row: dict[str, Any] = {
@@ -27,6 +33,8 @@ def _describe(reader: TensorFileReader, with_hash: bool) -> dict[str, Any]:
             "param_id": None if info.param_id is None else str(info.param_id),
             "offset": info.offset,
         }
+        if sharded:
+            row["shard"] = os.path.basename(reader.reader_for(info.name).path)
         if with_hash:
             row["sha256"] = _tensor_sha256(reader, info.name)
         tensors.append(row)
@@ -34,11 +42,19 @@ def _describe(reader: TensorFileReader, with_hash: bool) -> dict[str, Any]:
         "path": header.path,
         "format": header.format,
         "file_size": header.file_size,
-        "header": header.facts | {"tensor_count": len(tensors)},
+        "header": header.facts | {"tensor_count": len(tensors)} | _index_facts(reader),
         "metadata": header.metadata,
         "scalars": {name: {s.kind: s.value} for name, s in header.scalars.items()},
         "tensors": tensors,
     }
+
+
+def _index_facts(reader: TensorFileReader | ShardedReader) -> dict[str, Any]:
+    if not isinstance(reader, ShardedReader):
+        return {}
+    # what the index claims next to what the shards hold: loaders ignore total_size, so a wrong one is shown,
+    # not refused
+    return {"index_total_size": reader.index.total_size, "tensor_bytes": sum(t.nbytes for t in reader.tensors)}
 
 
 def _tensor_sha256(reader: TensorFileReader, name: str) -> str:
@@ -65,9 +81,8 @@ def print_table(doc: dict[str, Any], out: TextIO) -> None:
             out.write(f"{section}:\n")
             for key, value in doc[section].items():
                 out.write(f"  {key}: {value}\n")
-    columns = ["name", "dtype", "shape", "bytes", "param_id", "offset"] + (
-        ["sha256"] if doc["tensors"] and "sha256" in doc["tensors"][0] else []
-    )
+    columns = ["name", "dtype", "shape", "bytes", "param_id", "offset"]
+    columns += [c for c in ("shard", "sha256") if doc["tensors"] and c in doc["tensors"][0]]
     rows = [[_cell(row[c]) for c in columns] for row in doc["tensors"]]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
     numeric = {"bytes", "offset"}

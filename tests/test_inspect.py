@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MNIST_BPK, MNIST_ST  # noqa: E402
+from hfsets import save_llama
 
 
 def syncd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -72,3 +73,27 @@ def test_missing_file_and_usage_errors(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "no such file" in missing.stderr
     usage = syncd("inspect")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
+
+
+def test_a_sharded_sets_index_describes_the_whole_set(tmp_path: Path) -> None:
+    index = save_llama(tmp_path / "llama", sharded=True)
+    doc = json.loads(syncd("inspect", str(index), "--json", "--hash").stdout)
+    listed = json.loads(index.read_text())
+    assert doc["header"]["shards"] == sorted(set(listed["weight_map"].values()))
+    assert {t["name"]: t["shard"] for t in doc["tensors"]} == listed["weight_map"]
+    assert doc["header"]["index_total_size"] == listed["metadata"]["total_size"]
+    assert doc["header"]["tensor_bytes"] == sum(t["bytes"] for t in doc["tensors"])
+    for tensor in doc["tensors"]:
+        data = (index.parent / tensor["shard"]).read_bytes()
+        raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
+        assert tensor["sha256"] == hashlib.sha256(raw).hexdigest()
+    table = syncd("inspect", str(index)).stdout.splitlines()
+    assert table[0].startswith(f"{index}: safetensors") and "shard" in next(r for r in table if r.startswith("name"))
+
+
+def test_a_set_with_a_missing_shard_is_one_line(tmp_path: Path) -> None:
+    index = save_llama(tmp_path / "llama", sharded=True)
+    (index.parent / "model-00002-of-00003.safetensors").unlink()
+    result = syncd("inspect", str(index))
+    assert result.returncode == 1 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and "model-00002-of-00003.safetensors" in result.stderr
