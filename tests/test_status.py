@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,26 @@ def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
     run.stop()
     after = _syncd("status", "-c", run.config_path)
     assert after.returncode == 1 and "not running" in after.stdout and "stopped" in after.stdout
+
+
+def test_status_names_the_files_waiting_in_the_queue(tmp_path: Path) -> None:
+    """A file still open for writing waits to settle: it is listed by name with its due time, not only counted."""
+    with DaemonRun(tmp_path / "d", [{"path": "runs"}], settle_seconds=600) as run, ExitStack() as held:
+        run.start()
+        waiting = run.watch_dir("runs") / "mnist.bpk"
+        writer = held.enter_context(waiting.open("wb"))
+        writer.write(MNIST_BPK.read_bytes())
+        writer.flush()
+
+        def listed() -> dict | None:
+            doc = json.loads((run.state_dir / STATUS_FILE).read_text())
+            return doc if [item["source"] for item in doc["waiting"]] == [str(waiting)] else None
+
+        doc = wait_until(listed, 30, "the status file to list the waiting file")
+        assert doc["queued"] == 1 and 500 < doc["waiting"][0]["due_in"] <= 600
+        shown = _syncd("status", "-c", run.config_path).stdout.splitlines()
+        at = shown.index("queued: 1")
+        assert re.fullmatch(rf"  {re.escape(str(waiting))}  due in (9|10):\d\d", shown[at + 1]), shown
 
 
 def test_status_without_a_daemon_is_one_line(tmp_path: Path) -> None:

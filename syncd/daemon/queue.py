@@ -30,6 +30,10 @@ class _Item:
     closed: bool
 
 
+def _due(item: _Item) -> float:
+    return item.due
+
+
 Work = Callable[[Any, Path, bool], float | None]  # returns seconds until a retry, or None
 
 
@@ -82,6 +86,12 @@ class WorkQueue:
     def pending(self) -> int:
         with self._cond:
             return len(self._items) + len(self._busy)
+
+    def waiting(self, limit: int) -> list[tuple[Path, float]]:
+        """The `limit` waiting paths due first, each with its due time (time.monotonic): what `syncd status`
+        shows, so an operator sees a file settling or backing off instead of guessing."""
+        with self._cond:
+            return [(item.path, item.due) for item in heapq.nsmallest(limit, self._items.values(), key=_due)]
 
     def _next(self) -> _Item | None:
         with self._cond:

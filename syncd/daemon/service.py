@@ -24,7 +24,7 @@ from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
 from syncd.daemon.state import StateDB, lock_holder, lock_state_dir
-from syncd.daemon.status import Activity
+from syncd.daemon.status import SHOWN_WAITING, Activity
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
 from syncd.errors import SyncdError, UsageError, one_line
@@ -204,7 +204,9 @@ class Daemon:
                     self._scan(watch, root)
 
     def _status(self, state: str = "running") -> str:
-        return f"watching {len(self.config.watches)} tree(s); {self.activity.tick(self.queue.pending(), state=state)}"
+        queued, waiting = self.queue.pending(), self.queue.waiting(SHOWN_WAITING)
+        line = self.activity.tick(queued, state=state, waiting=waiting)
+        return f"watching {len(self.config.watches)} tree(s); {line}"
 
     def reload(self) -> None:
         """Apply a changed configuration. Nothing in it can end the daemon: any failure is one line and the

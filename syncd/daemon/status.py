@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,6 +35,7 @@ STATUS_MODE = 0o640  # the service's group (operators added to it) may read it; 
 CONVERTING_AFTER = 5.0  # seconds before a running conversion gets a journal line
 CONVERTING_EVERY = 60.0  # and then how often
 RECENT_FAILURES = 10
+SHOWN_WAITING = 10  # queued files listed by name, due first
 FAILURE_STATUSES = ("refused", "error", "conflict", "skipped")
 LIFECYCLE = ("started", "stopped", "reloaded")  # not work: not counted
 STALE_AFTER = 30.0  # a status older than this (the daemon rewrites it every second) means no daemon
@@ -65,6 +66,7 @@ class Activity:
         self.counts: Counter[str] = Counter()
         self.failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self.queued = 0
+        self.waiting: list[dict[str, Any]] = []
         self._running: dict[int, Running] = {}  # by worker thread
         self._lock = threading.Lock()
 
@@ -106,10 +108,14 @@ class Activity:
 
     # -- the main thread, once a second
 
-    def tick(self, queued: int, now: float | None = None, state: str = "running") -> str:
-        """Write the status file, log `converting` lines that are due; returns the STATUS= text."""
+    def tick(
+        self, queued: int, now: float | None = None, state: str = "running", waiting: Sequence[tuple[Path, float]] = ()
+    ) -> str:
+        """Write the status file, log `converting` lines that are due; returns the STATUS= text. `waiting` is
+        the queue's first paths with their due times (monotonic)."""
         now = time.monotonic() if now is None else now
         self.queued = queued
+        self.waiting = [{"source": os.fsdecode(path), "due_in": round(max(0.0, due - now), 1)} for path, due in waiting]
         doc = self.document(now, state)
         self._announce(now)
         try:
@@ -132,6 +138,7 @@ class Activity:
             "updated_unix": time.time(),
             "running": running,
             "queued": self.queued,
+            "waiting": self.waiting,
             "counts": counts,
             "recent_failures": failures,
         }
@@ -209,6 +216,9 @@ def render_status(doc: dict[str, Any]) -> list[str]:
     order = ("converted", "in_sync", "refused", "conflict", "error", "skipped")
     lines.append("since start: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in order))
     lines.append(f"queued: {doc.get('queued', 0)}")
+    for item in doc.get("waiting") or []:  # absent from a status written by an older daemon
+        due = f"due in {human_seconds(item['due_in'])}" if (item.get("due_in") or 0) >= 1 else "due now"
+        lines.append(f"  {item.get('source')}  {due}")
     running = doc.get("running") or []
     lines.append(f"converting: {len(running) if running else 'nothing'}")
     for item in running:
