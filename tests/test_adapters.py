@@ -367,13 +367,22 @@ def test_a_stated_layout_that_the_tensors_contradict_is_refused() -> None:
         plan_conversion(source, to_layout="burn", module_map=ModuleMap.from_dict({"layout": "burn"}))
 
 
-def test_packed_pytorch_tensors_are_unsupported_going_to_burn() -> None:
+def test_packed_pytorch_tensors_are_split_going_to_burn_and_joined_coming_back() -> None:
     model = nn.Module()
     model.attn = nn.MultiheadAttention(8, 2)
     model.rnn = nn.LSTM(4, 3)
     source = torch_table(model)
-    with pytest.raises(UnsupportedError, match=r"tensor 'attn.in_proj_weight': PyTorch packs several parameters"):
-        plan_conversion(source, to_layout="burn")
+    plan = plan_conversion(source, to_layout="burn")
+    pieces = {e.target: (e.source, e.rows, e.transpose, e.shape) for e in plan.entries}
+    assert pieces["attn.key.weight"] == ("attn.in_proj_weight", (8, 16), True, (8, 8))
+    assert pieces["attn.value.bias"] == ("attn.in_proj_bias", (16, 24), False, (8,))
+    assert pieces["attn.output.weight"] == ("attn.out_proj.weight", None, True, (8, 8))
+    assert pieces["rnn.cell_gate.input_transform.weight"] == ("rnn.weight_ih_l0", (6, 9), True, (4, 3))
+    assert pieces["rnn.output_gate.hidden_transform.bias"] == ("rnn.bias_hh_l0", (9, 12), False, (3,))
+    assert plan.kinds["attn"] == "MultiHeadAttention" and plan.kinds["rnn"] == "Lstm"
+    back = plan_conversion(apply_plan(source, plan), to_layout="pytorch", context=FileContext(
+        recorded_layout="burn", recorded_kinds=plan.kinds))
+    assert apply_plan(apply_plan(source, plan), back) == source
     assert plan_conversion(source, to_layout="pytorch").is_identity  # packed names show pytorch layout
     assert plan_conversion(source, to_layout="keep").is_identity
 

@@ -31,6 +31,7 @@ from syncd.adapters.model import (
     NORM,
     NORM_KINDS,
     OTHER,
+    PACKED_KINDS,
     PRELU,
     PYTORCH,
     RECORDED_KINDS,
@@ -308,6 +309,13 @@ def mapped_kind(module: Module, rule: ModuleRule, source: str) -> ModuleKind:
     reason = f"module map {rule.pattern!r}"
     if kind == OTHER:
         return ModuleKind(module.path, OTHER, f"{reason}: left unchanged", rule.pattern, by=BY_MAP)
+    if kind in PACKED_KINDS:
+        # packed modules are found before this (packed.py): this one holds none of their tensors
+        raise ConfigError(
+            f"modules.{rule.pattern!r}: maps {module.label!r} to {kind}, but it holds no {kind} tensors "
+            f"(tensors: {_leaf_list(module)}); map it as Other to leave it unchanged",
+            source,
+        )
     leaves = set(module.params)
     stray = sorted(leaves - _ALLOWED_LEAVES[kind])
     if stray or not leaves:

@@ -36,6 +36,13 @@ INSTANCE_NORM = "InstanceNorm"
 RMS_NORM = "RmsNorm"
 PRELU = "PRelu"
 OTHER = "Other"
+# Modules whose PyTorch form packs several Burn parameters into one tensor (burn-compat.md §3.5 rows
+# MultiHeadAttention, Lstm, Gru, Rnn, BiLstm/BiGru; §3.6 item 6): split going to Burn, joined coming back.
+MULTI_HEAD_ATTENTION = "MultiHeadAttention"
+LSTM = "Lstm"
+GRU = "Gru"
+RNN = "Rnn"
+PACKED_KINDS = (MULTI_HEAD_ATTENTION, LSTM, GRU, RNN)
 CONV_KINDS = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
 MAP_KINDS = (
     LINEAR,
@@ -48,6 +55,7 @@ MAP_KINDS = (
     INSTANCE_NORM,
     RMS_NORM,
     PRELU,
+    *PACKED_KINDS,
     OTHER,
 )
 
@@ -95,12 +103,30 @@ class FileContext:
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """How one source tensor becomes one output tensor."""
+    """How one output tensor is made: from one source tensor, or from rows `rows` of it (a piece of a
+    PyTorch packed tensor going to Burn), or from `parts` laid end to end (Burn's pieces joined back into
+    the packed tensor, burn-compat.md §3.5)."""
 
-    source: str  # source tensor name
+    source: str  # source tensor name (a joined entry: its first part's)
     target: str  # output tensor name
-    transpose: bool  # 2-D transpose [a, b] -> [b, a] of the bytes
+    transpose: bool  # 2-D transpose [a, b] -> [b, a] of the bytes (of the row range, when `rows` is given)
     shape: tuple[int, ...]  # output shape
+    rows: tuple[int, int] | None = None  # only rows r0:r1 along the source's first dimension
+    parts: tuple[PlanEntry, ...] = ()  # joined: each part's output, in order, is a slice of this one's
+
+    @property
+    def pieces(self) -> tuple[PlanEntry, ...]:
+        """What the output is made of, in output order: the parts of a join, else this entry alone."""
+        return self.parts or (self,)
+
+    @property
+    def sources(self) -> list[str]:
+        return [piece.source for piece in self.pieces]
+
+    @property
+    def is_piecewise(self) -> bool:
+        """Made of a row range or of several tensors (the one-pass writer handles these; see passwrite)."""
+        return self.rows is not None or bool(self.parts)
 
 
 @dataclass
@@ -117,7 +143,9 @@ class AdapterPlan:
     @property
     def is_identity(self) -> bool:
         """True when every tensor keeps its name and shape and nothing is dropped."""
-        return not self.dropped and all(e.source == e.target and not e.transpose for e in self.entries)
+        return not self.dropped and all(
+            e.source == e.target and not e.transpose and not e.is_piecewise for e in self.entries
+        )
 
 
 class LayoutAmbiguityError(AmbiguousLayoutError):

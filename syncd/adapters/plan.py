@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from syncd.adapters.evidence import architecture_for, metadata_layout
 from syncd.adapters.infer import (
-    PACKED_PYTORCH_LEAF,
     Evidence,
     KindSources,
     Module,
@@ -18,7 +17,6 @@ from syncd.adapters.infer import (
     kind_of,
     layout_evidence,
     resolve_with_layout,
-    split_name,
 )
 from syncd.adapters.model import (
     AUTO,
@@ -44,6 +42,7 @@ from syncd.adapters.model import (
     TensorRef,
 )
 from syncd.adapters.modulemap import ModuleMap
+from syncd.adapters.packed import PackedModule, find_packed, packed_entries
 from syncd.errors import SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import ITEMSIZE
 
@@ -91,9 +90,12 @@ def plan_conversion(
     context = context or FileContext()
     architecture, table_note = architecture_for(context.config)
     sources = KindSources(module_map, dict(context.recorded_kinds), architecture)
-    modules = group_modules(tensors)
+    packed = find_packed(tensors, sources)
+    in_packed = {t.name for module in packed for t in module.tensors.values()}
+    modules = group_modules(t for t in tensors if t.name not in in_packed)
     classified = [(module, kind_of(module, sources)) for module in modules]
-    source, source_note = _decide_layout(classified, source_layout, module_map, context)
+    extra = [module.evidence() for module in packed]
+    source, source_note = _decide_layout(classified, source_layout, module_map, context, extra)
     classified = _resolve_with_layout(classified, source)
     _refuse_undecided(classified, source, to_layout)
     converting = source not in (None, to_layout)
@@ -110,13 +112,25 @@ def plan_conversion(
         steps.update(module_steps)
         if module.params:
             decisions.append(f"{module.label}: {_kind_label(kind)} ({kind.reason}) -> {action}")
+    joined = _packed_steps(packed, converting, decisions)
     if module_map is not None:
-        decisions += [
-            f"module map: pattern {p!r} matched no module" for p in module_map.unused_patterns(m.path for m in modules)
-        ]
-    plan = _build_plan(tensors, steps, source or NEUTRAL, to_layout, decisions)
+        paths = [m.path for m in modules] + [m.path for m in packed]
+        decisions += [f"module map: pattern {p!r} matched no module" for p in module_map.unused_patterns(paths)]
+    plan = _build_plan(tensors, steps, source or NEUTRAL, to_layout, decisions, joined)
     plan.kinds = {module.path: kind.kind for module, kind in classified}
+    plan.kinds.update({module.path: module.kind for module in packed if module.kind is not None})
     return plan
+
+
+def _packed_steps(packed: list[PackedModule], converting: bool, decisions: list[str]) -> list[PlanEntry]:
+    """The split or joined entries of PyTorch's packed modules (burn-compat.md §3.5, §3.6 item 6), with a
+    decision line each; none when the layout does not change (their tensors are copied as they are)."""
+    entries = []
+    for module in packed:
+        found, action = packed_entries(module) if converting else ([], "unchanged")
+        entries += found
+        decisions.append(f"{module.label}: {module.kind or 'packed'} ({module.reason}) -> {action}")
+    return entries
 
 
 def apply_plan(tensors: Iterable[TensorRef], plan: AdapterPlan) -> list[TensorRef]:
@@ -162,6 +176,7 @@ def _decide_layout(
     source_layout: str,
     module_map: ModuleMap | None,
     context: FileContext,
+    extra: list[Evidence],
 ) -> tuple[str | None, str]:
     """(layout or None when nothing shows it, a note for the decisions). A file is in one layout.
 
@@ -171,7 +186,7 @@ def _decide_layout(
     a pytorch layout is a LinearInOut (transformers' Conv1D), not a contradiction.
     """
     kinds = {module.path: kind for module, kind in classified}
-    evidence = [e for module, kind in classified for e in layout_evidence(module, kind)]
+    evidence = [e for module, kind in classified for e in layout_evidence(module, kind)] + extra
     meta = metadata_layout(context.metadata)
     if meta is not None:
         evidence.append(Evidence(_METADATA, meta, "format: pt metadata"))
@@ -428,7 +443,6 @@ def _ambiguity(
 
 
 def _module_steps(module: Module, kind: ModuleKind, target: str) -> tuple[dict[str, _Step], str]:
-    _refuse_packed(module, target)
     if kind.kind == LINEAR:
         return _linear_steps(module)
     if kind.kind == LINEAR_IN_OUT:
@@ -437,16 +451,6 @@ def _module_steps(module: Module, kind: ModuleKind, target: str) -> tuple[dict[s
     if kind.kind in NORM_KINDS or kind.kind == PRELU:
         return _rename_steps(module, kind.kind, target)
     return {}, "unchanged"
-
-
-def _refuse_packed(module: Module, target: str) -> None:
-    packed = [t.name for t in module.extras if PACKED_PYTORCH_LEAF.fullmatch(split_name(t.name)[1])]
-    if packed and target == BURN:
-        raise UnsupportedError(
-            f"tensor '{packed[0]}': PyTorch packs several parameters in it (MHA in_proj or "
-            "RNN gates); splitting it into Burn's separate Linears is not supported "
-            "(burn-compat.md §3.6 item 6); convert with --layout keep"
-        )
 
 
 def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
@@ -492,10 +496,24 @@ def _with_leaf(module: Module, leaf: str) -> str:
 
 
 def _build_plan(
-    tensors: Sequence[TensorRef], steps: dict[str, _Step], source: str, target: str, decisions: list[str]
+    tensors: Sequence[TensorRef],
+    steps: dict[str, _Step],
+    source: str,
+    target: str,
+    decisions: list[str],
+    packed: list[PlanEntry],
 ) -> AdapterPlan:
+    """Entries in source data order; a split or joined entry goes where the first of its sources is."""
+    position = {tensor.name: i for i, tensor in enumerate(tensors)}
+    placed: dict[str, list[PlanEntry]] = {}
+    for entry in packed:
+        placed.setdefault(min(entry.sources, key=position.__getitem__), []).append(entry)
+    consumed = {name for entry in packed for name in entry.sources}
     entries, dropped = [], []
     for tensor in tensors:
+        if tensor.name in consumed:
+            entries += placed.get(tensor.name, [])
+            continue
         step = steps.get(tensor.name, _Step(tensor.name))
         if step.target is None:
             dropped.append(tensor.name)
