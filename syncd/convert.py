@@ -34,7 +34,15 @@ from syncd.adapters import (
     plan_conversion,
 )
 from syncd.context import gather_context
-from syncd.errors import FormatError, SourceChangedError, SyncdError, UsageError, VerificationError, one_line
+from syncd.errors import (
+    FormatError,
+    SourceChangedError,
+    SyncdError,
+    UnsupportedError,
+    UsageError,
+    VerificationError,
+    one_line,
+)
 from syncd.formats import SAFETENSORS, open_checkpoint
 from syncd.formats.fileio import TensorFileReader, open_regular_file, pwrite_all
 from syncd.formats.registry import BY_NAME
@@ -51,9 +59,11 @@ from syncd.formats.table import TensorInfo, TensorSpec
 from syncd.passwrite import (
     VERIFY_CHOICES,
     FromSource,
+    Joined,
     Written,
     check_digests,
     check_written,
+    source_pieces,
     verify_full,
     write_planned,
 )
@@ -287,12 +297,30 @@ def _from_source(c: Conversion) -> list[TensorSpec]:
     pass over the source (which also hashes it). Cast and restored tensors keep their own fills."""
     entry_of = {e.target: e for e in c.entries}
     return [
-        replace(spec, fill=FromSource(c.source.reader_of(entry_of[spec.name].source), entry_of[spec.name].source,
-                                      entry_of[spec.name].transpose))
+        replace(spec, fill=_source_fill(c, entry_of[spec.name]))
         if spec.name in entry_of and spec.name not in c.casts
         else spec
         for spec in c.specs
     ]
+
+
+def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined:
+    """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end."""
+    pieces = tuple(
+        FromSource(c.source.reader_of(piece.source), piece.source, piece.transpose, piece.rows)
+        for piece in entry.pieces
+    )
+    return Joined(pieces) if entry.parts else pieces[0]
+
+
+def _piecewise_unsupported(entry: PlanEntry, why: str) -> Callable[[Any], None]:
+    """The fill of a split or joined tensor where only the one pass writes them (not cast, not in a set)."""
+
+    def fill(sink: Any) -> None:
+        raise UnsupportedError(f"tensor '{entry.target}' is split from or joined into a PyTorch packed tensor, "
+                               f"which is not supported {why}; convert with --layout keep")
+
+    return fill
 
 
 def _adapt(
@@ -366,7 +394,7 @@ def _carried_shards(c: Conversion) -> ShardLayout | None:
         return None
     if c.source.sharded is None:
         return c.carried.shards
-    kept = {e.source for e in c.entries} | set(c.plan.dropped)
+    kept = {name for e in c.entries for name in e.sources} | set(c.plan.dropped)
     sizes = {t.name: t.nbytes for t in c.source.tensors}
     return ShardLayout.of(c.source.sharded).restricted_to(kept, sizes)
 
@@ -394,7 +422,10 @@ def _output_shards(c: Conversion, explicit_dest: bool) -> ShardLayout | None:
 def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
     reader = c.source.reader_of(entry.source)
     if c.one_pass and entry.source not in c.store.casts:
-        return FromSource(reader, entry.source, entry.transpose)
+        return _source_fill(c, entry)
+    if entry.is_piecewise:
+        cast = any(name in c.store.casts for name in entry.sources)
+        return _piecewise_unsupported(entry, "with a precision cast" if cast else "in a sharded set")
     if entry.source in c.store.casts:
         info = reader.tensor(entry.source)
         from syncd.cast import CastCopy
@@ -459,11 +490,9 @@ def verify_one_pass(c: Conversion, written_path: Path, fd: int, written: Written
         _verify_table(c, output, c.specs)
         c.target.check_written(c, output)
         check_written(written.ledger, output, c.output_size, fd)
-        moved = [s.fill for s in c.specs if isinstance(s.fill, FromSource)]
         if c.request.verify == "full":
             check_digests(written.ledger, output)
-            verify_full([(f.reader, f.name, s.name, f.transpose) for s, f in zip(
-                [s for s in c.specs if isinstance(s.fill, FromSource)], moved, strict=True)], output)
+            verify_full([(piece, s.name, at) for s in c.specs for piece, at in source_pieces(s.fill)], output)
         for spec in c.specs:
             if spec.name in c.restored:
                 if output.read(spec.name) != c.carried.dropped[spec.name][2]:

@@ -55,6 +55,10 @@ class Move:
     itemsize: int = 1
     matrix: tuple[int, int] | None = None
     check: Callable[[Buffer], None] | None = None  # e.g. bool values must be 0 or 1
+    # a piece of a target tensor made of several (passwrite.Joined): where it starts in the tensor and the
+    # tensor's whole size; the ledger keeps one window per tensor, the pieces' writes tiling it together
+    piece_at: int = 0
+    tensor_nbytes: int | None = None
 
 
 def aligned(size: int) -> memoryview:
@@ -173,7 +177,8 @@ class OnePass:
 
     def _run(self) -> str:
         for move in self.moves:
-            self.ledger.expect(move.name, move.dst_offset, move.nbytes)
+            whole = move.nbytes if move.tensor_nbytes is None else move.tensor_nbytes
+            self.ledger.expect(move.name, move.dst_offset - move.piece_at, whole)
         if self.workers == 1 or self.src_size <= self.inline_bytes:
             # small files (the daemon's common case) and one core: no threads to start or hand work to
             for job in self._all_jobs():
@@ -295,7 +300,7 @@ class OnePass:
     def _jobs(self, move: Move) -> Iterator[tuple]:
         """The move as jobs of at most a slot each: (function, slot, move, where)."""
         if move.nbytes == 0:
-            self.ledger.record(move.name, Entry(0, 0))
+            self.ledger.record(move.name, Entry(move.piece_at, 0))
             return
         if move.matrix is None:
             for rel in range(0, move.nbytes, self.block_bytes):
@@ -378,7 +383,7 @@ class OnePass:
 
     def _write(self, move: Move, data: memoryview, rel: int) -> None:
         written = self._pwrite(data, move.dst_offset + rel)
-        self.ledger.record(move.name, Entry(rel, written, digest=block_digest(data[:written])))
+        self.ledger.record(move.name, Entry(move.piece_at + rel, written, digest=block_digest(data[:written])))
 
     def _write_segments(self, move: Move, out: np.ndarray, r0: int, c0: int) -> None:
         """Row k of `out` is a piece of output row c0+k, from column r0 on."""
@@ -387,8 +392,8 @@ class OnePass:
         stride = rows * move.itemsize
         first = c0 * stride + r0 * move.itemsize
         written = min(self._pwrite(out[k], move.dst_offset + first + k * stride) for k in range(out.shape[0]))
-        self.ledger.record(move.name, Entry(first, written if written == segment else -1, count=out.shape[0],
-                                            stride=stride, digest=block_digest(out)))
+        self.ledger.record(move.name, Entry(move.piece_at + first, written if written == segment else -1,
+                                            count=out.shape[0], stride=stride, digest=block_digest(out)))
 
     def _pwrite(self, data: Any, offset: int) -> int:
         """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""

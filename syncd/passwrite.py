@@ -29,14 +29,54 @@ VERIFY_CHOICES = ("fast", "full")
 
 @dataclass(frozen=True)
 class FromSource:
-    """A TensorSpec fill naming the source tensor it comes from; `transpose`: written as its 2-D transpose."""
+    """A TensorSpec fill naming the source tensor it comes from; `transpose`: written as its 2-D transpose;
+    `rows`: only rows r0:r1 of its first dimension (a piece of a PyTorch packed tensor), which in a
+    C-contiguous tensor are one contiguous byte range."""
 
     reader: TensorFileReader
     name: str
     transpose: bool = False
+    rows: tuple[int, int] | None = None
 
     def __call__(self, sink: TensorSink) -> None:
         raise TypeError(f"tensor '{self.name}' is written by write_planned, in one pass over its source")
+
+    def window(self) -> tuple[int, int, tuple[int, ...]]:
+        """(absolute offset in the source file, byte length, shape) of what is moved."""
+        info = self.reader.tensor(self.name)
+        if self.rows is None:
+            return info.offset, info.nbytes, info.shape
+        r0, r1 = self.rows
+        if not info.shape or not 0 <= r0 <= r1 <= info.shape[0]:
+            raise FormatError(f"tensor '{self.name}' {list(info.shape)} has no rows {r0}:{r1}", self.reader.path)
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        return info.offset + r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0, *info.shape[1:])
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A TensorSpec fill: the output tensor is `pieces` laid end to end in order (Burn's separate Linears
+    joined into a PyTorch packed tensor), each moved like any FromSource."""
+
+    pieces: tuple[FromSource, ...]
+
+    def __call__(self, sink: TensorSink) -> None:
+        raise TypeError("a joined tensor is written by write_planned, in one pass over its source")
+
+    def placed(self) -> list[tuple[FromSource, int]]:
+        """Each piece with its byte offset within the output tensor."""
+        placed, at = [], 0
+        for piece in self.pieces:
+            placed.append((piece, at))
+            at += piece.window()[1]
+        return placed
+
+
+def source_pieces(fill: object) -> list[tuple[FromSource, int]]:
+    """What a one-pass fill moves: (piece, byte offset within its output tensor); [] for other fills."""
+    if isinstance(fill, Joined):
+        return fill.placed()
+    return [(fill, 0)] if isinstance(fill, FromSource) else []
 
 
 @dataclass
@@ -62,8 +102,10 @@ def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Seq
         if start > cursor:
             write_zeros(fd, cursor, start - cursor)  # padding is zero bytes on disk, not a hole
         cursor = max(cursor, start + spec.nbytes)
-        if isinstance(spec.fill, FromSource):
-            moves.setdefault(spec.fill.reader, []).append(_move(spec, start, spec.fill))
+        pieces = source_pieces(spec.fill)
+        if pieces:
+            for piece, at in pieces:
+                moves.setdefault(piece.reader, []).append(_move(spec, start, piece, at, len(pieces) > 1))
         else:
             _write_small(fd, spec, start, ledger)
             if counted:
@@ -96,18 +138,23 @@ class _Progress:
             self.callback(self.done, self.total)
 
 
-def _move(spec: TensorSpec, start: int, fill: FromSource) -> Move:
-    info = fill.reader.tensor(fill.name)
-    if info.nbytes != spec.nbytes:
-        raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {info.nbytes}",
+def _move(spec: TensorSpec, start: int, fill: FromSource, at: int, joined: bool) -> Move:
+    """The move of one piece landing `at` bytes into `spec`'s window (0 and not `joined`: the whole tensor)."""
+    offset, nbytes, shape = fill.window()
+    if (at + nbytes > spec.nbytes) if joined else (nbytes != spec.nbytes):
+        raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {nbytes}",
                           fill.reader.path)
+    dtype = fill.reader.tensor(fill.name).dtype
+    piece = {"piece_at": at, "tensor_nbytes": spec.nbytes} if joined else {}
+    check = bool_checker(spec.dtype, spec.name)
     if not fill.transpose:  # copied as bytes: the element size does not matter (QFloat, sub-byte floats)
-        return Move(spec.name, info.offset, info.nbytes, start, 1, None, bool_checker(spec.dtype, spec.name))
-    if len(info.shape) != 2 or tuple(reversed(info.shape)) != tuple(spec.shape) or info.dtype not in ITEMSIZE:
-        raise FormatError(f"tensor '{fill.name}' ({info.dtype} {list(info.shape)}) cannot be written transposed as "
+        return Move(spec.name, offset, nbytes, start + at, 1, None, check, **piece)
+    expected = tuple(reversed(shape))
+    fits = expected[1:] == tuple(spec.shape[1:]) if joined else expected == tuple(spec.shape)
+    if len(shape) != 2 or not fits or dtype not in ITEMSIZE:
+        raise FormatError(f"tensor '{fill.name}' ({dtype} {list(shape)}) cannot be written transposed as "
                           f"{list(spec.shape)}", fill.reader.path)
-    return Move(spec.name, info.offset, info.nbytes, start, ITEMSIZE[info.dtype], (info.shape[0], info.shape[1]),
-                bool_checker(spec.dtype, spec.name))
+    return Move(spec.name, offset, nbytes, start + at, ITEMSIZE[dtype], (shape[0], shape[1]), check, **piece)
 
 
 def _write_small(fd: int, spec: TensorSpec, start: int, ledger: WriteLedger) -> None:
@@ -133,19 +180,24 @@ def check_written(ledger: WriteLedger, output: TensorFileReader, file_size: int,
     ledger.check(table, file_size, os.fstat(fd).st_size, output.path)
 
 
-def verify_full(pairs: Sequence[tuple[TensorFileReader, str, str, bool]], output: TensorFileReader,
+def verify_full(pieces: Sequence[tuple[FromSource, str, int]], output: TensorFileReader,
                 block: int = 4 << 20) -> None:
-    """The audit: re-read every (source reader, source name, target name, transposed) tensor from the output
+    """The audit: re-read every (source piece, target name, byte offset within the target) from the output
     and compare it with its source, independently of the writer's code and checks."""
-    for reader, src_name, out_name, transposed in pairs:
-        src, out = reader.tensor(src_name), output.tensor(out_name)
-        expected = tuple(reversed(src.shape)) if transposed else src.shape
-        if out.nbytes != src.nbytes or tuple(out.shape) != tuple(expected):
+    for fill, out_name, at in pieces:
+        offset, nbytes, shape = fill.window()
+        src_at = offset - fill.reader.tensor(fill.name).offset
+        out = output.tensor(out_name)
+        expected = tuple(reversed(shape)) if fill.transpose else shape
+        whole = at == 0 and nbytes == out.nbytes
+        if at + nbytes > out.nbytes or (whole and tuple(out.shape) != tuple(expected)):
             raise VerificationError(f"tensor '{out_name}' has shape {list(out.shape)}, expected {list(expected)}",
                                     output.path)
-        same = _same_transposed if transposed and src.nbytes else _same_bytes
-        if not same(reader, src_name, output, out_name, block):
-            raise VerificationError(f"tensor '{out_name}' differs from its source '{src_name}'", output.path)
+        window = _Window(fill.reader, fill.name, src_at, output, out_name, at)
+        same = _same_transposed(window, shape, block) if fill.transpose and nbytes else _same_bytes(window, nbytes,
+                                                                                                     block)
+        if not same:
+            raise VerificationError(f"tensor '{out_name}' differs from its source '{fill.name}'", output.path)
 
 
 def check_digests(ledger: WriteLedger, output: TensorFileReader) -> None:
@@ -162,38 +214,46 @@ def check_digests(ledger: WriteLedger, output: TensorFileReader) -> None:
                 raise VerificationError(f"tensor '{name}' reads back different from what was written", output.path)
 
 
-def _same_bytes(reader: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
-                block: int) -> bool:
-    nbytes = reader.tensor(src_name).nbytes
+@dataclass(frozen=True)
+class _Window:
+    """A source tensor from byte `src_at` on, and where it went: output tensor `out_name` from byte `out_at`."""
+
+    reader: TensorFileReader
+    src_name: str
+    src_at: int
+    output: TensorFileReader
+    out_name: str
+    out_at: int
+
+
+def _same_bytes(w: _Window, nbytes: int, block: int) -> bool:
     a, b = bytearray(min(block, nbytes)), bytearray(min(block, nbytes))
     for done in range(0, nbytes, block):
         n = min(block, nbytes - done)
-        reader.readinto(src_name, done, memoryview(a)[:n])
-        output.readinto(out_name, done, memoryview(b)[:n])
+        w.reader.readinto(w.src_name, w.src_at + done, memoryview(a)[:n])
+        w.output.readinto(w.out_name, w.out_at + done, memoryview(b)[:n])
         if memoryview(a)[:n] != memoryview(b)[:n]:
             return False
     return True
 
 
-def _same_transposed(reader: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
-                     block: int) -> bool:
+def _same_transposed(w: _Window, shape: tuple[int, ...], block: int) -> bool:
     """Source rows r0:r1 against columns r0:r1 of the output, read back row by row."""
     import numpy as np
 
-    info = reader.tensor(src_name)
-    rows, cols = info.shape
-    itemsize = ITEMSIZE[info.dtype]
+    rows, cols = shape
+    itemsize = ITEMSIZE[w.reader.tensor(w.src_name).dtype]
     dtype = np.dtype(f"u{itemsize}")
     strip = max(1, block // (cols * itemsize))
     for r0 in range(0, rows, strip):
         n = min(strip, rows - r0)
         src = np.empty((n, cols), dtype=dtype)
-        reader.readinto(src_name, r0 * cols * itemsize, memoryview(src).cast("B"))
+        w.reader.readinto(w.src_name, w.src_at + r0 * cols * itemsize, memoryview(src).cast("B"))
         got = np.empty((cols, n), dtype=dtype)
         view = memoryview(got).cast("B")
         for c in range(cols):
-            output.readinto(out_name, (c * rows + r0) * itemsize, view[c * n * itemsize : (c + 1) * n * itemsize])
+            w.output.readinto(w.out_name, w.out_at + (c * rows + r0) * itemsize,
+                              view[c * n * itemsize : (c + 1) * n * itemsize])
         if not np.array_equal(got.T, src):
             return False
     return True
-

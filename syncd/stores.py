@@ -62,8 +62,10 @@ def apply_options(
     plan: AdapterPlan, refs: Sequence[TensorRef], real: dict[str, str], options: StoreOptions
 ) -> StorePlan:
     """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`)."""
-    kept = [e for e in plan.entries if options.tensors.keeps(real[e.source])]
-    left_out = [real[e.source] for e in plan.entries if not options.tensors.keeps(real[e.source])]
+    kept = [e for e in plan.entries if all(options.tensors.keeps(real[name]) for name in e.sources)]
+    left_out = list(dict.fromkeys(
+        real[name] for e in plan.entries if e not in kept for name in e.sources
+    ))
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
     final = rename_all([e.target for e in kept], options.remap, options.map_indices_contiguous)
@@ -73,10 +75,16 @@ def apply_options(
         by_name = [r for r in refs if r.name in wanted]
         casts = {real[name]: dtype for name, dtype in plan_casts(by_name, plan.kinds, options.precision).items()}
     return StorePlan(
-        entries=[replace(e, source=real[e.source], target=final[e.target]) for e in kept],
+        entries=[_with_real_sources(e, real, final[e.target]) for e in kept],
         dropped=dropped,
         left_out=left_out,
         casts=casts,
         renames=renames(final),
         restored={name: original for original, name in real.items() if name != original},
     )
+
+
+def _with_real_sources(entry: PlanEntry, real: dict[str, str], target: str) -> PlanEntry:
+    """The entry under its final name, reading the file's real names (a joined entry's parts too)."""
+    parts = tuple(replace(part, source=real[part.source]) for part in entry.parts)
+    return replace(entry, source=real[entry.source], target=target, parts=parts)

@@ -16,7 +16,7 @@ from syncd.adapters import PlanEntry
 from syncd.errors import FormatError, UnsupportedError, VerificationError
 from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.burnpack import LAYOUT_ALIGNED, plan_burnpack, write_burnpack
-from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS
+from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS, byte_length
 from syncd.formats.fileio import TensorFileReader
 from syncd.formats.registry import BY_NAME, PYTORCH_LAYOUT, Format
 from syncd.formats.safetensors import plan_safetensors, write_safetensors
@@ -46,7 +46,7 @@ class Target(ABC):
 
     def tensor_spec(self, c: Conversion, entry: PlanEntry, fill: Fill) -> TensorSpec:
         info = c.source.tensor(entry.source)
-        return TensorSpec(entry.target, info.dtype, entry.shape, info.nbytes, fill)
+        return TensorSpec(entry.target, info.dtype, entry.shape, _nbytes(entry, info), fill)
 
     def extra_specs(self, c: Conversion, taken: set[str]) -> list[TensorSpec]:
         """Tensors written besides the planned ones (default: none)."""
@@ -84,13 +84,14 @@ class BurnpackTarget(Target):
         if not order:
             return entries
         rank = {name: i for i, name in enumerate(order)}
-        return sorted(entries, key=lambda e: rank.get(e.source, len(rank)))
+        return sorted(entries, key=lambda e: rank.get(carried_name(e), len(rank)))
 
     def tensor_spec(self, c: Conversion, entry: PlanEntry, fill: Fill) -> TensorSpec:
         info = c.source.tensor(entry.source)
         dtype, raw = self._dtype(c, info)
-        param_id = info.param_id if info.param_id is not None else c.carried.param_ids.get(entry.source)
-        return TensorSpec(entry.target, dtype, entry.shape, info.nbytes, fill, param_id, raw)
+        own = info.param_id if not entry.is_piecewise else None  # a piece is not its packed source
+        param_id = own if own is not None else c.carried.param_ids.get(carried_name(entry))
+        return TensorSpec(entry.target, dtype, entry.shape, _nbytes(entry, info), fill, param_id, raw)
 
     def _dtype(self, c: Conversion, info: TensorInfo) -> tuple[str, Any]:
         """A burnpack source keeps its exact DType; a safetensors one gets back a Burn-only dtype it carried."""
@@ -156,7 +157,9 @@ class SafetensorsTarget(Target):
         return specs
 
     def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
-        target_of = {e.source: e.target for e in c.entries}
+        # a joined tensor's pieces keep their Burn names in the carried facts (data order, param ids), so the
+        # way back gives each piece its own again
+        target_of = {name: e.target if not e.parts else name for e in c.entries for name in e.sources}
         header = c.source.header
         return carry.for_safetensors(header, c.source.tensors, c.carried, target_of, c.plan.target_layout), {}
 
@@ -170,6 +173,18 @@ class SafetensorsTarget(Target):
 
     def comparable(self, dtype: str) -> str:
         return DTYPE_TO_SAFETENSORS[dtype]  # Flex32 is written as F32, the Bool stores as BOOL...
+
+
+def carried_name(entry: PlanEntry) -> str:
+    """The name the carried facts (syncd.data_order, syncd.param_ids) know an entry by: its source's, or for
+    a piece split from a packed tensor its own (the Burn name it had before it was joined)."""
+    return entry.target if entry.rows is not None else entry.source
+
+
+def _nbytes(entry: PlanEntry, info: TensorInfo) -> int:
+    """The output's byte size: its source's, unless it is a piece of it or made of pieces (the adapters split
+    and join only dtypes with a fixed element size)."""
+    return (byte_length(info.dtype, entry.shape) or 0) if entry.is_piecewise else info.nbytes
 
 
 def _bytes_fill(data: bytes) -> Fill:

@@ -45,7 +45,7 @@ from syncd.errors import FormatError, UnsupportedError, UsageError, Verification
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.onepass import SLOT_BYTES
-from syncd.passwrite import verify_full
+from syncd.passwrite import FromSource, verify_full
 from syncd.stores import StoreOptions
 
 TO_TORCH_LEAF = {"gamma": "weight", "beta": "bias"}
@@ -810,15 +810,18 @@ def test_verify_full_converts_both_ways_and_gives_the_same_bytes_as_fast(tmp_pat
 
 def test_verify_full_catches_what_verify_tensor_catches(tmp_path: Path) -> None:
     source, good, bad = _mnist_good_and_corrupted(tmp_path)
+
+    def piece(reader: BurnpackReader, name: str, transposed: bool) -> tuple[FromSource, str, int]:
+        return FromSource(reader, name, transposed), name, 0
+
     with BurnpackReader(source) as src, SafetensorsReader(good) as ok, SafetensorsReader(bad) as corrupt:
-        verify_full([(src, "fc1.weight", "fc1.weight", True), (src, "conv2.conv.weight", "conv2.conv.weight", False)],
-                    ok)
-        verify_full([(src, "fc2.bias", "fc2.bias", False)], corrupt)  # untouched tensors still pass
+        verify_full([piece(src, "fc1.weight", True), piece(src, "conv2.conv.weight", False)], ok)
+        verify_full([piece(src, "fc2.bias", False)], corrupt)  # untouched tensors still pass
         for name, transposed in (("fc1.weight", True), ("conv2.conv.weight", False)):
             with pytest.raises(VerificationError, match=name):
-                verify_full([(src, name, name, transposed)], corrupt)
+                verify_full([piece(src, name, transposed)], corrupt)
         with pytest.raises(VerificationError):  # a transpose that was not done
-            verify_full([(src, "fc2.weight", "fc2.weight", False)], ok)
+            verify_full([piece(src, "fc2.weight", False)], ok)
 
 
 def test_unknown_hash_or_verify_choices_are_usage_errors(tmp_path: Path) -> None:
