@@ -492,25 +492,162 @@ def test_layer_scale_gamma_is_left_as_it_is_in_both_directions() -> None:
     assert plan_conversion(unnamed, to_layout="burn").kinds["scale"] == "Other"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch's packed tensors (burn-compat.md §3.5): MHA in_proj and RNN gates split into Burn's Linears
+
+
+class _Attention(nn.Module):
+    """An nn.MultiheadAttention inside a model, beside a plain Linear."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, bias=bias)
+        self.head = nn.Linear(8, 3)
+
+
+PACKED_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "nn.Transformer": lambda: nn.Transformer(
+        d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=24, batch_first=True
+    ),
+    "mha": lambda: _Attention(bias=True),
+    "mha-no-bias": lambda: _Attention(bias=False),
+    "lstm": lambda: nn.LSTM(4, 3),
+    "bigru": lambda: nn.GRU(4, 3, bidirectional=True),
+    "rnn": lambda: nn.RNN(5, 3),
+    "lstm-no-bias": lambda: nn.LSTM(4, 3, bias=False),
+}
+
+# PyTorch's chunk order -> Burn's fields (burn-compat.md §3.5), written out here independently of syncd
+_GATES = {
+    "LSTM": ("input_gate", "forget_gate", "cell_gate", "output_gate"),
+    "GRU": ("reset_gate", "update_gate", "new_gate"),
+    "RNN_TANH": ("gate",),
+}
+
+
+def _packed_burn(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Burn name -> tensor for every packed module of `model`, and the PyTorch names they replace."""
+    burn: dict[str, torch.Tensor] = {}
+    replaced: set[str] = set()
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        state = {f"{prefix}{k}": v for k, v in module.state_dict().items()}
+        if isinstance(module, nn.MultiheadAttention):
+            w, e = module.in_proj_weight.detach(), module.embed_dim
+            for k, name in enumerate(("query", "key", "value")):  # rows q, k, v; each Linear [in, out]
+                burn[f"{prefix}{name}.weight"] = w[k * e : (k + 1) * e].T
+                if module.in_proj_bias is not None:
+                    burn[f"{prefix}{name}.bias"] = module.in_proj_bias.detach()[k * e : (k + 1) * e]
+            burn[f"{prefix}output.weight"] = module.out_proj.weight.detach().T
+            if module.out_proj.bias is not None:
+                burn[f"{prefix}output.bias"] = module.out_proj.bias.detach()
+            replaced |= set(state)
+        elif isinstance(module, nn.RNNBase):
+            burn.update(_gates_burn(module, prefix))
+            replaced |= set(state)
+    return {name: value.contiguous() for name, value in burn.items()}, replaced
+
+
+def _gates_burn(module: nn.RNNBase, prefix: str) -> dict[str, torch.Tensor]:
+    gates = _GATES[module.mode]
+    hidden = module.hidden_size
+    burn = {}
+    for suffix, field in (("", "forward"), ("_reverse", "reverse"))[: 2 if module.bidirectional else 1]:
+        within = f"{prefix}{field}." if module.bidirectional else prefix
+        for k, gate in enumerate(gates):
+            rows = slice(k * hidden, (k + 1) * hidden)
+            for side, transform in (("ih", "input_transform"), ("hh", "hidden_transform")):
+                burn[f"{within}{gate}.{transform}.weight"] = getattr(module, f"weight_{side}_l0{suffix}")[rows].T
+                if module.bias:
+                    burn[f"{within}{gate}.{transform}.bias"] = getattr(module, f"bias_{side}_l0{suffix}")[rows]
+    return {name: value.detach() for name, value in burn.items()}
+
+
+def _torch_bytes(value: torch.Tensor) -> tuple[tuple[int, ...], bytes]:
+    return tuple(value.shape), value.detach().contiguous().numpy().tobytes()
+
+
+def assert_packed_burn_layout(model: nn.Module, source: Path, bpk: Path) -> None:
+    """Every .bpk tensor as Burn's modules hold it: packed modules split per burn-compat.md §3.5, the rest
+    as their module types say."""
+    packed, replaced = _packed_burn(model)
+    expected = {
+        name: value for name, value in expected_burn(model, read_safetensors(source)).items() if name not in replaced
+    }
+    expected.update({name: _torch_bytes(value) for name, value in packed.items()})
+    found = {name: (t.shape, t.data) for name, t in read_bpk(bpk).tensors.items()}
+    assert sorted(found) == sorted(expected)
+    wrong = [name for name in expected if found[name] != expected[name]]
+    assert not wrong, f"tensors not as Burn's modules hold them: {wrong}"
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_MODELS))
+def test_packed_modules_convert_with_no_flags_and_come_back_bit_exact(tmp_path: Path, name: str) -> None:
+    torch.manual_seed(2)
+    model = PACKED_MODELS[name]()
+    source = tmp_path / "packed.safetensors"
+    save_file(_bare_state(model), source)
+    to_burn = convert(ConvertRequest(source=source))
+    assert to_burn.source_layout == "pytorch"
+    assert_packed_burn_layout(model, source, tmp_path / "packed.bpk")
+
+    back = tmp_path / "back.safetensors"
+    convert(ConvertRequest(source=tmp_path / "packed.bpk", dest=back, verify="full"))  # no map, no flag
+    assert read_safetensors(back).tensors == read_safetensors(source).tensors
+    fresh = PACKED_MODELS[name]()
+    fresh.load_state_dict(read_torch(back), strict=True)
+    assert_same_state(model, fresh)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[key]), key
+
+
+def test_the_chunk_order_is_pytorchs(tmp_path: Path) -> None:
+    """Each chunk of rows holds its own constant: a gate or projection taken from the wrong rows shows."""
+    lstm, attn = nn.LSTM(2, 3), nn.MultiheadAttention(4, 2)
+    with torch.no_grad():
+        for tensor in (lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0):
+            tensor.copy_(torch.arange(4).repeat_interleave(3).reshape(12, *[1] * (tensor.dim() - 1)).expand_as(tensor))
+        attn.in_proj_weight.copy_(torch.arange(3).repeat_interleave(4)[:, None].expand(12, 4) + 10.0)
+        attn.in_proj_bias.copy_(torch.arange(3).repeat_interleave(4) + 20.0)
+    state = {f"rnn.{k}": v for k, v in lstm.state_dict().items()}
+    state |= {f"attn.{k}": v for k, v in attn.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "m.safetensors")
+    convert(ConvertRequest(source=tmp_path / "m.safetensors"))
+    burn = {name: torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape)
+            for name, t in read_bpk(tmp_path / "m.bpk").tensors.items()}
+    for k, gate in enumerate(("input_gate", "forget_gate", "cell_gate", "output_gate")):  # i, f, g, o
+        for leaf in ("input_transform.weight", "hidden_transform.weight", "input_transform.bias"):
+            assert torch.all(burn[f"rnn.{gate}.{leaf}"] == k), (gate, leaf)
+    for k, field in enumerate(("query", "key", "value")):
+        assert torch.all(burn[f"attn.{field}.weight"] == 10 + k) and torch.all(burn[f"attn.{field}.bias"] == 20 + k)
+    convert(ConvertRequest(source=tmp_path / "m.bpk", dest=tmp_path / "back.safetensors"))
+    back = read_safetensors(tmp_path / "back.safetensors")
+    assert back.tensors == read_safetensors(tmp_path / "m.safetensors").tensors
+
+
 @pytest.mark.parametrize(
-    "build",
+    ("build", "tensor", "why"),
     [
-        lambda: nn.LSTM(4, 3),
-        lambda: nn.GRU(4, 3, bidirectional=True),
-        lambda: nn.Transformer(
-            d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16, batch_first=True
-        ),
+        (lambda: nn.LSTM(4, 3, num_layers=2), "bias_hh_l1", "layers l1\\+ need separate Burn modules"),
+        (lambda: nn.LSTM(4, 3, proj_size=2), "weight_hr_l0", "a projection \\(proj_size\\)"),
+        (lambda: nn.MultiheadAttention(8, 2, kdim=4, vdim=4), "k_proj_weight", "no separate q/k/v projections"),
+        (lambda: nn.MultiheadAttention(8, 2, add_bias_kv=True), "bias_k", "no bias_k/bias_v"),
     ],
-    ids=["lstm", "bigru", "nn.Transformer"],
+    ids=["lstm-layer-1", "lstm-proj-size", "mha-kdim-vdim", "mha-bias-kv"],
 )
-def test_packed_tensors_are_refused_with_layout_keep_as_the_advice(tmp_path: Path, build: Callable) -> None:
+def test_packed_tensors_without_a_burn_slot_are_refused_naming_the_tensor(
+    tmp_path: Path, build: Callable, tensor: str, why: str
+) -> None:
     torch.manual_seed(2)
     model = build()
     source = tmp_path / "packed.safetensors"
     save_file(_bare_state(model), source)
-    with pytest.raises(UnsupportedError, match="PyTorch packs several parameters.*convert with --layout keep"):
+    with pytest.raises(UnsupportedError, match=f"tensor '{tensor}': .*{why}.*; convert with --layout keep"):
         convert(ConvertRequest(source=source))
-    convert(ConvertRequest(source=source, layout="keep"))
+    assert not (tmp_path / "packed.bpk").exists()
+    done = run_cli("convert", source)
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1 and tensor in done.stderr
+    convert(ConvertRequest(source=source, layout="keep"))  # the advice works
     back = tmp_path / "back.safetensors"
     convert(ConvertRequest(source=source.with_suffix(".bpk"), dest=back, layout="keep"))
     fresh = build()
