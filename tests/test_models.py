@@ -704,3 +704,58 @@ def test_an_unusable_config_json_is_noted_and_names_and_shapes_decide(
     result = convert(ConvertRequest(source=tmp_path / "weights.safetensors"))
     assert any(line.startswith(note) for line in result.decisions), result.decisions
     assert_burn_layout(model, tmp_path / "weights.safetensors", tmp_path / "weights.bpk")
+
+
+def _burn_attention_table(prefix: str = "blocks.0.attn") -> list[TensorRef]:
+    """A Burn MultiHeadAttention's tensors (burn-compat.md §3.5), beside a LayerNorm that shows burn layout."""
+    table = [TensorRef(f"{prefix}.{field}.{leaf}", "F32", (8, 8) if leaf == "weight" else (8,))
+             for field in ("query", "key", "value", "output") for leaf in ("weight", "bias")]
+    return [*table, TensorRef("blocks.0.norm.gamma", "F32", (8,)), TensorRef("blocks.0.norm.beta", "F32", (8,))]
+
+
+def test_query_key_value_names_alone_are_never_joined_a_map_or_record_joins_them() -> None:
+    """A PyTorch custom attention has query/key/value/output Linears too: only recorded or mapped evidence
+    makes them one packed nn.MultiheadAttention."""
+    table = _burn_attention_table()
+    alone = plan_conversion(table, to_layout="pytorch")
+    assert not any(e.parts for e in alone.entries)
+    assert alone.kinds["blocks.0.attn.query"] == "Linear"
+    mapped = plan_conversion(
+        table, to_layout="pytorch", module_map=ModuleMap.from_dict({"modules": {"**.attn": "MultiHeadAttention"}})
+    )
+    recorded = plan_conversion(
+        table, to_layout="pytorch", context=FileContext(recorded_kinds={"blocks.0.attn": "MultiHeadAttention"})
+    )
+    for plan in (mapped, recorded):
+        targets = {e.target: e for e in plan.entries}
+        joined = targets["blocks.0.attn.in_proj_weight"]
+        assert joined.shape == (24, 8) and [p.source for p in joined.parts] == [
+            "blocks.0.attn.query.weight", "blocks.0.attn.key.weight", "blocks.0.attn.value.weight"
+        ] and all(p.transpose for p in joined.parts)
+        assert targets["blocks.0.attn.out_proj.weight"].transpose
+        assert plan.kinds["blocks.0.attn"] == "MultiHeadAttention"
+    assert any(line.startswith("blocks.0.attn: MultiHeadAttention (module map '**.attn')") for line in mapped.decisions)
+
+
+def test_burn_gate_names_are_evidence_of_themselves() -> None:
+    """Burn's GateController names are Burn's own: a Burn-native LSTM (no record, no map) is joined."""
+    gates = ("input_gate", "forget_gate", "cell_gate", "output_gate")
+    table = [TensorRef(f"rnn.{gate}.{transform}.{leaf}", "F32", shape)
+             for gate in gates
+             for transform, shape in (("input_transform", (4, 3)), ("hidden_transform", (3, 3)))
+             for leaf in ("weight",)]
+    plan = plan_conversion(table, to_layout="pytorch")
+    assert plan.source_layout == "burn" and plan.kinds == {"rnn": "Lstm"}
+    assert [(e.target, e.shape) for e in plan.entries] == [("rnn.weight_ih_l0", (12, 4)), ("rnn.weight_hh_l0", (12, 3))]
+
+
+def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() -> None:
+    from syncd.errors import ConfigError
+
+    table = _burn_attention_table()[:-4]  # no value, no output
+    with pytest.raises(ConfigError, match="blocks.0.attn: mapped as MultiHeadAttention, but it has no blocks.0.attn"):
+        plan_conversion(table, to_layout="pytorch",
+                        module_map=ModuleMap.from_dict({"modules": {"blocks.0.attn": "MultiHeadAttention"}}))
+    torch_side = [TensorRef(k, "F32", tuple(v.shape)) for k, v in nn.GRU(4, 3).state_dict().items()]
+    with pytest.raises(ConfigError, match="maps '\\(root\\)' to Lstm, but its tensors are those of a Gru"):
+        plan_conversion(torch_side, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {"": "Lstm"}}))

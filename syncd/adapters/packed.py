@@ -88,18 +88,27 @@ def find_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[Pack
 
 def packed_entries(module: PackedModule) -> tuple[list[PlanEntry], str]:
     """The output entries of a packed module converted to the other side, and the decision's action."""
+    both = any(rel.endswith("_reverse") or rel.startswith("reverse.") for rel in module.tensors)
+    directions = "; _l0 <-> forward, _l0_reverse <-> reverse (bidirectional)" if both else ""
     if module.side == BURN:
-        return module.entries, f"join into PyTorch's packed tensors ({_chunk_words(module.kind)})"
-    if module.kind == MULTI_HEAD_ATTENTION:
-        return _split_mha(module), "split in_proj rows q, k, v into query/key/value, out_proj -> output, transposed"
-    return _split_rnn(module), f"split the gate rows ({_chunk_words(module.kind)}); weights transposed"
+        return module.entries, f"join {_chunk_words(module.kind, into_burn=False)}, weights transposed back{directions}"
+    entries = _split_mha(module) if module.kind == MULTI_HEAD_ATTENTION else _split_rnn(module)
+    return entries, f"split {_chunk_words(module.kind, into_burn=True)}, weights transposed{directions}"
 
 
-def _chunk_words(kind: str | None) -> str:
+_CHUNKS = {MULTI_HEAD_ATTENTION: "q, k, v", LSTM: "i, f, g, o", GRU: "r, z, n", RNN: "(one chunk)"}
+
+
+def _chunk_words(kind: str | None, *, into_burn: bool) -> str:
     if kind == MULTI_HEAD_ATTENTION:
-        return "in_proj rows q, k, v <- query, key, value; out_proj <- output"
-    gates = GATES.get(kind or "", ())
-    return "chunks " + ", ".join(gates) + " <- input_transform / hidden_transform"
+        fields, packed = "query, key, value", "in_proj_weight/in_proj_bias rows q, k, v"
+        return f"{packed} into {fields}, out_proj into output" if into_burn else (
+            f"{fields} into {packed}, output into out_proj"
+        )
+    gates = ", ".join(GATES.get(kind or "", ()))
+    packed = f"the rows {_CHUNKS.get(kind or '', '')} of weight/bias_ih_l0, _hh_l0"
+    linears = f"{gates} (input_transform, hidden_transform)"
+    return f"{packed} into {linears}" if into_burn else f"{linears} into {packed}"
 
 
 def _full(path: str, rel: str) -> str:
