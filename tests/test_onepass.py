@@ -305,3 +305,43 @@ def test_a_failing_job_releases_the_jobs_waiting_for_their_turn(tmp_path: Path) 
     assert not runner.is_alive()
     assert len(outcome) == 1 and "injected failure" in str(outcome[0])
     output.close()
+
+
+@pytest.mark.parametrize(("slot_bytes", "workers"), [(onepass.SLOT_BYTES, 1), (1024, 2), (300, 3)])
+def test_pieces_of_tensors_split_and_joined_arrive_exact_and_tile_their_windows(
+    tmp_path: Path, slot_bytes: int, workers: int
+) -> None:
+    """A packed source's row ranges as tensors of their own, and three tensors joined into one, transposed,
+    in whole blocks and in strips: the ledger keeps one window per output tensor (issue 13, burn-compat.md
+    §3.5 packed MHA/RNN tensors)."""
+    rng = np.random.default_rng(5)
+    parts = {name: rng.standard_normal((40, 24)).astype(np.float32) for name in ("q", "k", "v")}
+    packed = rng.standard_normal((60, 24)).astype(np.float32)
+    save_file({**parts, "packed": packed}, str(tmp_path / "src.safetensors"))
+    reader = SafetensorsReader(tmp_path / "src.safetensors")
+    info = {t.name: t for t in reader.tensors}
+    specs = [TensorSpec("joined", "F32", (72, 40), 72 * 40 * 4, fill=lambda sink: None)]
+    specs += [TensorSpec(f"split{k}", "F32", (24, 20), 24 * 20 * 4, fill=lambda sink: None) for k in range(3)]
+    plan = plan_safetensors(specs)
+    fd = os.open(tmp_path / "out.safetensors", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.ftruncate(fd, plan.file_size)
+    pwrite_all(fd, plan.header, 0)
+    piece = 40 * 24 * 4
+    moves = [Move("joined", info[name].offset, piece, plan.starts[0] + k * piece, 4, (40, 24), piece_at=k * piece,
+                  tensor_nbytes=3 * piece) for k, name in enumerate(("q", "k", "v"))]
+    rows = 20 * 24 * 4
+    moves += [Move(f"split{k}", info["packed"].offset + k * rows, rows, plan.starts[1 + k], 4, (20, 24))
+              for k in range(3)]
+    engine = OnePass(reader.fd, reader.file_size, reader.path, fd, str(tmp_path / "out.safetensors"), moves,
+                     workers=workers, slot_bytes=slot_bytes, band_bytes=256, inline_bytes=0)
+    engine.run()
+    with SafetensorsReader(tmp_path / "out.safetensors") as out:
+        table = {t.name: (t.offset, t.nbytes) for t in out.tensors}
+        engine.ledger.check(table, plan.file_size, os.fstat(fd).st_size, str(tmp_path / "out.safetensors"))
+        check_digests(engine.ledger, out)
+    os.close(fd)
+    reader.close()
+    written = load_file(str(tmp_path / "out.safetensors"))
+    assert np.array_equal(written["joined"], np.concatenate([parts[n].T for n in ("q", "k", "v")]))
+    for k in range(3):
+        assert np.array_equal(written[f"split{k}"], packed[20 * k : 20 * (k + 1)].T)
