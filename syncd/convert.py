@@ -313,12 +313,13 @@ def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined:
     return Joined(pieces) if entry.parts else pieces[0]
 
 
-def _piecewise_unsupported(entry: PlanEntry, why: str) -> Callable[[Any], None]:
+def _piecewise_unsupported(entry: PlanEntry, why: str, path: str) -> Callable[[Any], None]:
     """The fill of a split or joined tensor where only the one pass writes them (not cast, not in a set)."""
 
     def fill(sink: Any) -> None:
         raise UnsupportedError(f"tensor '{entry.target}' is split from or joined into a PyTorch packed tensor, "
-                               f"which is not supported {why}; convert with --layout keep")
+                               f"which is not supported {why}; write one file from one file "
+                               "(--shard-size none), or convert with --layout keep", path)
 
     return fill
 
@@ -425,7 +426,7 @@ def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
         return _source_fill(c, entry)
     if entry.is_piecewise:
         cast = any(name in c.store.casts for name in entry.sources)
-        return _piecewise_unsupported(entry, "with a precision cast" if cast else "in a sharded set")
+        return _piecewise_unsupported(entry, "with a precision cast" if cast else "in a sharded set", c.source.path)
     if entry.source in c.store.casts:
         info = reader.tensor(entry.source)
         from syncd.cast import CastCopy

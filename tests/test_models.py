@@ -759,3 +759,20 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
     torch_side = [TensorRef(k, "F32", tuple(v.shape)) for k, v in nn.GRU(4, 3).state_dict().items()]
     with pytest.raises(ConfigError, match="maps '\\(root\\)' to Lstm, but its tensors are those of a Gru"):
         plan_conversion(torch_side, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {"": "Lstm"}}))
+
+
+def test_packed_modules_are_refused_where_only_the_one_pass_can_write_them(tmp_path: Path) -> None:
+    """A precision cast (Burn would cast the split Linears) and a sharded output set: refused, one line
+    naming the file and the tensor, nothing written."""
+    torch.manual_seed(3)
+    model = _Attention(bias=True)
+    source = tmp_path / "attn.safetensors"
+    save_file(_bare_state(model), source)
+    cast = run_cli("convert", source, "--precision", "f16")
+    assert cast.returncode == 1 and "attn.in_proj_bias" in cast.stderr and str(source) in cast.stderr
+    assert len(cast.stderr.strip().splitlines()) == 1 and not (tmp_path / "attn.bpk").exists()
+    convert(ConvertRequest(source=source))
+    (tmp_path / "set").mkdir()
+    shards = run_cli("convert", tmp_path / "attn.bpk", "-o", tmp_path / "set", "--shard-size", "1KB")
+    assert shards.returncode == 1 and "in a sharded set" in shards.stderr and "attn.bpk" in shards.stderr
+    assert len(shards.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path / "set") == []
