@@ -301,12 +301,22 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def assert_burn_layout(model: nn.Module, source: Path, bpk: Path, names: dict[str, str] | None = None) -> None:
-    burn = read_bpk(bpk)
-    found = {name: (t.shape, t.data) for name, t in burn.tensors.items()}
-    expected = expected_burn(model, read_safetensors(source), names)
+    assert_bpk_holds(bpk, expected_burn(model, read_safetensors(source), names))
+
+
+def assert_bpk_holds(bpk: Path, expected: dict[str, tuple[tuple[int, ...], bytes]]) -> None:
+    found = {name: (t.shape, t.data) for name, t in read_bpk(bpk).tensors.items()}
     assert sorted(found) == sorted(expected)
     wrong = [name for name in expected if found[name] != expected[name]]
     assert not wrong, f"tensors not as their module types say: {wrong}"
+
+
+def save_bare(build: Callable[[], nn.Module], path: Path, seed: int) -> nn.Module:
+    """A freshly built model with seeded random weights, saved as a bare `save_file(state_dict)` at `path`."""
+    torch.manual_seed(seed)
+    model = build()
+    save_file(_bare_state(model), path)
+    return model
 
 
 def assert_same_state(original: nn.Module, reloaded: nn.Module) -> None:
@@ -410,10 +420,8 @@ BARE_MODELS: dict[str, Callable[[], nn.Module]] = {
 
 @pytest.mark.parametrize("name", sorted(BARE_MODELS))
 def test_bare_state_dict_converts_or_prints_the_map_that_settles_it(tmp_path: Path, name: str) -> None:
-    torch.manual_seed(7)
-    model = BARE_MODELS[name]()
     source = tmp_path / "weights.safetensors"
-    save_file(_bare_state(model), source)
+    model = save_bare(BARE_MODELS[name], source, seed=7)
 
     mapping = None
     try:
@@ -575,18 +583,13 @@ def assert_packed_burn_layout(model: nn.Module, source: Path, bpk: Path) -> None
         name: value for name, value in expected_burn(model, read_safetensors(source)).items() if name not in replaced
     }
     expected.update({name: _torch_bytes(value) for name, value in packed.items()})
-    found = {name: (t.shape, t.data) for name, t in read_bpk(bpk).tensors.items()}
-    assert sorted(found) == sorted(expected)
-    wrong = [name for name in expected if found[name] != expected[name]]
-    assert not wrong, f"tensors not as Burn's modules hold them: {wrong}"
+    assert_bpk_holds(bpk, expected)
 
 
 @pytest.mark.parametrize("name", sorted(PACKED_MODELS))
 def test_packed_modules_convert_with_no_flags_and_come_back_bit_exact(tmp_path: Path, name: str) -> None:
-    torch.manual_seed(2)
-    model = PACKED_MODELS[name]()
     source = tmp_path / "packed.safetensors"
-    save_file(_bare_state(model), source)
+    model = save_bare(PACKED_MODELS[name], source, seed=2)
     to_burn = convert(ConvertRequest(source=source))
     assert to_burn.source_layout == "pytorch"
     assert_packed_burn_layout(model, source, tmp_path / "packed.bpk")
@@ -638,10 +641,8 @@ def test_the_chunk_order_is_pytorchs(tmp_path: Path) -> None:
 def test_packed_tensors_without_a_burn_slot_are_refused_naming_the_tensor(
     tmp_path: Path, build: Callable, tensor: str, why: str
 ) -> None:
-    torch.manual_seed(2)
-    model = build()
     source = tmp_path / "packed.safetensors"
-    save_file(_bare_state(model), source)
+    model = save_bare(build, source, seed=2)
     with pytest.raises(UnsupportedError, match=f"tensor '{tensor}': .*{why}.*; convert with --layout keep"):
         convert(ConvertRequest(source=source))
     assert not (tmp_path / "packed.bpk").exists()
@@ -764,10 +765,8 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
 def test_packed_modules_are_refused_where_only_the_one_pass_can_write_them(tmp_path: Path) -> None:
     """A precision cast (Burn would cast the split Linears) and a sharded output set: refused, one line
     naming the file and the tensor, nothing written."""
-    torch.manual_seed(3)
-    model = _Attention(bias=True)
     source = tmp_path / "attn.safetensors"
-    save_file(_bare_state(model), source)
+    save_bare(lambda: _Attention(bias=True), source, seed=3)
     cast = run_cli("convert", source, "--precision", "f16")
     assert cast.returncode == 1 and "attn.in_proj_bias" in cast.stderr and str(source) in cast.stderr
     assert len(cast.stderr.strip().splitlines()) == 1 and not (tmp_path / "attn.bpk").exists()
