@@ -13,7 +13,10 @@ no slot for (§4). This package decides, from a file's tensor table, what the co
 API
 ---
 ``TensorRef(name: str, dtype: str, shape: tuple[int, ...])``
-``PlanEntry(source: str, target: str, transpose: bool, shape: tuple[int, ...])``
+``PlanEntry(source: str, target: str, transpose: bool, shape: tuple[int, ...], rows=None, parts=())``
+    `rows` (r0, r1): the output is only those rows of the source's first dimension (a piece of a PyTorch packed
+    tensor going to Burn); `parts`: the output is these entries' outputs end to end (Burn's pieces joined back
+    into the packed tensor; `source` is then the first part's). ``entry.pieces`` / ``entry.sources`` list them.
 ``AdapterPlan(entries, dropped, source_layout, target_layout, decisions, kinds)``, ``.is_identity``
     entries in source data order, dropped tensors left out; source_layout "pytorch" | "burn" | "neutral"
     (the file has nothing that differs between layouts) | "keep"; kinds: module path -> kind.
@@ -31,14 +34,21 @@ Errors (syncd.errors):
 * AmbiguousLayoutError where the tensors do not decide, raised as its subclass ``LayoutAmbiguityError``:
   one-line message; ``.suggestion`` the module-map YAML that would settle it; ``.details`` the per-module
   reasons followed by that YAML; ``.undecided`` the module paths concerned.
-* UnsupportedError for what the target cannot take: PyTorch packed MHA/RNN tensors going to Burn,
-  transposing a QFloat or sub-byte tensor, norm parameters that are not 1-D.
+* UnsupportedError for what the target cannot take: PyTorch packed tensors Burn has no slot for (MHA
+  bias_k/bias_v or kdim/vdim projections, RNN layers l1+ or proj_size; burn-compat.md §4), transposing a QFloat
+  or sub-byte tensor, norm parameters that are not 1-D.
 * ConfigError for a bad module map, or one whose kind does not fit the tensors it matches (exact paths;
   a glob that sweeps over a module holding no adaptable tensors leaves it alone).
 * SyncdError for duplicate source or output names; UsageError for an unknown layout name.
 
 Rules, in order
 ---------------
+0. Packed modules (packed.py, burn-compat.md §3.5, §3.6 item 6) are found first and their tensors taken out of
+   the rules below: PyTorch's by their names (`in_proj_weight`, `weight_ih_l0`... -> MultiHeadAttention, and
+   Lstm / Gru / Rnn by weight_hh_l0's rows over its columns); Burn's split ones by a module map or the file's
+   `syncd.kinds` (query/key/value/output Linears) or by Burn's own gate names (`input_gate.input_transform`...).
+   Their names are strong layout evidence; converting, PyTorch's are split by rows into Burn's Linears
+   (transposed) and Burn's joined back in PyTorch's chunk order.
 1. ``to_layout="keep"``: identity, nothing renamed, transposed or dropped.
 2. Module = name minus its last segment. Leaves weight, bias, gamma, beta, alpha, running_mean, running_var,
    num_batches_tracked are adapted; tensors with other leaves always pass through unchanged.
