@@ -775,3 +775,28 @@ def test_packed_modules_are_refused_where_only_the_one_pass_can_write_them(tmp_p
     shards = run_cli("convert", tmp_path / "attn.bpk", "-o", tmp_path / "set", "--shard-size", "1KB")
     assert shards.returncode == 1 and "in a sharded set" in shards.stderr and "attn.bpk" in shards.stderr
     assert len(shards.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path / "set") == []
+
+
+def test_convert_v_and_the_sync_log_show_each_packed_decision_and_its_evidence(tmp_path: Path) -> None:
+    from daemonutil import DaemonRun
+
+    model = save_bare(lambda: nn.LSTM(4, 3), tmp_path / "lstm.safetensors", seed=6)
+    done = run_cli("convert", tmp_path / "lstm.safetensors", "-v")
+    assert done.returncode == 0, done.stderr
+    split = ("(root): Lstm (PyTorch weight_hh_l0 [12, 3]: 4 chunk(s) of 3 rows) -> split the rows i, f, g, o of "
+             "weight/bias_ih_l0, _hh_l0 into input_gate, forget_gate, cell_gate, output_gate")
+    assert any(line.strip().startswith(split) for line in done.stdout.splitlines()), done.stdout
+    back = run_cli("convert", tmp_path / "lstm.bpk", "-o", tmp_path / "back.safetensors", "-v")
+    assert back.returncode == 0, back.stderr
+    assert "(root): Lstm (recorded in the file (syncd.kinds)) -> join input_gate" in back.stdout
+
+    with DaemonRun(tmp_path / "daemon") as run:
+        runs = run.watch_dir("runs")
+        run.start()
+        save_file(_bare_state(model), tmp_path / "staged.safetensors")
+        os.rename(tmp_path / "staged.safetensors", runs / "lstm.safetensors")
+        run.wait_for("converted", [runs / "lstm.safetensors"])
+        (record,) = run.statuses("converted", runs / "lstm.safetensors")
+    assert record["layout"][0] == "pytorch -> burn"
+    assert any(line.startswith(split) for line in record["layout"]), record["layout"]
+    assert read_bpk(runs / "lstm.bpk").tensors == read_bpk(tmp_path / "lstm.bpk").tensors
