@@ -643,7 +643,8 @@ def test_packed_tensors_without_a_burn_slot_are_refused_naming_the_tensor(
 ) -> None:
     source = tmp_path / "packed.safetensors"
     model = save_bare(build, source, seed=2)
-    with pytest.raises(UnsupportedError, match=f"tensor '{tensor}': .*{why}.*; convert with --layout keep"):
+    with pytest.raises(UnsupportedError, match=f"tensor '{tensor}': .*{why}.*; map .* as Other to leave its "
+                       "tensors unchanged, or convert with --layout keep"):
         convert(ConvertRequest(source=source))
     assert not (tmp_path / "packed.bpk").exists()
     done = run_cli("convert", source)
@@ -800,3 +801,26 @@ def test_convert_v_and_the_sync_log_show_each_packed_decision_and_its_evidence(t
     assert record["layout"][0] == "pytorch -> burn"
     assert any(line.startswith(split) for line in record["layout"]), record["layout"]
     assert read_bpk(runs / "lstm.bpk").tensors == read_bpk(tmp_path / "lstm.bpk").tensors
+
+
+class _Stacked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 3, num_layers=2)
+        self.head = nn.Linear(3, 2)
+
+
+def test_a_packed_module_mapped_as_other_is_left_as_it_is_both_ways(tmp_path: Path) -> None:
+    """The refusal's other advice: the stacked LSTM keeps PyTorch's tensors, the rest converts."""
+    source = tmp_path / "stacked.safetensors"
+    model = save_bare(_Stacked, source, seed=8)
+    (tmp_path / "map.yaml").write_text('modules:\n  "rnn": Other\n')
+    convert(ConvertRequest(source=source, module_map=ModuleMap.from_yaml_file(tmp_path / "map.yaml")))
+    burn = read_bpk(tmp_path / "stacked.bpk").tensors
+    assert burn["rnn.weight_ih_l1"].data == read_safetensors(source).tensors["rnn.weight_ih_l1"].data
+    assert burn["head.weight"].shape == (3, 2)
+    back = tmp_path / "back.safetensors"
+    convert(ConvertRequest(source=tmp_path / "stacked.bpk", dest=back))  # no map: the .bpk records its kinds
+    fresh = _Stacked()
+    fresh.load_state_dict(read_torch(back), strict=True)
+    assert_same_state(model, fresh)

@@ -8,7 +8,6 @@ decide, the kind is UNKNOWN and `options` lists the kinds a module map could sta
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -46,12 +45,6 @@ RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"}
 PYTORCH_AFFINE = frozenset({"weight", "bias"})
 BURN_AFFINE = frozenset({"gamma", "beta"})
 ADAPTABLE_LEAVES = PYTORCH_AFFINE | BURN_AFFINE | RUNNING_STATS | {"alpha"}
-
-# PyTorch tensors that pack several Burn parameters into one (MHA in_proj, RNN gates, burn-compat.md §3.5,
-# §3.6 item 6, §4): their names exist only on the PyTorch side, and Burn has no single slot for them.
-PACKED_PYTORCH_LEAF = re.compile(
-    r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]|(?:weight|bias)_(?:ih|hh|hr)_l\d+(?:_reverse)?"
-)
 
 # Which leaves each mapped kind may hold (either side's names), burn-compat.md §3.5.
 _ALLOWED_LEAVES: dict[str, frozenset[str]] = {
@@ -372,9 +365,6 @@ def _require(module: Module, ok: bool, rule: ModuleRule, source: str, what: str)
 def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
     """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it (issue 13)."""
     found: dict[tuple[str, bool], list[str]] = {}
-    for tensor in module.extras:
-        if PACKED_PYTORCH_LEAF.fullmatch(split_name(tensor.name)[1]):
-            found.setdefault((PYTORCH, True), []).append(f"PyTorch packed tensor {split_name(tensor.name)[1]}")
     if kind.kind == LINEAR:
         _linear_evidence(module, found)
     elif kind.kind in NORM_KINDS or kind.kind == PRELU:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from syncd.adapters.infer import PACKED_PYTORCH_LEAF, Evidence, KindSources, split_name
+from syncd.adapters.infer import Evidence, KindSources, split_name
 from syncd.adapters.model import (
     BURN,
     BY_MAP,
@@ -33,6 +33,7 @@ from syncd.adapters.model import (
     GRU,
     LSTM,
     MULTI_HEAD_ATTENTION,
+    OTHER,
     PACKED_KINDS,
     PYTORCH,
     RNN,
@@ -51,6 +52,11 @@ GATES = {
 _KIND_BY_CHUNKS = {len(gates): kind for kind, gates in GATES.items()}
 _ALL_GATES = frozenset(gate for gates in GATES.values() for gate in gates)
 _TRANSFORMS = {"ih": "input_transform", "hh": "hidden_transform"}  # PyTorch's ih/hh -> GateController's Linears
+# PyTorch tensors that pack several Burn parameters into one (MHA in_proj, RNN gates, burn-compat.md §3.5,
+# §3.6 item 6, §4): their names exist only on the PyTorch side.
+PACKED_PYTORCH_LEAF = re.compile(
+    r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]|(?:weight|bias)_(?:ih|hh|hr)_l\d+(?:_reverse)?"
+)
 QKV = ("query", "key", "value")  # rows of in_proj, in order (burn-compat.md §3.5)
 _MHA_LEAF = re.compile(r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]")
 _MHA_SPLIT = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
@@ -92,7 +98,13 @@ def packed_entries(module: PackedModule) -> tuple[list[PlanEntry], str]:
     directions = "; _l0 <-> forward, _l0_reverse <-> reverse (bidirectional)" if both else ""
     if module.side == BURN:
         return module.entries, f"join {_chunk_words(module.kind, into_burn=False)}, weights transposed back{directions}"
-    entries = _split_mha(module) if module.kind == MULTI_HEAD_ATTENTION else _split_rnn(module)
+    try:
+        entries = _split_mha(module) if module.kind == MULTI_HEAD_ATTENTION else _split_rnn(module)
+    except UnsupportedError as refused:
+        raise UnsupportedError(
+            f"{refused.message}; map {module.path!r} as Other to leave its tensors unchanged, or convert with "
+            "--layout keep"
+        ) from None
     return entries, f"split {_chunk_words(module.kind, into_burn=True)}, weights transposed{directions}"
 
 
@@ -125,6 +137,8 @@ def _pytorch_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[
     by_name = {t.name: t for t in tensors}
     modules = []
     for path in paths:
+        if _mapped_other(path, sources):
+            continue  # left unchanged as stated: the other rules see them as plain tensors
         own = {split_name(t.name)[1]: t for t in tensors if split_name(t.name)[0] == path}
         packed = {leaf: t for leaf, t in own.items() if PACKED_PYTORCH_LEAF.fullmatch(leaf)}
         if any(_MHA_LEAF.fullmatch(leaf) for leaf in packed):
@@ -139,6 +153,13 @@ def _pytorch_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[
         _check_stated(module, sources)
         modules.append(module)
     return modules
+
+
+def _mapped_other(path: str, sources: KindSources) -> bool:
+    """Whether the module map, else the file's record, says to leave this module's tensors unchanged."""
+    rule = sources.module_map.lookup(path) if sources.module_map is not None else None
+    stated = rule.kind if rule is not None else sources.recorded.get(path)
+    return stated == OTHER
 
 
 def _rnn_kind(packed: dict[str, TensorRef]) -> tuple[str | None, str]:
@@ -165,7 +186,7 @@ def _check_stated(module: PackedModule, sources: KindSources) -> None:
 
 
 def _refuse(name: str, why: str) -> UnsupportedError:
-    return UnsupportedError(f"tensor '{name}': {why}; convert with --layout keep")
+    return UnsupportedError(f"tensor '{name}': {why}")
 
 
 def _split_mha(module: PackedModule) -> list[PlanEntry]:
