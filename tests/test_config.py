@@ -156,7 +156,8 @@ def test_global_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, 
         ("direciton: both", "watches[0].direciton: unknown key (did you mean 'direction'?)"),
         ("modules: {x: Lineer}", "watches[0].modules['x']: expected a module kind, one of Linear, LinearInOut, "
          "Embedding, Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, BatchNorm, LayerNorm, "
-         "GroupNorm, InstanceNorm, RmsNorm, PRelu, Other, got 'Lineer' (did you mean 'Linear'?)"),
+         "GroupNorm, InstanceNorm, RmsNorm, PRelu, MultiHeadAttention, Lstm, Gru, Rnn, Other, got 'Lineer' "
+         "(did you mean 'Linear'?)"),
         ("modules: {a..b: Linear}", "watches[0].modules['a..b']: empty path segment in pattern"),
         ("modules: [Linear]", "watches[0].modules: expected a mapping of pattern -> kind or a file path, got a list"),
     ],
