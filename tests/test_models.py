@@ -824,3 +824,26 @@ def test_a_packed_module_mapped_as_other_is_left_as_it_is_both_ways(tmp_path: Pa
     fresh = _Stacked()
     fresh.load_state_dict(read_torch(back), strict=True)
     assert_same_state(model, fresh)
+
+
+def test_a_burn_file_comes_back_with_its_order_and_param_ids_after_a_join_and_a_split(tmp_path: Path) -> None:
+    """A Burn-native .bpk (param ids, no syncd record) joined by a module map into PyTorch's in_proj, then split
+    again with no map: the same tensors, data order and param ids (carried under the pieces' own names)."""
+    from formatgen import bytes_spec, write_bpk
+
+    source = tmp_path / "t.safetensors"
+    save_bare(PACKED_MODELS["nn.Transformer"], source, seed=9)
+    convert(ConvertRequest(source=source, dest=tmp_path / "made.bpk"))
+    made = read_bpk(tmp_path / "made.bpk")
+    native = tmp_path / "native.bpk"
+    write_bpk(native, [bytes_spec(name, made.tensors[name].dtype, made.tensors[name].shape, made.tensors[name].data,
+                                  param_id=1000 + 7 * i) for i, name in enumerate(reversed(made.order))])
+    attention = ModuleMap.from_dict({"modules": {"**.self_attn": "MultiHeadAttention",
+                                                 "**.multihead_attn": "MultiHeadAttention"}})
+    convert(ConvertRequest(source=native, dest=tmp_path / "torch.safetensors", module_map=attention))
+    fresh = PACKED_MODELS["nn.Transformer"]()
+    fresh.load_state_dict(read_torch(tmp_path / "torch.safetensors"), strict=True)
+    convert(ConvertRequest(source=tmp_path / "torch.safetensors", dest=tmp_path / "again.bpk"))
+    first, again = read_bpk(native), read_bpk(tmp_path / "again.bpk")
+    assert again.tensors == first.tensors and again.order == first.order
+    assert again.param_ids() == first.param_ids()
