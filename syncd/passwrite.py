@@ -6,6 +6,11 @@ tensors that come from elsewhere (carried in metadata) directly, and hands every
 `OnePass` over the source, which returns the source hash. `check_written` is the check without read-back:
 the output's header and table are re-read and the ledger of writes must tile it exactly. `verify_full` is the
 audit (`--verify full`): every tensor of the output re-read and compared with its source.
+
+A fill may also name a row range of its source (`FromSource.rows`: a piece of a PyTorch packed tensor going to
+Burn) or be `Joined`: an output tensor made of pieces, each (its byte offset within the output tensor, a source
+tensor, transposed or not), Burn's separate Linears going back into PyTorch's packed tensor (burn-compat.md
+§3.5). Each piece is one Move; the ledger keeps one window per output tensor, which its pieces' writes tile.
 """
 
 from __future__ import annotations
