@@ -847,3 +847,48 @@ def test_a_burn_file_comes_back_with_its_order_and_param_ids_after_a_join_and_a_
     first, again = read_bpk(native), read_bpk(tmp_path / "again.bpk")
     assert again.tensors == first.tensors and again.order == first.order
     assert again.param_ids() == first.param_ids()
+
+
+# Remap rules from nn.TransformerEncoder's names to Burn's TransformerEncoder fields (burn-compat.md §3.5:
+# self_attn -> mha, linear1/linear2 -> pwff.linear_inner/linear_outer, norms by norm_first), as the README
+# gives them.
+ENCODER_RULES = (r"\.self_attn\.=.mha.", r"\.linear1\.=.pwff.linear_inner.", r"\.linear2\.=.pwff.linear_outer.")
+NORM_RULES = {
+    False: (r"\.norm1\.=.norm_1.", r"\.norm2\.=.norm_2."),  # post-norm: norm_k <-> normk
+    True: (r"\.norm1\.=.norm_2.", r"\.norm2\.=.norm_1."),  # pre-norm: Burn applies norm_2 before attention
+}
+
+
+def _burn_encoder_names(layers: int) -> set[str]:
+    """The record of Burn's TransformerEncoder (burn-compat.md §3.5), written out from its fields."""
+    fields = [f"mha.{p}.{leaf}" for p in ("query", "key", "value", "output") for leaf in ("weight", "bias")]
+    fields += [f"pwff.{p}.{leaf}" for p in ("linear_inner", "linear_outer") for leaf in ("weight", "bias")]
+    fields += [f"{n}.{leaf}" for n in ("norm_1", "norm_2") for leaf in ("gamma", "beta")]
+    return {f"layers.{i}.{name}" for i in range(layers) for name in fields}
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+def test_transformer_encoder_with_the_readmes_rules_has_burns_names_and_comes_back(
+    tmp_path: Path, norm_first: bool
+) -> None:
+    def build() -> nn.Module:
+        layer = nn.TransformerEncoderLayer(16, 2, 24, batch_first=True, norm_first=norm_first)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    source = tmp_path / "encoder.safetensors"
+    model = save_bare(build, source, seed=3)
+    rules = [arg for rule in (*ENCODER_RULES, *NORM_RULES[norm_first]) for arg in ("--remap", rule)]
+    done = run_cli("convert", source, "-o", tmp_path / "encoder.bpk", *rules)
+    assert done.returncode == 0, done.stderr
+    burn = read_bpk(tmp_path / "encoder.bpk").tensors
+    assert set(burn) == _burn_encoder_names(2)
+    assert burn["layers.1.pwff.linear_inner.weight"].shape == (16, 24)  # Burn's Linear: [d_model, d_ff]
+    first = "norm_2" if norm_first else "norm_1"  # the norm Burn applies first is PyTorch's norm1 either way
+    norm1 = model.layers[1].norm1.weight.detach().numpy().tobytes()
+    assert burn[f"layers.1.{first}.gamma"].data == norm1
+    query = model.layers[0].self_attn.in_proj_weight.detach()[:16].T.contiguous().numpy().tobytes()
+    assert burn["layers.0.mha.query.weight"].data == query
+
+    back = run_cli("convert", tmp_path / "encoder.bpk", "-o", tmp_path / "back.safetensors")  # no rules
+    assert back.returncode == 0, back.stderr
+    assert read_safetensors(tmp_path / "back.safetensors").tensors == read_safetensors(source).tensors
