@@ -19,20 +19,18 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import random
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from syncd.blockcheck import Entry, SourceStamp, WriteLedger
 from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.fileio import pwrite_all
 from syncd.formats.table import Buffer
 from syncd.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
-
-if TYPE_CHECKING:
-    import numpy as np
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
 SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of this size
@@ -157,7 +155,6 @@ class OnePass:
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(slots):
             self._free.put(_Slot())
-        self._local = threading.local()
         self._write_lock = threading.Lock()
         self._turn = threading.Condition()  # guards _hashed_to and _aborted
         self._hashed_to = 0  # every source byte before this offset has been hashed
@@ -320,15 +317,6 @@ class OnePass:
 
     # -- the writing threads
 
-    def _generator(self) -> np.random.Generator:
-        """This writer thread's source of sample positions for the in-cache checks (fresh per conversion)."""
-        gen = getattr(self._local, "generator", None)
-        if gen is None:
-            import numpy as np
-
-            gen = self._local.generator = np.random.default_rng()
-        return gen
-
     def _copy_block(self, slot: _Slot, move: Move, rel: int, n: int) -> None:
         try:
             data = self._read(slot.src(n), move.src_offset + rel)
@@ -354,30 +342,26 @@ class OnePass:
     def _transpose_strip(self, slot: _Slot, move: Move, r0: int, n: int) -> None:
         """Source rows r0:r0+n become columns r0:r0+n of every output row, a band of output rows at a time:
         each band is transposed, checked, hashed and written while it is in cache (a transposed buffer
-        larger than the cache costs three times as much to write, measured)."""
-        import numpy as np
-
+        larger than the cache costs three times as much to write, measured). Byte buffers throughout: with
+        the compiled kernel no numpy is needed (syncd.kernels)."""
         from syncd import kernels
-        from syncd.blockcheck import check_transposed
 
         try:
             rows, cols = move.matrix  # type: ignore[misc]
-            size = n * cols * move.itemsize
-            self._read(slot.src(size), move.src_offset + r0 * cols * move.itemsize)
-            dtype = np.dtype(f"u{move.itemsize}")
-            src = np.frombuffer(slot.src(size), dtype).reshape(n, cols)
-            band = max(1, self.band_bytes // (n * move.itemsize))
+            item = move.itemsize
+            src = self._read(slot.src(n * cols * item), move.src_offset + r0 * cols * item)
+            band = max(1, self.band_bytes // (n * item))
             for c0 in range(0, cols, band):
-                c1 = min(cols, c0 + band)
-                out = np.frombuffer(slot.out((c1 - c0) * n * move.itemsize), dtype).reshape(c1 - c0, n)
-                kernels.columns(src, out, c0)
-                if not check_transposed(src[:, c0:c1], out, 0, self._generator()):
+                count = min(band, cols - c0)
+                out = slot.out(count * n * item)
+                kernels.transpose_band(src, out, n, cols, item, c0, count)
+                if not kernels.band_matches(src, out, n, cols, item, c0, count, random.getrandbits(64)):
                     raise VerificationError(f"tensor '{move.name}': a transposed block does not match its source",
                                             self.out_path)
                 if n == rows:
-                    self._write(move, memoryview(out).cast("B"), c0 * rows * move.itemsize)
+                    self._write(move, out, c0 * rows * item)
                 else:
-                    self._write_segments(move, out, r0, c0)
+                    self._write_segments(move, out, r0, c0, count)
         finally:
             self._free.put(slot)
 
@@ -385,15 +369,16 @@ class OnePass:
         written = self._pwrite(data, move.dst_offset + rel)
         self.ledger.record(move.name, Entry(move.piece_at + rel, written, digest=block_digest(data[:written])))
 
-    def _write_segments(self, move: Move, out: np.ndarray, r0: int, c0: int) -> None:
-        """Row k of `out` is a piece of output row c0+k, from column r0 on."""
+    def _write_segments(self, move: Move, out: memoryview, r0: int, c0: int, count: int) -> None:
+        """`out` holds `count` pieces of output rows c0, c0+1, ..., each from column r0 on."""
         rows = move.matrix[0]  # type: ignore[index]
-        segment = out.shape[1] * move.itemsize
+        segment = len(out) // count
         stride = rows * move.itemsize
         first = c0 * stride + r0 * move.itemsize
-        written = min(self._pwrite(out[k], move.dst_offset + first + k * stride) for k in range(out.shape[0]))
+        written = min(self._pwrite(out[k * segment : (k + 1) * segment], move.dst_offset + first + k * stride)
+                      for k in range(count))
         self.ledger.record(move.name, Entry(move.piece_at + first, written if written == segment else -1,
-                                            count=out.shape[0], stride=stride, digest=block_digest(out)))
+                                            count=count, stride=stride, digest=block_digest(out)))
 
     def _pwrite(self, data: Any, offset: int) -> int:
         """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""

@@ -7,9 +7,12 @@ spelling paths of their own.
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -60,3 +63,21 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
     yield make
     for run in runs:
         run.close()
+
+
+@pytest.fixture(scope="session")
+def transpose_extension(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The compiled transpose kernel, built from the shipped C source with the project's own setup.py (into a
+    temporary directory): tests cover it whether or not the checkout was built with a compiler present."""
+    build = tmp_path_factory.mktemp("build")
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(build / "lib"),
+         "--build-temp", str(build / "tmp")],
+        cwd=REPO, check=True, capture_output=True,
+    )
+    (so,) = (build / "lib" / "syncd" / "kernels").glob("_transpose*.so")
+    spec = importlib.util.spec_from_file_location("syncd.kernels._transpose", so)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,7 +6,6 @@ directory), so this test covers it whether or not the checkout was installed wit
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from typing import Any
@@ -15,25 +14,14 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from syncd.kernels import Kernel, columns_numpy, make_columns, make_compiled, transpose_numpy
+from syncd.kernels import Kernel, band_numpy, make_band, make_compiled, transpose_numpy
 
 SHAPES = [(1, 1), (1, 7), (7, 1), (31, 33), (32, 32), (64, 96), (100, 3), (3, 100), (257, 129), (4, 1000)]
 
 
 @pytest.fixture(scope="module")
-def extension(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    build = tmp_path_factory.mktemp("build")
-    subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(build / "lib"),
-         "--build-temp", str(build / "tmp")],
-        cwd=REPO, check=True, capture_output=True,
-    )
-    (so,) = (build / "lib" / "syncd" / "kernels").glob("_transpose*.so")
-    spec = importlib.util.spec_from_file_location("syncd.kernels._transpose", so)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def extension(transpose_extension: Any) -> Any:
+    return transpose_extension
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +68,20 @@ def test_both_kernels_transpose_a_band_of_columns_of_a_larger_matrix(compiled: K
             assert np.array_equal(out, whole[:, c0:c1].T), (name, c0, c1)
 
 
-def test_both_column_kernels_transpose_each_band_in_place(extension: Any) -> None:
-    whole = _random((70, 100), np.uint16, 12)
-    for name, kernel in [("numpy", columns_numpy), ("compiled", make_columns(extension.transpose))]:
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_both_band_kernels_transpose_each_band_of_a_byte_buffer(extension: Any, dtype: type) -> None:
+    whole = _random((70, 100), dtype, 12)
+    item = whole.itemsize
+    src = memoryview(whole).cast("B")
+    for name, kernel in [("numpy", band_numpy), ("compiled", make_band(extension.transpose))]:
         for c0, c1 in [(0, 32), (32, 64), (64, 100), (99, 100), (0, 100)]:
-            out = np.full((c1 - c0, 70), 7, dtype=np.uint16)
-            kernel(whole, out, c0)
-            assert out.tobytes() == np.ascontiguousarray(whole[:, c0:c1].T).tobytes(), (name, c0, c1)
+            out = bytearray(b"\x07" * ((c1 - c0) * 70 * item))
+            kernel(src, out, 70, 100, item, c0, c1 - c0)
+            assert bytes(out) == np.ascontiguousarray(whole[:, c0:c1].T).tobytes(), (name, c0, c1)
         with pytest.raises(ValueError):
-            kernel(whole, np.empty((10, 70), dtype=np.uint16), 95)  # past the last column
+            kernel(src, bytearray(10 * 70 * item), 70, 100, item, 95, 10)  # past the last column
+        with pytest.raises(ValueError):
+            kernel(src, bytearray(10 * 70 * item - 1), 70, 100, item, 0, 10)  # the band does not fit
 
 
 def test_signalling_nans_and_odd_float_bits_survive_unchanged(compiled: Kernel) -> None:

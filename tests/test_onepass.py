@@ -15,7 +15,6 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from syncd import kernels, onepass
-from syncd.blockcheck import check_transposed
 from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.fileio import bool_checker, pwrite_all
@@ -148,41 +147,61 @@ def test_a_piece_written_to_a_wrong_place_in_its_window_is_caught(tmp_path: Path
     output.close()
 
 
-@pytest.mark.parametrize("fault", ["not transposed", "last tile stale", "rows swapped"])
-def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
-    def wrong(src: np.ndarray, out: np.ndarray, first: int) -> None:
-        band = src[:, first : first + out.shape[0]]  # the band of source columns this call must transpose
-        out[:] = band.T
-        if fault == "not transposed":
-            out.reshape(-1)[:] = np.ascontiguousarray(band).reshape(-1)
-        elif fault == "last tile stale":
-            out[-17:, -17:] = 0
-            out[-1, -1] ^= 1
-        else:  # two source rows traded places
-            out[:, [0, 1]] = out[:, [1, 0]]
+def _band_checks(extension: Any) -> dict[str, kernels.BandCheck]:
+    """The in-cache check in both forms: numpy (the fallback) and the compiled extension's."""
+    return {"numpy": kernels.band_check_numpy, "compiled": kernels.make_band_check(extension.check)}
 
-    monkeypatch.setattr(kernels, "columns", wrong)
+
+@pytest.mark.parametrize("check", ["numpy", "compiled"])
+@pytest.mark.parametrize("fault", ["not transposed", "last tile stale", "rows swapped"])
+def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              transpose_extension: Any, fault: str, check: str) -> None:
+    def wrong(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int) -> None:
+        dtype = np.dtype(f"u{itemsize}")
+        band = np.frombuffer(src, dtype, rows * cols).reshape(rows, cols)[:, first : first + count]
+        result = np.frombuffer(out, dtype, count * rows).reshape(count, rows)
+        result[:] = band.T
+        if fault == "not transposed":
+            result.reshape(-1)[:] = np.ascontiguousarray(band).reshape(-1)
+        elif fault == "last tile stale":
+            result[-17:, -17:] = 0
+            result[-1, -1] ^= 1
+        else:  # two source rows traded places
+            result[:, [0, 1]] = result[:, [1, 0]]
+
+    monkeypatch.setattr(kernels, "transpose_band", wrong)
+    monkeypatch.setattr(kernels, "band_matches", _band_checks(transpose_extension)[check])
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
     with pytest.raises(VerificationError, match="a transposed block does not match its source"):
         output.engine().run()
     output.close()
 
 
+@pytest.mark.parametrize("check", ["numpy", "compiled"])
 @pytest.mark.parametrize("shape", [(100, 70), (1000, 700)])  # compared whole; sampled per tile
-def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(shape: tuple[int, int]) -> None:
-    src = np.arange(shape[0] * shape[1], dtype=np.uint32).reshape(shape)
+def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(
+        transpose_extension: Any, shape: tuple[int, int], check: str) -> None:
+    matches = _band_checks(transpose_extension)[check]
+    rows, cols = shape
+    src = np.arange(rows * cols, dtype=np.uint32).reshape(shape)
     out = np.ascontiguousarray(src.T)
-    rng = np.random.default_rng(15)
-    assert check_transposed(src, out, 0, rng)
-    for r0 in (0, 64, shape[0] - shape[0] % 32):  # tiles at the edges (short ones) included
-        for c0 in (0, 32, shape[1] - shape[1] % 32):
+
+    def passes(result: np.ndarray, seed: int) -> bool:
+        return matches(memoryview(src).cast("B"), memoryview(result).cast("B"), rows, cols, 4, 0, cols, seed)
+
+    assert all(passes(out, seed) for seed in range(20))
+    for r0 in (0, 64, rows - rows % 32):  # tiles at the edges (short ones) included
+        for c0 in (0, 32, cols - cols % 32):
             bad = out.copy()
             bad[c0 : c0 + 32, r0 : r0 + 32] += 1
-            assert not check_transposed(src, bad, 0, rng), (r0, c0)
+            assert not passes(bad, r0 * cols + c0), (r0, c0)
     swapped = out.copy()
     swapped[:, [5, 6]] = swapped[:, [6, 5]]  # two source rows traded places along a band of tiles
-    assert not check_transposed(src, swapped, 0, rng)
-    assert not check_transposed(src, np.ascontiguousarray(src).reshape(out.shape), 0, rng)  # not transposed
+    assert not passes(swapped, 1)
+    assert not passes(np.ascontiguousarray(src).reshape(out.shape), 2)  # not transposed
+    band = np.ascontiguousarray(src[:, 16:48].T)  # a band of columns: checked against its own columns only
+    assert matches(memoryview(src).cast("B"), memoryview(band).cast("B"), rows, cols, 4, 16, 32, 3)
+    assert not matches(memoryview(src).cast("B"), memoryview(band).cast("B"), rows, cols, 4, 15, 32, 3)
 
 
 def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> None:

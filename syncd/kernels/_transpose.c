@@ -7,8 +7,11 @@
  *
  * transpose(src, dst, rows, cols, itemsize, src_stride, src_col, dst_stride, dst_col):
  * dst[c, dst_col + r] = src[r, src_col + c] for r < rows, c < cols, rows of src src_stride elements apart and
- * rows of dst dst_stride apart: a band of columns of a larger matrix can be transposed without copying it out. Built by setup.py as an optional extension; syncd.kernels falls back
- * to numpy (identical bytes) when it is absent.
+ * rows of dst dst_stride apart: a band of columns of a larger matrix can be transposed without copying it out.
+ * check(src, dst, ..., samples, seed) (same geometry): the in-cache check of a transposed block, in C so that a
+ * transposing conversion never needs numpy (its import and its per-block calls cost 0.25 s of CPU per GiB).
+ * Built by setup.py as an optional extension; syncd.kernels falls back to numpy (identical bytes, the same
+ * check) when it is absent.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -72,19 +75,31 @@ DEFINE_TRANSPOSE(transpose32, uint32_t)
 #endif
 DEFINE_TRANSPOSE(transpose64, uint64_t)
 
+/* Both entry points take the same geometry; 0 with a ValueError set if the buffers cannot hold it. */
+static int geometry_ok(const Py_buffer *src, const Py_buffer *dst, Py_ssize_t rows, Py_ssize_t cols,
+                       Py_ssize_t itemsize, Py_ssize_t sstride, Py_ssize_t scol, Py_ssize_t stride, Py_ssize_t col) {
+    Py_ssize_t selems = src->len / (itemsize > 0 ? itemsize : 1), delems = dst->len / (itemsize > 0 ? itemsize : 1);
+    if (rows < 0 || cols < 0 || scol < 0 || col < 0 || sstride < cols + scol || stride < rows + col ||
+        !(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8)) {
+        PyErr_SetString(PyExc_ValueError, "bad transpose geometry");
+        return 0;
+    }
+    if (rows && cols && (selems / sstride < rows - 1 || (rows - 1) * sstride + scol + cols > selems ||
+                         delems / stride < cols - 1 || (cols - 1) * stride + col + rows > delems)) {
+        PyErr_SetString(PyExc_ValueError, "buffers too small for the transpose");
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *py_transpose(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
     Py_ssize_t rows, cols, itemsize, sstride, scol, stride, col;
     if (!PyArg_ParseTuple(args, "y*w*nnnnnnn", &src, &dst, &rows, &cols, &itemsize, &sstride, &scol, &stride, &col))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t selems = src.len / (itemsize > 0 ? itemsize : 1), delems = dst.len / (itemsize > 0 ? itemsize : 1);
-    if (rows < 0 || cols < 0 || scol < 0 || col < 0 || sstride < cols + scol || stride < rows + col ||
-        !(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8)) {
-        PyErr_SetString(PyExc_ValueError, "bad transpose geometry");
-    } else if (rows && cols && (selems / sstride < rows - 1 || (rows - 1) * sstride + scol + cols > selems ||
-                                delems / stride < cols - 1 || (cols - 1) * stride + col + rows > delems)) {
-        PyErr_SetString(PyExc_ValueError, "buffers too small for the transpose");
+    if (!geometry_ok(&src, &dst, rows, cols, itemsize, sstride, scol, stride, col)) {
+        /* ValueError set */
     } else if ((uintptr_t)src.buf % itemsize || (uintptr_t)dst.buf % itemsize) {
         PyErr_SetString(PyExc_ValueError, "buffers not aligned to the element size");
     } else {
@@ -104,8 +119,71 @@ static PyObject *py_transpose(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* The in-cache check of a transposed block, apart from the transposing code above (a fault in one is not
+ * repeated in the other): dst[c, dst_col + r] must equal src[r, src_col + c], compared as bytes. With
+ * samples == 0 every element is compared; otherwise `samples` elements of every TILE x TILE tile, each at its
+ * own pseudo-random place (splitmix64 from `seed`, which the caller draws afresh for every block). The
+ * sampling rule is syncd.blockcheck.check_transposed's, the numpy form of this check. */
+static inline uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static int same_element(const char *src, const char *dst, Py_ssize_t r, Py_ssize_t c, Py_ssize_t itemsize,
+                        Py_ssize_t sstride, Py_ssize_t stride) {
+    return memcmp(src + (r * sstride + c) * itemsize, dst + (c * stride + r) * itemsize, (size_t)itemsize) == 0;
+}
+
+static int matches(const char *src, const char *dst, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t itemsize,
+                   Py_ssize_t sstride, Py_ssize_t stride, Py_ssize_t samples, uint64_t seed) {
+    if (samples == 0) {
+        for (Py_ssize_t r = 0; r < rows; r++)
+            for (Py_ssize_t c = 0; c < cols; c++)
+                if (!same_element(src, dst, r, c, itemsize, sstride, stride)) return 0;
+        return 1;
+    }
+    uint64_t state = seed;
+    for (Py_ssize_t r0 = 0; r0 < rows; r0 += TILE)
+        for (Py_ssize_t c0 = 0; c0 < cols; c0 += TILE)
+            for (Py_ssize_t k = 0; k < samples; k++) {
+                uint64_t x = splitmix64(&state);
+                Py_ssize_t r = r0 + (Py_ssize_t)(x % TILE), c = c0 + (Py_ssize_t)((x >> 32) % TILE);
+                if (r >= rows) r = rows - 1; /* short tiles at the edges: the last row or column, as numpy's */
+                if (c >= cols) c = cols - 1;
+                if (!same_element(src, dst, r, c, itemsize, sstride, stride)) return 0;
+            }
+    return 1;
+}
+
+static PyObject *py_check(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    Py_ssize_t rows, cols, itemsize, sstride, scol, stride, col, samples;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "y*y*nnnnnnnnK", &src, &dst, &rows, &cols, &itemsize, &sstride, &scol, &stride,
+                          &col, &samples, &seed))
+        return NULL;
+    PyObject *result = NULL;
+    if (geometry_ok(&src, &dst, rows, cols, itemsize, sstride, scol, stride, col) && samples >= 0) {
+        int ok;
+        Py_BEGIN_ALLOW_THREADS
+        ok = matches((const char *)src.buf + scol * itemsize, (const char *)dst.buf + col * itemsize, rows, cols,
+                     itemsize, sstride, stride, samples, (uint64_t)seed);
+        Py_END_ALLOW_THREADS
+        result = PyBool_FromLong(ok);
+    } else if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "bad check geometry");
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"transpose", py_transpose, METH_VARARGS, "dst[c, col + r] = src[r, scol + c], bit for bit (GIL released)"},
+    {"check", py_check, METH_VARARGS,
+     "True if dst[c, col + r] == src[r, scol + c] at every element (samples 0) or at `samples` per tile"},
     {NULL, NULL, 0, NULL},
 };
 
