@@ -102,6 +102,33 @@ def test_every_tensor_arrives_exact_with_any_writers_and_buffers(tmp_path: Path,
         assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
 
 
+def test_writeback_is_started_for_the_blocks_written_and_not_for_the_pieces_of_strips(tmp_path: Path) -> None:
+    """The real sync_file_range, watched: each call covers the span of whole blocks written since the last one
+    (not the whole file), and the output-row pieces of tensors written in strips are left to the fsync."""
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(workers=2, slot_bytes=8192, block_bytes=4096)  # a.weight, b.weight go in strips
+    writeback = engine._writeback
+    assert writeback.call is not None
+    calls: list[tuple[int, int]] = []
+    real = writeback.call
+
+    def watched(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags)
+
+    writeback.call, writeback.every = watched, 1  # every write starts its writeback
+    engine.run()
+    output.check(engine)
+    windows = {m.name: (m.dst_offset, m.dst_offset + m.nbytes) for m in output.moves}
+    blocks = [windows[name] for name in ("c.weight", "d.bias", "e.flag")]
+    assert calls and all(n > 0 for _, n in calls)
+    for offset, nbytes in calls:  # inside a tensor written in blocks: never a strip tensor's piece, never 0, 0
+        assert any(lo <= offset and offset + nbytes <= hi for lo, hi in blocks), (offset, nbytes)
+    covered = sum(n for offset, n in calls if windows["d.bias"][0] <= offset < windows["d.bias"][1])
+    assert covered == windows["d.bias"][1] - windows["d.bias"][0]
+    output.close()
+
+
 def test_the_sha256_option_records_sha256(tmp_path: Path) -> None:
     source = _source(tmp_path)
     output = _Output(source, tmp_path / "out.safetensors")
