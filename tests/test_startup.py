@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from conftest import MNIST_BPK, REPO
 
@@ -22,8 +24,8 @@ print(json.dumps([status, sorted(m for m in sys.modules if m.split('.')[0] in
 """
 
 
-def _imports(*argv: str) -> tuple[int, set[str]]:
-    out = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=REPO, env={"PYTHONPATH": str(REPO)},
+def _imports(*argv: str, root: Path = REPO, env: dict[str, str] | None = None) -> tuple[int, set[str]]:
+    out = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=root, env={"PYTHONPATH": str(root), **(env or {})},
                          check=True, capture_output=True, text=True).stdout
     status, modules = json.loads(out)
     return status, set(modules)
@@ -49,3 +51,19 @@ def test_a_conversion_without_transposes_does_not_import_numpy_or_yaml(tmp_path:
     assert "syncd.onepass" in modules and "xxhash" in modules
     assert not {m for m in modules if m.split(".")[0] in ("numpy", "yaml", "watchdog")}
     assert not {m for m in modules if m.startswith("syncd.daemon")}
+
+
+
+def test_a_transposing_conversion_with_the_compiled_kernel_does_not_import_numpy(tmp_path: Path,
+                                                                                  transpose_extension: Any) -> None:
+    root = tmp_path / "installed"  # the package as pip installs it with a compiler: the kernel beside the code
+    shutil.copytree(REPO / "syncd", root / "syncd", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(transpose_extension.__file__, root / "syncd" / "kernels")
+    argv = ("convert", str(MNIST_BPK), "-o", str(tmp_path / "out.safetensors"), "--layout", "burn")
+    status, modules = _imports(*argv, root=root)
+    assert status == 0 and (tmp_path / "out.safetensors").exists()
+    assert "syncd.kernels._transpose" in modules  # it did transpose, with the compiled kernel
+    assert not {m for m in modules if m.split(".")[0] == "numpy"}
+    (tmp_path / "out.safetensors").unlink()
+    status, modules = _imports(*argv, root=root, env={"SYNCD_KERNEL": "numpy"})  # the fallback needs numpy
+    assert status == 0 and "numpy" in modules
