@@ -205,16 +205,18 @@ def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytes
 
 
 @pytest.mark.parametrize("check", ["numpy", "compiled"])
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
 @pytest.mark.parametrize("shape", [(100, 70), (1000, 700)])  # compared whole; sampled per tile
 def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(
-        transpose_extension: Any, shape: tuple[int, int], check: str) -> None:
+        transpose_extension: Any, shape: tuple[int, int], dtype: type, check: str) -> None:
     matches = _band_checks(transpose_extension)[check]
     rows, cols = shape
-    src = np.arange(rows * cols, dtype=np.uint32).reshape(shape)
+    item = np.dtype(dtype).itemsize
+    src = np.random.default_rng(rows).integers(0, np.iinfo(dtype).max, shape, dtype=dtype, endpoint=True)
     out = np.ascontiguousarray(src.T)
 
     def passes(result: np.ndarray, seed: int) -> bool:
-        return matches(memoryview(src).cast("B"), memoryview(result).cast("B"), rows, cols, 4, 0, cols, seed)
+        return matches(memoryview(src).cast("B"), memoryview(result).cast("B"), rows, cols, item, 0, cols, seed)
 
     assert all(passes(out, seed) for seed in range(20))
     for r0 in (0, 64, rows - rows % 32):  # tiles at the edges (short ones) included
@@ -227,8 +229,8 @@ def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(
     assert not passes(swapped, 1)
     assert not passes(np.ascontiguousarray(src).reshape(out.shape), 2)  # not transposed
     band = np.ascontiguousarray(src[:, 16:48].T)  # a band of columns: checked against its own columns only
-    assert matches(memoryview(src).cast("B"), memoryview(band).cast("B"), rows, cols, 4, 16, 32, 3)
-    assert not matches(memoryview(src).cast("B"), memoryview(band).cast("B"), rows, cols, 4, 15, 32, 3)
+    assert matches(memoryview(src).cast("B"), memoryview(band).cast("B"), rows, cols, item, 16, 32, 3)
+    assert not matches(memoryview(src).cast("B"), memoryview(band).cast("B"), rows, cols, item, 15, 32, 3)
 
 
 def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> None:
