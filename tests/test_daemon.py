@@ -158,7 +158,7 @@ def test_ready_and_status_on_notify_socket_then_sigterm_exits_0(make_daemon: Cal
     assert ready[:2] == ["READY=1", f"MAINPID={run.proc.pid}"]
     assert any(line.startswith("STATUS=watching 1 tree(s)") for line in ready)
     # the serve loop keeps the status current
-    wait_until(lambda: len([n for n in run.receive() if n[0].startswith("STATUS=")]) >= 2, 5, "STATUS= updates")
+    wait_until(lambda: len([n for n in run.receive() if n[0].startswith("STATUS=")]) >= 2, 30, "STATUS= updates")
     assert [r["status"] for r in run.records()] == ["started"]
     stop_cleanly(run)
     assert ["STOPPING=1"] in run.receive()
@@ -171,8 +171,12 @@ def test_sighup_with_a_new_watch_serves_it(daemon: DaemonRun) -> None:
     before = len(daemon.receive())
     daemon.send(signal.SIGHUP)
     daemon.wait_for("reloaded")
-    after = [lines[0] for lines in daemon.receive()[before:]]
-    assert "RELOADING=1" in after and "READY=1" in after[after.index("RELOADING=1") :]
+
+    def ready_again() -> list[str] | None:  # READY=1 follows the `reloaded` line: wait for it, not for luck
+        after = [lines[0] for lines in daemon.receive()[before:]]
+        return after if "RELOADING=1" in after and "READY=1" in after[after.index("RELOADING=1") :] else None
+
+    wait_until(ready_again, 30, "RELOADING=1 then READY=1")
     model, old = Linear(1), Linear(2)
     write_file(more / "new.safetensors", model.bytes())
     write_file(runs / "old.safetensors", old.bytes())

@@ -118,8 +118,12 @@ def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
         str(files[k]) for k in ("ambiguous", "not_a_checkpoint", "conflict")
     }
     assert oct(os.stat(run.state_dir / STATUS_FILE).st_mode & 0o777) == "0o640"
-    statuses = [line for lines in run.receive() for line in lines if line.startswith("STATUS=")]
-    assert any("converted 1; failed 3; queue 0" in line for line in statuses), statuses
+
+    def status_sent() -> bool:  # the same tick writes the file, then sends STATUS=
+        statuses = [line for lines in run.receive() for line in lines if line.startswith("STATUS=")]
+        return any("converted 1; failed 3; queue 0" in line for line in statuses)
+
+    wait_until(status_sent, 30, "STATUS= with the counts")
 
     run.stop()
     after = _syncd("status", "-c", run.config_path)
