@@ -3,17 +3,19 @@
 Used by `syncd convert` and by the daemon's workers. The adapters decide names, shapes and transposes
 from the tensor table alone, and the store options (remap rules) may rename their output; the target format's
 type (targets.py) turns the plan into specs and metadata (what it cannot hold travels in `syncd.*` metadata,
-see carry.py). This module moves the bytes, re-reads the written file to check every tensor, and only then publishes.
+see carry.py). This module moves the bytes in one pass over the source (passwrite.py), checks what was written,
+and only then publishes.
 
-Issue 16: the source may be a sharded safetensors set (its index; formats/shards.py); the store options
+Issue 16: the source may be a sharded safetensors set (its index; formats/shards.py), read in the same one
+pass, shard after shard, into one output; the store options
 (stores.py: tensor filter, remap rules, contiguous indices, precision casts through cast.py) apply to the plan;
-a safetensors output may be written as a set (setout.py), shards first and the index last.
+a safetensors output may be written as a set (setout.py), shards first and the index last, each shard
+written through the tensors' fills and read back to check it (transfer.py).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -49,6 +51,7 @@ from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
     INDEX_SUFFIX,
     ShardedReader,
+    ShardIndex,
     ShardLayout,
     find_index,
     is_index_name,
@@ -205,6 +208,17 @@ class Source:
     def read(self, name: str) -> bytes:
         return self._reader_of[name].read(name)
 
+    def hash_prefix(self) -> bytes:
+        """What the source hash takes before the files' bytes: a set's index, as it was read."""
+        return self.sharded.index.raw if self.sharded is not None else b""
+
+    def check_unchanged(self) -> None:
+        """Every file read is the same, unchanged file it was when opened (a set: every shard and the index)."""
+        for reader in self.readers:
+            check_source_unchanged(reader)
+        if self.sharded is not None:
+            check_index_unchanged(self.sharded.index)
+
     def close(self) -> None:
         for reader in self.readers:
             reader.close()
@@ -241,12 +255,12 @@ class Conversion:
     metadata: dict[str, str] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
     restored: list[str] = field(default_factory=list)  # carried tensors written back
-    transfer: Transfer | None = None  # the movers of conversions not done in one pass (sharded sets)
+    transfer: Transfer | None = None  # the movers of a sharded output set (written shard by shard)
     output_size: int = 0
     store: StorePlan = field(default_factory=StorePlan.empty)  # what filters, remap rules and casts did
     casts: dict[str, CastCopy] = field(default_factory=dict)  # output name -> its cast
     shards: ShardLayout | None = None  # a safetensors output written as a sharded set
-    one_pass: bool = False  # one source file to one output file: written in one pass over the source
+    one_pass: bool = False  # one output file: written in one pass over the source (a set's files in turn)
     directory: Path = Path()  # where a set's files go
 
     def output_paths(self) -> list[Path]:
@@ -261,7 +275,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     adapted, store = _adapt(source, request, target, carried)
     c = Conversion(request, source, target, dest, carried, adapted, store=store)
     c.entries = target.order(adapted.entries, c)
-    c.one_pass = source.sharded is None and not _may_write_a_set(c)
+    c.one_pass = not _may_write_a_set(c)
     c.specs = [_cast_spec(c, entry, target.tensor_spec(c, entry, _fill(c, entry))) for entry in c.entries]
     c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
     c.metadata, c.scalars = target.metadata(c)
@@ -278,7 +292,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         c.dest = set_paths(c.shards, c.directory)[-1]  # the index (or the one file of a one-shard split)
     elif dest.is_dir():  # `-o DIR`: the default name, in that directory
         c.dest = dest / default_destination(Path(source.path), target.format.name).name
-    if c.shards is None and source.sharded is None and not c.one_pass:  # a carried set layout came to nothing
+    if c.shards is None and not c.one_pass:  # a carried set layout came to nothing
         c.one_pass = True
         c.specs = _from_source(c)
     assert not (c.one_pass and c.shards is not None)
@@ -426,7 +440,8 @@ def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
         return _source_fill(c, entry)
     if entry.is_piecewise:
         cast = any(name in c.store.casts for name in entry.sources)
-        return _piecewise_unsupported(entry, "with a precision cast" if cast else "in a sharded set", c.source.path)
+        why = "with a precision cast" if cast else "in a sharded output set"
+        return _piecewise_unsupported(entry, why, c.source.path)
     if entry.source in c.store.casts:
         info = reader.tensor(entry.source)
         from syncd.cast import CastCopy
@@ -445,32 +460,20 @@ def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
 def write_verify_publish(c: Conversion) -> PublishResult:
     if c.shards is not None:
         return _write_set(c)
-    if c.one_pass:
-        return _write_one_pass(c)
-    mode = os.fstat(c.source.primary.fd).st_mode & 0o777
-    hasher = _SourceHasher(c.source, c.request.hash_name)
-    with open_scratch(c.dest, mode) as scratch:
-        try:
-            header, c.output_size = c.target.write(scratch.fd, c)
-        except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
-            raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
-        # verify while the source is still being hashed on the other core; only the hash's place in the
-        # header changes afterwards, and that is checked on its own
-        verify(c, scratch.path)
-        _fill_in_source_hash(c, scratch.fd, header, hasher.result())
-        return _publish(scratch, c)
+    assert c.one_pass
+    return _write_one_pass(c)
 
 
 def _write_one_pass(c: Conversion) -> PublishResult:
-    """One source file to one output file: planned, written in one pass over the source (which gives the
-    source hash), checked without reading the data back, the hash filled in, then published."""
+    """One output file: planned, written in one pass over the source (a set: its shards in the index's order),
+    which gives the source hash; checked without reading the data back, the hash filled in, then published."""
     mode = os.fstat(c.source.primary.fd).st_mode & 0o777
     with open_scratch(c.dest, mode) as scratch:
         try:
             header, c.output_size, starts = c.target.lay_out(c)
             written = write_planned(scratch.fd, str(scratch.path), header, c.output_size,
-                                    list(zip(c.specs, starts, strict=True)), c.source.primary, c.request.hash_name,
-                                    progress=c.request.progress)
+                                    list(zip(c.specs, starts, strict=True)), c.source.readers, c.request.hash_name,
+                                    progress=c.request.progress, prefix=c.source.hash_prefix())
         except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
             raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
         verify_one_pass(c, scratch.path, scratch.fd, written)
@@ -513,7 +516,7 @@ def _write_set(c: Conversion) -> PublishResult:
         mode=os.fstat(c.source.primary.fd).st_mode & 0o777,
         replace=c.request.overwrite,
         verify=lambda path, specs: verify(c, path, specs),
-        before_publish=lambda: _check_source_unchanged(c.source),
+        before_publish=c.source.check_unchanged,
         source=Path(c.source.path),
     )
     c.output_size = sum(os.stat(path).st_size for path in c.output_paths())
@@ -575,74 +578,15 @@ def _naming_file(exc: SyncdError, path: str) -> SyncdError:
     return exc
 
 
-class _SourceHasher:
-    """The hash of a sharded source set, computed on another thread while its conversion runs (single files
-    are hashed by the one pass, from the read that feeds the conversion)."""
-
-    CHUNK = 8 << 20
-
-    def __init__(self, source: Source, hash_name: str = hashing.DEFAULT_HASH) -> None:
-        self.hash_name = hash_name
-        # a set is hashed as its index followed by its shards, in order (as source_digest)
-        self.prefix = source.sharded.index.raw if source.sharded is not None else b""
-        self.parts = [(os.dup(reader.fd), reader.file_size, reader.path) for reader in source.readers]
-        self.path = source.path
-        self.digest: str | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="syncd-sha256", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            sha = hashing.new_hasher(self.hash_name)
-            sha.update(self.prefix)
-            buf = memoryview(bytearray(self.CHUNK))
-            for fd, size, path in self.parts:
-                offset = 0
-                while offset < size:
-                    n = os.preadv(fd, [buf[: min(self.CHUNK, size - offset)]], offset)
-                    if n == 0:
-                        raise FormatError("file truncated while hashing it", path)
-                    sha.update(buf[:n])
-                    offset += n
-            self.digest = sha.hexdigest()
-        except BaseException as exc:  # handed to the caller's thread in result()
-            self.error = exc
-        finally:
-            for fd, _, _ in self.parts:
-                os.close(fd)
-
-    def result(self) -> str:
-        self.thread.join()
-        if self.error is not None:
-            if isinstance(self.error, SyncdError):
-                raise self.error
-            if isinstance(self.error, OSError):
-                raise SyncdError.from_os_error("cannot read while hashing", self.path, self.error)
-            raise FormatError(f"cannot read while hashing: {self.error}", self.path)
-        assert self.digest is not None
-        return self.digest
-
-
-def _check_source_unchanged(source: Source) -> None:
-    for reader in source.readers:
-        check_source_unchanged(reader)
-
-
 def _publish(scratch: Scratch, c: Conversion) -> PublishResult:
     """Publish the finished output; the source is proven unchanged as late as possible, right before the
     output is put in place (after its fsync)."""
-
-    def unchanged() -> None:
-        for reader in c.source.readers:
-            check_source_unchanged(reader)
-
     return publish(
         scratch,
         replace=c.request.overwrite,
         replace_if=c.request.replace_if,
         source=Path(c.source.path),
-        before_placing=unchanged,
+        before_placing=c.source.check_unchanged,
     )
 
 
@@ -665,6 +609,18 @@ def check_source_unchanged(reader: TensorFileReader) -> None:
         raise SourceChangedError(f"was removed {unpublished}", reader.path) from None
     if (at_path.st_dev, at_path.st_ino) != (now.st_dev, now.st_ino):
         raise SourceChangedError(f"was replaced {unpublished}", reader.path)
+
+
+def check_index_unchanged(index: ShardIndex) -> None:
+    """As check_source_unchanged, for a set's index: read whole when the set was opened (its bytes begin the
+    set's hash), it must still be that file, unchanged, at its path."""
+    unpublished = "while it was being converted; nothing was published"
+    try:
+        now = os.stat(index.path)
+    except FileNotFoundError:
+        raise SourceChangedError(f"was removed {unpublished}", index.path) from None
+    if index.opened is not None and _stamp(now) != _stamp(index.opened):
+        raise SourceChangedError(f"changed {unpublished}", index.path)
 
 
 def _stamp(info: os.stat_result) -> tuple[int, ...]:

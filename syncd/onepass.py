@@ -143,7 +143,7 @@ def default_workers() -> int:
 @dataclass
 class OnePass:
     """Reads `src_fd` once from 0 to `src_size`, writes every move into `out_fd`; `run()` returns the source
-    hash. Make one per conversion."""
+    hash. Make one per source file: a set's passes share one `hasher`, fed the files in turn."""
 
     src_fd: int
     src_size: int
@@ -160,9 +160,11 @@ class OnePass:
     inline_bytes: int = INLINE_BYTES
     ledger: WriteLedger = field(default_factory=WriteLedger)
     progress: Callable[[int], None] | None = None  # told the bytes of each write as it lands
+    hasher: Hasher | None = None  # default: a new one of hash_name; given: this file's bytes follow what it had
 
     def __post_init__(self) -> None:
-        self.hasher: Hasher = new_hasher(self.hash_name)
+        if self.hasher is None:
+            self.hasher = new_hasher(self.hash_name)
         slots = max(2, min(self.workers + 2, self.ring_bytes // (self.slot_bytes + self.band_bytes)))
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(slots):

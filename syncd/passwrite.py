@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from syncd.blockcheck import Entry, WriteLedger
@@ -26,7 +26,7 @@ from syncd.errors import FormatError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.fileio import TensorFileReader, TensorSink, bool_checker, pwrite_all, write_zeros
 from syncd.formats.table import TensorSpec
-from syncd.hashing import DEFAULT_HASH, block_digest
+from syncd.hashing import DEFAULT_HASH, block_digest, new_hasher
 from syncd.onepass import Move, OnePass, default_workers
 
 VERIFY_CHOICES = ("fast", "full")
@@ -86,23 +86,36 @@ def source_pieces(fill: object) -> list[tuple[FromSource, int]]:
 
 @dataclass
 class Written:
-    source_hash: str  # of `reader`, the source's primary file
+    source_hash: str  # of every source file in turn (a set: its index's bytes first), as convert.source_digest
     ledger: WriteLedger
-    other_hashes: dict[str, str] = field(default_factory=dict)  # path -> hash of further files (sharded sources)
 
 
 def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Sequence[tuple[TensorSpec, int]],
-                  reader: TensorFileReader, hash_name: str = DEFAULT_HASH, workers: int | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> Written:
+                  readers: Sequence[TensorFileReader], hash_name: str = DEFAULT_HASH, workers: int | None = None,
+                  progress: Callable[[int, int], None] | None = None, prefix: bytes = b"") -> Written:
     """Write a whole output: `header` at 0, each (spec, absolute start) of `placed`, zeros in between.
-    `FromSource` tensors may come from several files (a sharded checkpoint): one pass over each, `reader`'s
-    always (its hash is the one recorded)."""
+    `FromSource` tensors may come from several files (the shards of a set, `readers` in the set's order): one
+    pass over each in turn, every one of them feeding one hash, after `prefix` (a set's index)."""
     os.ftruncate(fd, file_size)
     pwrite_all(fd, header, 0)
     ledger = WriteLedger()
     counted = _Progress(sum(spec.nbytes for spec, _ in placed), progress) if progress else None
-    moves: dict[TensorFileReader, list[Move]] = {reader: []}
-    cursor = len(header)
+    moves = _place(fd, placed, len(header), file_size, ledger, counted)
+    hasher = new_hasher(hash_name)
+    hasher.update(prefix)
+    for source in readers:
+        OnePass(source.fd, source.file_size, source.path, fd, path, moves.pop(source.path, []), hash_name,
+                workers or default_workers(), ledger=ledger, progress=counted.add if counted else None,
+                hasher=hasher).run()
+    if moves:
+        raise FormatError(f"tensors come from {sorted(moves)[0]}, not a file of the source", path)
+    return Written(hasher.hexdigest(), ledger)
+
+
+def _place(fd: int, placed: Sequence[tuple[TensorSpec, int]], cursor: int, file_size: int, ledger: WriteLedger,
+           counted: _Progress | None) -> dict[str, list[Move]]:
+    """Write the zero padding and the tensors that come from elsewhere; the moves of the rest, per source file."""
+    moves: dict[str, list[Move]] = {}
     for spec, start in sorted(placed, key=lambda p: p[1]):
         if start > cursor:
             write_zeros(fd, cursor, start - cursor)  # padding is zero bytes on disk, not a hole
@@ -110,21 +123,14 @@ def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Seq
         pieces = source_pieces(spec.fill)
         if pieces:
             for piece, at in pieces:
-                moves.setdefault(piece.reader, []).append(_move(spec, start, piece, at, len(pieces) > 1))
+                moves.setdefault(piece.reader.path, []).append(_move(spec, start, piece, at, len(pieces) > 1))
         else:
             _write_small(fd, spec, start, ledger)
             if counted:
                 counted.add(spec.nbytes)
     if file_size > cursor:
         write_zeros(fd, cursor, file_size - cursor)
-    hashes = {
-        source.path: OnePass(source.fd, source.file_size, source.path, fd, path, source_moves, hash_name,
-                             workers or default_workers(), ledger=ledger,
-                             progress=counted.add if counted else None).run()
-        for source, source_moves in moves.items()
-    }
-    primary = hashes.pop(reader.path)
-    return Written(primary, ledger, hashes)
+    return moves
 
 
 class _Progress:

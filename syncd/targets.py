@@ -1,6 +1,6 @@
 """What writing one target format takes, one small type per format: which dtypes it refuses, how a planned
 tensor becomes a spec of that format, the output's metadata (the `syncd.*` protocol itself is carry.py's),
-the writer, and the format-specific checks of the read-back table.
+the layout of the output, and the format-specific checks of the read-back table.
 
 convert.py runs the pipeline and knows no format; `TARGETS` maps a format name (registry.py) to its type.
 """
@@ -15,11 +15,11 @@ from syncd import carry
 from syncd.adapters import PlanEntry
 from syncd.errors import FormatError, UnsupportedError, VerificationError
 from syncd.formats import BURNPACK, SAFETENSORS
-from syncd.formats.burnpack import LAYOUT_ALIGNED, plan_burnpack, write_burnpack
+from syncd.formats.burnpack import LAYOUT_ALIGNED, plan_burnpack
 from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS, byte_length
 from syncd.formats.fileio import TensorFileReader
 from syncd.formats.registry import BY_NAME, PYTORCH_LAYOUT, Format
-from syncd.formats.safetensors import plan_safetensors, write_safetensors
+from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.table import TensorInfo, TensorSpec
 
 if TYPE_CHECKING:  # the pipeline's state; convert.py imports this module, not the other way round at run time
@@ -55,10 +55,6 @@ class Target(ABC):
     @abstractmethod
     def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
         """The output's metadata, and the facts it carries for the way back."""
-
-    @abstractmethod
-    def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
-        """Write the whole output to `fd` through the specs' fills; returns (its header bytes, its size)."""
 
     @abstractmethod
     def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
@@ -126,10 +122,6 @@ class BurnpackTarget(Target):
             return c.source.header.facts["layout"]
         return c.carried.burn_layout or LAYOUT_ALIGNED
 
-    def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
-        plan = write_burnpack(fd, c.specs, c.metadata, c.scalars, self._data_layout(c))
-        return plan.header, plan.file_size
-
     def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
         plan = plan_burnpack(c.specs, c.metadata, c.scalars, self._data_layout(c))
         return plan.header, plan.file_size, [plan.data_start + start for start in plan.starts]
@@ -162,10 +154,6 @@ class SafetensorsTarget(Target):
         target_of = {name: e.target if not e.parts else name for e in c.entries for name in e.sources}
         header = c.source.header
         return carry.for_safetensors(header, c.source.tensors, c.carried, target_of, c.plan.target_layout), {}
-
-    def write(self, fd: int, c: Conversion) -> tuple[bytes, int]:
-        plan = write_safetensors(fd, c.specs, c.metadata)
-        return plan.header, plan.file_size
 
     def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
         plan = plan_safetensors(c.specs, c.metadata)

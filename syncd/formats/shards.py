@@ -57,6 +57,7 @@ class ShardIndex:
     weight_map: dict[str, str]
     files: list[str]
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept for the way back
+    opened: os.stat_result | None = None  # the file's fstat before it was read (a conversion checks it again)
 
     @property
     def total_size(self) -> int | None:
@@ -122,10 +123,11 @@ def read_index(path: str | os.PathLike[str], within: str | os.PathLike[str] | No
     try:
         if size > MAX_INDEX_SIZE:
             raise FormatError(f"index of {size} bytes exceeds the limit of {MAX_INDEX_SIZE} bytes", os.fspath(path))
+        opened = os.fstat(fd)
         raw = pread_exact(fd, size, 0, os.fspath(path), "index")
     finally:
         os.close(fd)
-    return parse_index(raw, os.fspath(path))
+    return replace(parse_index(raw, os.fspath(path)), opened=opened)
 
 
 # ---------------------------------------------------------------------------------------------- reading
