@@ -774,8 +774,44 @@ def test_packed_modules_are_refused_where_only_the_one_pass_can_write_them(tmp_p
     convert(ConvertRequest(source=source))
     (tmp_path / "set").mkdir()
     shards = run_cli("convert", tmp_path / "attn.bpk", "-o", tmp_path / "set", "--shard-size", "1KB")
-    assert shards.returncode == 1 and "in a sharded set" in shards.stderr and "attn.bpk" in shards.stderr
+    assert shards.returncode == 1 and "in a sharded output set" in shards.stderr and "attn.bpk" in shards.stderr
     assert len(shards.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path / "set") == []
+
+
+def _save_as_set(state: dict[str, torch.Tensor], directory: Path, split: list[list[str]]) -> Path:
+    """`state` saved as a sharded set, as save_pretrained lays one out: the shards (`split`: the names each
+    holds), then the index."""
+    from syncd.formats.shards import render_index, shard_file_names
+
+    directory.mkdir()
+    weight_map = {}
+    for file, names in zip(shard_file_names(len(split)), split, strict=True):
+        save_file({name: state[name] for name in names}, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(value.numel() * value.element_size() for value in state.values())
+    index = directory / "model.safetensors.index.json"
+    index.write_bytes(render_index({"total_size": total}, weight_map))
+    return index
+
+
+def test_a_packed_module_in_a_sharded_source_set_is_split_and_comes_back_exactly(tmp_path: Path) -> None:
+    """nn.MultiheadAttention in a set whose shards cut the model apart (the attention's in_proj in one shard,
+    its out_proj in the other): one .bpk equal to the single file's, and back bit for bit."""
+    torch.manual_seed(5)
+    state = _bare_state(_Attention(bias=True))
+    save_file(state, tmp_path / "single.safetensors")
+    first = ["attn.in_proj_weight", "attn.in_proj_bias"]
+    index = _save_as_set(state, tmp_path / "set", [first, [name for name in state if name not in first]])
+    done = run_cli("convert", index, "-o", tmp_path / "set.bpk")
+    assert done.returncode == 0, done.stderr
+    assert run_cli("convert", tmp_path / "single.safetensors").returncode == 0
+    converted = read_bpk(tmp_path / "set.bpk").tensors
+    assert converted == read_bpk(tmp_path / "single.bpk").tensors
+    assert {"attn.query.weight", "attn.key.bias", "attn.output.weight"} <= converted.keys()
+    back = run_cli("convert", tmp_path / "set.bpk", "-o", tmp_path / "back.safetensors")
+    assert back.returncode == 0, back.stderr
+    assert read_safetensors(tmp_path / "back.safetensors").tensors == read_safetensors(
+        tmp_path / "single.safetensors").tensors
 
 
 def test_convert_v_and_the_sync_log_show_each_packed_decision_and_its_evidence(tmp_path: Path) -> None:
