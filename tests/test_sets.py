@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +21,12 @@ from hfsets import LLAMA_MODULES, save_llama
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from syncd.adapters import ModuleMap
+from syncd.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.errors import SyncdError
 from syncd.formats.burnpack import BurnpackReader
 from syncd.formats.shards import split_greedy
+from syncd.hashing import SOURCE_HASH_KEYS
 
 ORIGINAL_FILES = [
     "model-00001-of-00003.safetensors",
@@ -322,6 +328,89 @@ def test_memory_stays_flat_over_a_set_of_shards(tmp_path: Path) -> None:
         assert peak_mib < 256, f"{args[0]} peaked at {peak_mib:.0f} MiB for a {total >> 20} MiB set"
     for name in weight_map.values():
         assert (tmp_path / "back" / name).read_bytes() == (directory / name).read_bytes()
+
+
+# ------------------------------------------------------------------------------------------ one pass over a set
+
+
+def _convert_set(index: Path, **options: object) -> ConvertResult:
+    module_map = ModuleMap.from_dict(LLAMA_MODULES)
+    return convert(ConvertRequest(source=index, module_map=module_map, **options))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("hash_name", ["xxh3_128", "sha256"])
+def test_a_set_records_the_hash_the_daemon_compares_it_with(
+    saves: dict[str, Path], tmp_path: Path, hash_name: str
+) -> None:
+    """The one pass hashes the index's bytes and then every shard in the index's order, as source_digest
+    (the daemon's in-sync check) does; and reports its progress up to every byte written."""
+    index = fresh_set(saves, tmp_path / "set")
+    seen: list[tuple[int, int]] = []
+    result = _convert_set(index, hash_name=hash_name, progress=lambda done, total: seen.append((done, total)))
+    with BurnpackReader(result.dest) as reader:
+        recorded = reader.header.metadata[SOURCE_HASH_KEYS[hash_name]]
+    assert recorded == source_digest(index, index.parent, hash_name)
+    assert recorded != source_digest(index.parent / ORIGINAL_FILES[0], index.parent, hash_name)
+    assert seen[-1][0] == seen[-1][1] == sum(len(data) for _, _, data in tensors_of(result.dest).values())
+
+
+def test_the_audit_reads_a_set_back_in_full(saves: dict[str, Path], tmp_path: Path) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    syncd("convert", index, "--modules", saves["modules"], "--verify", "full", "-o", tmp_path / "full.bpk")
+    assert tensors_of(tmp_path / "full.bpk") == tensors_of(single_bpk(saves, tmp_path))
+
+
+def _rewrite(path: Path) -> None:
+    """Same size, other bytes (the last 64: tensor data), past the file system's timestamp granularity."""
+    time.sleep(0.05)
+    with open(path, "r+b") as handle:
+        handle.seek(-64, os.SEEK_END)
+        handle.write(bytes(64))
+
+
+@pytest.mark.parametrize(
+    "culprit, change",
+    [
+        (ORIGINAL_FILES[0], _rewrite),  # the shard being read
+        (ORIGINAL_FILES[2], _rewrite),  # a shard not read yet
+        (ORIGINAL_FILES[2], lambda path: os.truncate(path, path.stat().st_size - 100)),
+        (ORIGINAL_FILES[3], lambda path: path.write_bytes(path.read_bytes())),  # the index, even rewritten as it was
+        (ORIGINAL_FILES[3], os.unlink),
+    ],
+    ids=["shard-being-read", "later-shard", "truncated-shard", "index-rewritten", "index-removed"],
+)
+def test_a_set_changed_while_it_converts_is_not_published(
+    saves: dict[str, Path], tmp_path: Path, culprit: str, change: Callable[[Path], object]
+) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    changed: list[bool] = []
+
+    def meanwhile(done: int, total: int) -> None:
+        if done and not changed:  # the first tensor bytes of the first shard have been written
+            changed.append(True)
+            change(index.parent / culprit)
+
+    with pytest.raises(SyncdError) as info:
+        _convert_set(index, progress=meanwhile)
+    assert changed and str(index.parent / culprit) in str(info.value) and "\n" not in str(info.value)
+    assert "changed" in str(info.value) or "removed" in str(info.value) or "truncated" in str(info.value)
+    assert not (index.parent / "model.bpk").exists() and scratch_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_set_is_refused_in_one_line_naming_the_shard(
+    saves: dict[str, Path], tmp_path: Path, damage: str
+) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    shard = index.parent / ORIGINAL_FILES[1]
+    if damage == "truncated":
+        os.truncate(shard, shard.stat().st_size - 100)
+    else:
+        shard.unlink()
+    result = syncd("convert", index, "--modules", saves["modules"], ok=False)
+    assert result.returncode == 1 and str(shard) in result.stderr
+    assert ("truncated" if damage == "truncated" else "no such file") in result.stderr.lower()
+    assert not (index.parent / "model.bpk").exists() and scratch_files(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------------ the daemon
