@@ -10,7 +10,7 @@ Issue 16: the source may be a sharded safetensors set (its index; formats/shards
 pass, shard after shard, into one output; the store options
 (stores.py: tensor filter, remap rules, contiguous indices, precision casts through cast.py) apply to the plan;
 a safetensors output may be written as a set (setout.py), shards first and the index last, each shard
-written through the tensors' fills and read back to check it (transfer.py).
+written in its own pass over the part of the source it takes.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from syncd.passwrite import (
     verify_full,
     write_planned,
 )
-from syncd.progress import ProgressCallback, track
+from syncd.progress import ProgressCallback
 from syncd.publish import FileIdentity, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
 from syncd.setout import set_paths, write_set
 from syncd.stores import StoreOptions, StorePlan, apply_options, undo_renames
@@ -78,7 +78,6 @@ from syncd.targets import TARGETS, Target
 
 if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a plain copy does not)
     from syncd.cast import CastCopy
-    from syncd.transfer import Transfer
 
 # The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
 
@@ -151,8 +150,6 @@ def convert(request: ConvertRequest) -> ConvertResult:
                 _check_distinct(Path(member), path)
             if request.fail_early_if_exists and not request.overwrite:
                 ensure_destination_free(path)
-        if request.progress is not None and not conversion.one_pass:  # the one pass reports its own writes
-            conversion.specs = track(conversion.specs, request.progress)
         outcome = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,
@@ -255,12 +252,10 @@ class Conversion:
     metadata: dict[str, str] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
     restored: list[str] = field(default_factory=list)  # carried tensors written back
-    transfer: Transfer | None = None  # the movers of a sharded output set (written shard by shard)
     output_size: int = 0
     store: StorePlan = field(default_factory=StorePlan.empty)  # what filters, remap rules and casts did
     casts: dict[str, CastCopy] = field(default_factory=dict)  # output name -> its cast
     shards: ShardLayout | None = None  # a safetensors output written as a sharded set
-    one_pass: bool = False  # one output file: written in one pass over the source (a set's files in turn)
     directory: Path = Path()  # where a set's files go
 
     def output_paths(self) -> list[Path]:
@@ -275,7 +270,6 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     adapted, store = _adapt(source, request, target, carried)
     c = Conversion(request, source, target, dest, carried, adapted, store=store)
     c.entries = target.order(adapted.entries, c)
-    c.one_pass = not _may_write_a_set(c)
     c.specs = [_cast_spec(c, entry, target.tensor_spec(c, entry, _fill(c, entry))) for entry in c.entries]
     c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
     c.metadata, c.scalars = target.metadata(c)
@@ -292,30 +286,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         c.dest = set_paths(c.shards, c.directory)[-1]  # the index (or the one file of a one-shard split)
     elif dest.is_dir():  # `-o DIR`: the default name, in that directory
         c.dest = dest / default_destination(Path(source.path), target.format.name).name
-    if c.shards is None and not c.one_pass:  # a carried set layout came to nothing
-        c.one_pass = True
-        c.specs = _from_source(c)
-    assert not (c.one_pass and c.shards is not None)
     return c
-
-
-def _may_write_a_set(c: Conversion) -> bool:
-    """Whether the output may be a sharded set (decided by _output_shards once the specs are known)."""
-    if c.target.format.name != SAFETENSORS or c.request.one_file:
-        return False
-    return c.request.shard_size is not None or c.carried.shards is not None
-
-
-def _from_source(c: Conversion) -> list[TensorSpec]:
-    """The tensors moved unchanged or transposed get FromSource fills: write_planned moves them in its one
-    pass over the source (which also hashes it). Cast and restored tensors keep their own fills."""
-    entry_of = {e.target: e for e in c.entries}
-    return [
-        replace(spec, fill=_source_fill(c, entry_of[spec.name]))
-        if spec.name in entry_of and spec.name not in c.casts
-        else spec
-        for spec in c.specs
-    ]
 
 
 def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined:
@@ -328,7 +299,7 @@ def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined:
 
 
 def _piecewise_unsupported(entry: PlanEntry, why: str, path: str) -> Callable[[Any], None]:
-    """The fill of a split or joined tensor where only the one pass writes them (not cast, not in a set)."""
+    """The fill of a split or joined tensor a precision cast would take (only the one pass writes them)."""
 
     def fill(sink: Any) -> None:
         raise UnsupportedError(f"tensor '{entry.target}' is split from or joined into a PyTorch packed tensor, "
@@ -396,12 +367,6 @@ def _cast_nbytes(nbytes: int, from_dtype: str, to_dtype: str) -> int:
     return cast_nbytes(nbytes, from_dtype, to_dtype)
 
 
-def _new_transfer() -> Transfer:
-    from syncd.transfer import Transfer
-
-    return Transfer()
-
-
 def _carried_shards(c: Conversion) -> ShardLayout | None:
     """The shard layout a .bpk carries: the set it was converted from (only the tensors kept), or the one
     its own source carried."""
@@ -435,33 +400,25 @@ def _output_shards(c: Conversion, explicit_dest: bool) -> ShardLayout | None:
 
 
 def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
-    reader = c.source.reader_of(entry.source)
-    if c.one_pass and entry.source not in c.store.casts:
+    """A tensor's fill: moved from the source in the one pass, or cast on its own (cast.py)."""
+    if entry.source not in c.store.casts:
         return _source_fill(c, entry)
     if entry.is_piecewise:
-        cast = any(name in c.store.casts for name in entry.sources)
-        why = "with a precision cast" if cast else "in a sharded output set"
-        return _piecewise_unsupported(entry, why, c.source.path)
-    if entry.source in c.store.casts:
-        info = reader.tensor(entry.source)
-        from syncd.cast import CastCopy
+        return _piecewise_unsupported(entry, "with a precision cast", c.source.path)
+    info = c.source.tensor(entry.source)
+    from syncd.cast import CastCopy
 
-        copy = CastCopy(reader, entry.source, info.dtype, c.store.casts[entry.source], entry.transpose)
-        c.casts[entry.target] = copy
-        return copy.fill
-    c.transfer = c.transfer or _new_transfer()
-    mover = c.transfer.transpose_fill if entry.transpose else c.transfer.copy_fill
-    return mover(reader, entry.source, entry.target)
+    copy = CastCopy(c.source.reader_of(entry.source), entry.source, info.dtype, c.store.casts[entry.source],
+                    entry.transpose)
+    c.casts[entry.target] = copy
+    return copy.fill
 
 
 # -- write, verify, publish
 
 
 def write_verify_publish(c: Conversion) -> PublishResult:
-    if c.shards is not None:
-        return _write_set(c)
-    assert c.one_pass
-    return _write_one_pass(c)
+    return _write_set(c) if c.shards is not None else _write_one_pass(c)
 
 
 def _write_one_pass(c: Conversion) -> PublishResult:
@@ -476,28 +433,30 @@ def _write_one_pass(c: Conversion) -> PublishResult:
                                     progress=c.request.progress, prefix=c.source.hash_prefix())
         except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
             raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
-        verify_one_pass(c, scratch.path, scratch.fd, written)
+        verify_one_pass(c, scratch.path, scratch.fd, written, c.specs, c.output_size)
         _fill_in_source_hash(c, scratch.fd, header, written.source_hash)
         return _publish(scratch, c)
 
 
-def verify_one_pass(c: Conversion, written_path: Path, fd: int, written: Written) -> None:
+def verify_one_pass(c: Conversion, written_path: Path, fd: int, written: Written, specs: list[TensorSpec],
+                    size: int) -> None:
     """Re-read the written header and table (a fresh reader validates them as any reader would): the table
     must be the plan's, and the ledger of writes must tile it exactly. The data is not read back (it would
     come from the page cache just written); transposed blocks were checked in cache as they were written.
-    Cast and restored tensors are checked as in `verify`. `--verify full` also re-reads every tensor."""
+    Cast tensors are checked by their casts, restored ones re-read. `--verify full` also re-reads every tensor.
+    `specs`, `size`: what this file holds (one shard of a set: its tensors)."""
     try:
         output = c.target.format.reader(written_path)
     except FormatError as exc:
         raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
     with output:
-        _verify_table(c, output, c.specs)
+        _verify_table(c, output, specs)
         c.target.check_written(c, output)
-        check_written(written.ledger, output, c.output_size, fd)
+        check_written(written.ledger, output, size, fd)
         if c.request.verify == "full":
             check_digests(written.ledger, output)
-            verify_full([(piece, s.name, at) for s in c.specs for piece, at in source_pieces(s.fill)], output)
-        for spec in c.specs:
+            verify_full([(piece, s.name, at) for s in specs for piece, at in source_pieces(s.fill)], output)
+        for spec in specs:
             if spec.name in c.restored:
                 if output.read(spec.name) != c.carried.dropped[spec.name][2]:
                     raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
@@ -506,16 +465,18 @@ def verify_one_pass(c: Conversion, written_path: Path, fd: int, written: Written
 
 
 def _write_set(c: Conversion) -> PublishResult:
-    """A sharded safetensors output: every shard verified in its scratch file, then the shards published and
-    the index last (setout.py). A set holds what save_pretrained writes, so no syncd metadata and no hash."""
+    """A sharded safetensors output: every shard written in a pass over the part of the source it takes and
+    checked in its scratch file, then the shards published and the index last (setout.py). A set holds what
+    save_pretrained writes, so no syncd metadata and no hash."""
     assert c.shards is not None
+    progress = _SetProgress(sum(spec.nbytes for spec in c.specs), c.request.progress)
     results = write_set(
         c.specs,
         c.shards,
         c.directory,
         mode=os.fstat(c.source.primary.fd).st_mode & 0o777,
         replace=c.request.overwrite,
-        verify=lambda path, specs: verify(c, path, specs),
+        write_shard=lambda scratch, header, size, placed: _write_shard(c, scratch, header, size, placed, progress),
         before_publish=c.source.check_unchanged,
         source=Path(c.source.path),
     )
@@ -523,6 +484,38 @@ def _write_set(c: Conversion) -> PublishResult:
     statuses = {result.status for result in results}
     status = "in_sync" if statuses == {"in_sync"} else "replaced" if "replaced" in statuses else "published"
     return PublishResult(status, c.dest)  # type: ignore[arg-type]
+
+
+def _write_shard(c: Conversion, scratch: Scratch, header: bytes, size: int, placed: list[tuple[TensorSpec, int]],
+                 progress: _SetProgress) -> None:
+    try:
+        written = write_planned(scratch.fd, str(scratch.path), header, size, placed, c.source.readers,
+                                progress=progress.shard(), part=True)
+    except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
+        raise SyncdError.from_os_error("cannot write the output", str(scratch.dest), exc) from exc
+    verify_one_pass(c, scratch.path, scratch.fd, written, [spec for spec, _ in placed], size)
+
+
+class _SetProgress:
+    """The progress of a set's shards, each written in its own pass, told as one count over the set."""
+
+    def __init__(self, total: int, callback: ProgressCallback | None) -> None:
+        self.total = total
+        self.done = 0
+        self.callback = callback
+
+    def shard(self) -> Callable[[int, int], None] | None:
+        """The progress callback of the next shard's pass (the shards are written one after another)."""
+        callback = self.callback
+        if callback is None:
+            return None
+        start = self.done
+
+        def told(done: int, total: int) -> None:
+            self.done = start + done
+            callback(self.done, self.total)
+
+        return told
 
 
 def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, digest: str) -> None:
@@ -536,28 +529,6 @@ def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, digest: str) -> 
     pwrite_all(fd, final, 0)
     if os.pread(fd, len(final), 0) != final:
         raise VerificationError("the output header reads back different from what was written", str(c.dest))
-
-
-def verify(c: Conversion, written: Path, specs: list[TensorSpec] | None = None) -> None:
-    """Read the written file back: its table must be the plan's, every tensor its source's. `specs`: the
-    tensors this file holds (one shard of a set), default all."""
-    specs = c.specs if specs is None else specs
-    try:
-        output = c.target.format.reader(written)
-    except FormatError as exc:
-        raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
-    with output:
-        _verify_table(c, output, specs)
-        c.target.check_written(c, output)
-        for spec in specs:
-            if spec.name in c.restored:
-                if output.read(spec.name) != c.carried.dropped[spec.name][2]:
-                    raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
-            elif spec.name in c.casts:
-                c.casts[spec.name].verify(output, spec.name)
-            else:
-                assert c.transfer is not None
-                c.transfer.verify(output, spec.name)
 
 
 def _verify_table(c: Conversion, output: TensorFileReader, specs: list[TensorSpec]) -> None:

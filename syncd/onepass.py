@@ -161,6 +161,9 @@ class OnePass:
     ledger: WriteLedger = field(default_factory=WriteLedger)
     progress: Callable[[int], None] | None = None  # told the bytes of each write as it lands
     hasher: Hasher | None = None  # default: a new one of hash_name; given: this file's bytes follow what it had
+    # only [window[0], window[1]) of the source is read (the part one shard of an output set takes); what is
+    # hashed is then not the file
+    window: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.hasher is None:
@@ -216,7 +219,8 @@ class OnePass:
         the ring and jobs start in file order): what is converted, and between it what is only hashed.
         Runs of small untransformed tensors go as one job (one read for all of them): a job costs more than
         copying a 4 KiB tensor."""
-        cursor = batch_start = 0
+        cursor, end = self.window or (0, self.src_size)
+        batch_start = self._hashed_to = cursor
         batch: list[Move] = []
         for move in sorted(self.moves, key=lambda m: m.src_offset):
             if move.src_offset < cursor:
@@ -235,8 +239,8 @@ class OnePass:
             cursor = move.src_offset + move.nbytes
         if batch:
             yield self._copy_batch, self._free.get(), batch_start, cursor, batch
-        if self.src_size > cursor:
-            yield self._hash_only, self._free.get(), cursor, self.src_size
+        if end > cursor:
+            yield self._hash_only, self._free.get(), cursor, end
 
     def _reap(self, pending: list[Future[None]]) -> list[Future[None]]:
         """Raise a job's failure early (the reader would otherwise go on to the end of the file)."""

@@ -92,10 +92,13 @@ class Written:
 
 def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Sequence[tuple[TensorSpec, int]],
                   readers: Sequence[TensorFileReader], hash_name: str = DEFAULT_HASH, workers: int | None = None,
-                  progress: Callable[[int, int], None] | None = None, prefix: bytes = b"") -> Written:
+                  progress: Callable[[int, int], None] | None = None, prefix: bytes = b"",
+                  part: bool = False) -> Written:
     """Write a whole output: `header` at 0, each (spec, absolute start) of `placed`, zeros in between.
     `FromSource` tensors may come from several files (the shards of a set, `readers` in the set's order): one
-    pass over each in turn, every one of them feeding one hash, after `prefix` (a set's index)."""
+    pass over each in turn, every one of them feeding one hash, after `prefix` (a set's index). `part`: the
+    output takes a part of the source (a shard of an output set): only the span of each file its tensors
+    lie in is read, and no source hash is returned."""
     os.ftruncate(fd, file_size)
     pwrite_all(fd, header, 0)
     ledger = WriteLedger()
@@ -104,12 +107,20 @@ def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Seq
     hasher = new_hasher(hash_name)
     hasher.update(prefix)
     for source in readers:
-        OnePass(source.fd, source.file_size, source.path, fd, path, moves.pop(source.path, []), hash_name,
+        source_moves = moves.pop(source.path, [])
+        if part and not source_moves:
+            continue
+        OnePass(source.fd, source.file_size, source.path, fd, path, source_moves, hash_name,
                 workers or default_workers(), ledger=ledger, progress=counted.add if counted else None,
-                hasher=hasher).run()
+                hasher=hasher, window=_span(source_moves) if part else None).run()
     if moves:
         raise FormatError(f"tensors come from {sorted(moves)[0]}, not a file of the source", path)
-    return Written(hasher.hexdigest(), ledger)
+    return Written("" if part else hasher.hexdigest(), ledger)
+
+
+def _span(moves: Sequence[Move]) -> tuple[int, int]:
+    """The part of a source file that `moves` read: from the first one's start to the last one's end."""
+    return min(m.src_offset for m in moves), max(m.src_offset + m.nbytes for m in moves)
 
 
 def _place(fd: int, placed: Sequence[tuple[TensorSpec, int]], cursor: int, file_size: int, ledger: WriteLedger,

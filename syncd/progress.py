@@ -1,17 +1,16 @@
 """Progress of one conversion: a callback the writer feeds with bytes written, a rate/ETA estimate over it,
 and a one-line bar for a terminal.
 
-The hook into the conversion is `track(specs, callback)`: every tensor's fill is wrapped so the bytes it
-delivers are counted, whatever path they take (sequential writes, positioned writes of a transpose, or the
-kernel's copy_file_range). The callback receives (bytes written so far, bytes to write in all).
+The conversion's one-pass writer (passwrite.write_planned) calls the callback as its writes land, with
+(bytes written so far, bytes to write in all).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 ProgressCallback = Callable[[int, int], None]
@@ -33,60 +32,6 @@ def human_seconds(seconds: float) -> str:
     minutes, secs = divmod(seconds, 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-# ---------------------------------------------------------------------------------------------- the hook
-
-
-class _CountingSink:
-    """Passes everything to the writer's sink and reports what went through."""
-
-    def __init__(self, sink: Any, counter: _Counter) -> None:
-        self._sink = sink
-        self._counter = counter
-
-    @property
-    def checks_data(self) -> bool:
-        return self._sink.checks_data
-
-    def write(self, data: Any) -> None:
-        self._sink.write(data)
-        self._counter.add(memoryview(data).nbytes)
-
-    def pwrite(self, data: Any, rel_offset: int) -> None:
-        self._sink.pwrite(data, rel_offset)
-        self._counter.add(memoryview(data).nbytes)
-
-    def copy_from(self, src_fd: int, src_offset: int, count: int) -> bool:
-        copied = self._sink.copy_from(src_fd, src_offset, count)
-        if copied:
-            self._counter.add(count)
-        return copied
-
-    def __getattr__(self, name: str) -> Any:  # anything else a sink offers, unchanged
-        return getattr(self._sink, name)
-
-
-@dataclass
-class _Counter:
-    total: int
-    callback: ProgressCallback
-    done: int = 0
-
-    def add(self, count: int) -> None:
-        self.done += count
-        self.callback(self.done, self.total)
-
-
-def track(specs: Sequence[Any], callback: ProgressCallback) -> list[Any]:
-    """The same tensor specs (syncd.formats.table.TensorSpec) with fills that report to `callback`."""
-    counter = _Counter(sum(spec.nbytes for spec in specs), callback)
-    callback(0, counter.total)
-
-    def wrap(fill: Callable[[Any], None]) -> Callable[[Any], None]:
-        return lambda sink: fill(_CountingSink(sink, counter))
-
-    return [replace(spec, fill=wrap(spec.fill)) for spec in specs]
 
 
 # ---------------------------------------------------------------------------------------------- measuring

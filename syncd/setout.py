@@ -1,4 +1,5 @@
-"""Writing a sharded safetensors set: every shard built and verified in a scratch file beside its destination,
+"""Writing a sharded safetensors set: every shard laid out here, written and checked (by the caller's
+`write_shard`) in a scratch file beside its destination,
 then the shards published one by one and the index last, so the index (the set's commit point, as for
 `save_pretrained`, which also writes it last) never names a shard that is not in place.
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from syncd.errors import SyncdError
 from syncd.formats.fileio import pwrite_all
-from syncd.formats.safetensors import write_safetensors
+from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.shards import ShardLayout
 from syncd.formats.table import TensorSpec
 from syncd.publish import PublishResult, Scratch, ensure_destination_free, open_scratch, publish
@@ -44,11 +45,12 @@ def write_set(
     *,
     mode: int,
     replace: bool,
-    verify: Callable[[Path, list[TensorSpec]], None],
+    write_shard: Callable[[Scratch, bytes, int, list[tuple[TensorSpec, int]]], None],
     before_publish: Callable[[], None] = lambda: None,
     source: Path | None = None,
 ) -> list[PublishResult]:
-    """Write, verify (`verify(scratch path, its specs)`) and publish the set; returns one result per file."""
+    """Lay out each shard, have it written and checked (`write_shard(scratch, header bytes, file size,
+    [(spec, absolute start)...])`), then publish the set; returns one result per file."""
     check_layout_covers(layout, specs, str(directory / layout.index_name))
     if not replace:
         for path in set_paths(layout, directory):
@@ -59,9 +61,8 @@ def write_set(
         for file, names in layout.files:
             scratch = stack.enter_context(open_scratch(directory / file, mode))
             shard_specs = [by_name[name] for name in names]
-            metadata = layout.metadata_of(file)
-            _write(scratch, lambda fd, s=shard_specs, m=metadata: write_safetensors(fd, s, m))
-            verify(scratch.path, shard_specs)
+            plan = plan_safetensors(shard_specs, layout.metadata_of(file))
+            write_shard(scratch, plan.header, plan.file_size, list(zip(shard_specs, plan.starts, strict=True)))
             scratches.append(scratch)
         if layout.with_index:
             index = stack.enter_context(open_scratch(directory / layout.index_name, mode))

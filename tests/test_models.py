@@ -763,19 +763,14 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
         plan_conversion(torch_side, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {"": "Lstm"}}))
 
 
-def test_packed_modules_are_refused_where_only_the_one_pass_can_write_them(tmp_path: Path) -> None:
-    """A precision cast (Burn would cast the split Linears) and a sharded output set: refused, one line
-    naming the file and the tensor, nothing written."""
+def test_a_packed_module_with_a_precision_cast_is_refused(tmp_path: Path) -> None:
+    """Burn would cast the split Linears, which a cast of the packed tensor is not: refused, one line naming
+    the file and the tensor, nothing written."""
     source = tmp_path / "attn.safetensors"
     save_bare(lambda: _Attention(bias=True), source, seed=3)
     cast = run_cli("convert", source, "--precision", "f16")
     assert cast.returncode == 1 and "attn.in_proj_bias" in cast.stderr and str(source) in cast.stderr
     assert len(cast.stderr.strip().splitlines()) == 1 and not (tmp_path / "attn.bpk").exists()
-    convert(ConvertRequest(source=source))
-    (tmp_path / "set").mkdir()
-    shards = run_cli("convert", tmp_path / "attn.bpk", "-o", tmp_path / "set", "--shard-size", "1KB")
-    assert shards.returncode == 1 and "in a sharded output set" in shards.stderr and "attn.bpk" in shards.stderr
-    assert len(shards.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path / "set") == []
 
 
 def _save_as_set(state: dict[str, torch.Tensor], directory: Path, split: list[list[str]]) -> Path:
@@ -794,9 +789,10 @@ def _save_as_set(state: dict[str, torch.Tensor], directory: Path, split: list[li
     return index
 
 
-def test_a_packed_module_in_a_sharded_source_set_is_split_and_comes_back_exactly(tmp_path: Path) -> None:
+def test_a_packed_module_in_a_sharded_set_is_split_and_joined_both_ways(tmp_path: Path) -> None:
     """nn.MultiheadAttention in a set whose shards cut the model apart (the attention's in_proj in one shard,
-    its out_proj in the other): one .bpk equal to the single file's, and back bit for bit."""
+    its out_proj in the other): one .bpk equal to the single file's; back as the same set byte for byte, as
+    one file, and split anew with --shard-size."""
     torch.manual_seed(5)
     state = _bare_state(_Attention(bias=True))
     save_file(state, tmp_path / "single.safetensors")
@@ -810,8 +806,20 @@ def test_a_packed_module_in_a_sharded_source_set_is_split_and_comes_back_exactly
     assert {"attn.query.weight", "attn.key.bias", "attn.output.weight"} <= converted.keys()
     back = run_cli("convert", tmp_path / "set.bpk", "-o", tmp_path / "back.safetensors")
     assert back.returncode == 0, back.stderr
-    assert read_safetensors(tmp_path / "back.safetensors").tensors == read_safetensors(
-        tmp_path / "single.safetensors").tensors
+    original = read_safetensors(tmp_path / "single.safetensors").tensors
+    assert read_safetensors(tmp_path / "back.safetensors").tensors == original
+    (tmp_path / "set-back").mkdir()
+    assert run_cli("convert", tmp_path / "set.bpk", "-o", tmp_path / "set-back").returncode == 0
+    assert sorted(os.listdir(tmp_path / "set-back")) == sorted(os.listdir(index.parent))
+    assert all((tmp_path / "set-back" / name).read_bytes() == (index.parent / name).read_bytes()
+               for name in os.listdir(index.parent))
+    (tmp_path / "split").mkdir()
+    split = run_cli("convert", tmp_path / "single.bpk", "-o", tmp_path / "split", "--shard-size", "200")
+    assert split.returncode == 0, split.stderr
+    shards = sorted((tmp_path / "split").glob("*.safetensors"))
+    assert len(shards) > 2
+    joined = {name: t for shard in shards for name, t in read_safetensors(shard).tensors.items()}
+    assert joined == original
 
 
 def test_convert_v_and_the_sync_log_show_each_packed_decision_and_its_evidence(tmp_path: Path) -> None:

@@ -360,6 +360,47 @@ def test_the_audit_reads_a_set_back_in_full(saves: dict[str, Path], tmp_path: Pa
     assert tensors_of(tmp_path / "full.bpk") == tensors_of(single_bpk(saves, tmp_path))
 
 
+def test_a_set_written_back_is_checked_and_reports_its_progress(saves: dict[str, Path], tmp_path: Path) -> None:
+    """Each shard of an output set is written in its own pass and checked like one file (the audit too); the
+    progress counts over the whole set."""
+    index = fresh_set(saves, tmp_path / "set")
+    bpk = _convert_set(index).dest
+    back = tmp_path / "back"
+    back.mkdir()
+    seen: list[tuple[int, int]] = []
+    _convert_set(bpk, dest=back, verify="full", progress=lambda done, total: seen.append((done, total)))
+    for name in ORIGINAL_FILES:
+        assert (back / name).read_bytes() == (index.parent / name).read_bytes(), name
+    total = sum(len(data) for _, _, data in tensors_of(bpk).values())
+    assert seen[-1] == (total, total)
+    assert all(a[0] <= b[0] and a[1] == total for a, b in zip(seen, seen[1:], strict=False))
+
+
+def test_a_pass_over_a_window_reads_only_that_part_of_the_source(tmp_path: Path) -> None:
+    """A shard of an output set takes a part of its source: only the span of its tensors is read (and so
+    hashed), nothing before or after it."""
+    from safetensors.numpy import save_file
+
+    from syncd.formats.safetensors import SafetensorsReader
+    from syncd.hashing import new_hasher
+    from syncd.onepass import Move, OnePass
+
+    rng = np.random.default_rng(1)
+    save_file({name: rng.standard_normal(1000, dtype=np.float32) for name in "abc"}, tmp_path / "src.safetensors")
+    with SafetensorsReader(tmp_path / "src.safetensors") as reader:
+        b = reader.tensor("b")
+        fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o644)
+        hasher = new_hasher("xxh3_128")
+        OnePass(reader.fd, reader.file_size, reader.path, fd, str(tmp_path / "out"), [Move("b", b.offset, b.nbytes, 0)],
+                hasher=hasher, window=(b.offset, b.offset + b.nbytes)).run()
+        os.close(fd)
+        data = reader.read("b")
+    assert (tmp_path / "out").read_bytes() == data
+    expected = new_hasher("xxh3_128")
+    expected.update(data)
+    assert hasher.hexdigest() == expected.hexdigest()
+
+
 def _rewrite(path: Path) -> None:
     """Same size, other bytes (the last 64: tensor data), past the file system's timestamp granularity."""
     time.sleep(0.05)
