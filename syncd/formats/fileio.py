@@ -153,33 +153,6 @@ class TensorSink:
         pwrite_all(self.fd, data, self.base + rel_offset)
         self.written += size
 
-    @property
-    def checks_data(self) -> bool:
-        """True if every byte must pass through `write` to be checked (bool tensors)."""
-        return self._check is not None
-
-    def copy_from(self, src_fd: int, src_offset: int, count: int) -> bool:
-        """Fill the window from another file inside the kernel (copy_file_range); False, with nothing
-        written, where the kernel or file system cannot, so the caller copies through memory instead."""
-        if count != self.nbytes or self.written:
-            raise FormatError(
-                f"deferred source has inconsistent length (expected {self.nbytes}, got {count})", tensor=self.name
-            )
-        done = 0
-        while done < count:
-            try:
-                n = os.copy_file_range(src_fd, self.fd, count - done, src_offset + done, self.base + done)
-            except OSError as exc:
-                if done == 0 and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    return False
-                raise
-            if n == 0:
-                raise FormatError("file truncated while copying it", tensor=self.name)
-            done += n
-        self.written = count
-        self._cursor = count
-        return True
-
     def finish(self) -> None:
         if self.written != self.nbytes:
             raise FormatError(
