@@ -3,7 +3,9 @@
 A converter plans the output (header bytes, where each tensor goes) as usual; tensors that come from the
 source are given a `FromSource` fill. `write_planned` writes the header, the zero padding and the small
 tensors that come from elsewhere (carried in metadata) directly, and hands every `FromSource` tensor to one
-`OnePass` over the source, which returns the source hash. `check_written` is the check without read-back:
+`OnePass` over the source, which returns the source hash. A sharded source set is one pass per shard in the
+index's order, all feeding one hash after the index's bytes; a shard of an output set reads only the part of
+the source its tensors lie in. `check_written` is the check without read-back:
 the output's header and table are re-read and the ledger of writes must tile it exactly. `verify_full` is the
 audit (`--verify full`): every tensor of the output re-read and compared with its source.
 
