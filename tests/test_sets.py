@@ -438,6 +438,23 @@ def test_a_set_changed_while_it_converts_is_not_published(
     assert not (index.parent / "model.bpk").exists() and scratch_files(tmp_path) == []
 
 
+def test_a_bpk_changed_while_its_set_is_written_publishes_no_shard(saves: dict[str, Path], tmp_path: Path) -> None:
+    index = fresh_set(saves, tmp_path / "set")
+    bpk = _convert_set(index).dest
+    back = tmp_path / "back"
+    back.mkdir()
+    changed: list[bool] = []
+
+    def meanwhile(done: int, total: int) -> None:
+        if done and not changed:  # the first shard is being written
+            changed.append(True)
+            _rewrite(bpk)
+
+    with pytest.raises(SyncdError, match="changed while it was being converted") as info:
+        _convert_set(bpk, dest=back, progress=meanwhile)
+    assert changed and str(bpk) in str(info.value) and os.listdir(back) == []
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_a_damaged_set_is_refused_in_one_line_naming_the_shard(
     saves: dict[str, Path], tmp_path: Path, damage: str
