@@ -62,10 +62,10 @@ def apply_options(
     plan: AdapterPlan, refs: Sequence[TensorRef], real: dict[str, str], options: StoreOptions
 ) -> StorePlan:
     """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`)."""
-    kept = [e for e in plan.entries if all(options.tensors.keeps(real[name]) for name in e.sources)]
-    left_out = list(dict.fromkeys(
-        real[name] for e in plan.entries if e not in kept for name in e.sources
-    ))
+    kept, excluded = [], []
+    for entry in plan.entries:  # one pass: `e not in kept` compared dataclasses, quadratic in the tensor count
+        (kept if all(options.tensors.keeps(real[name]) for name in entry.sources) else excluded).append(entry)
+    left_out = list(dict.fromkeys(real[name] for e in excluded for name in e.sources))
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
     final = rename_all([e.target for e in kept], options.remap, options.map_indices_contiguous)
