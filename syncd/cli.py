@@ -21,6 +21,7 @@ from syncd import __version__
 from syncd.errors import SyncdError, UsageError, one_line
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 1  # usage (2) and exists (3) come from the errors' exit_code
+SHOWN_CARRIED = 3  # carried tensors listed by name without -v
 
 
 class _Parser(argparse.ArgumentParser):
@@ -285,8 +286,12 @@ def _convert(args: argparse.Namespace) -> int:
     if args.verbose:
         for line in result.decisions:
             print(f"  {line}")
-    for name in result.dropped:
-        print(f"  carried in metadata (no slot on the target side): {name}")
+    if args.verbose or len(result.dropped) <= SHOWN_CARRIED:
+        for name in result.dropped:
+            print(f"  carried in metadata (no slot on the target side): {name}")
+    else:  # a ResNet has one num_batches_tracked per BatchNorm: a count, not a hundred lines
+        print(f"  carried in metadata (no slot on the target side): {len(result.dropped)} tensors, "
+              f"e.g. {result.dropped[0]} (-v lists them)")
     if result.left_out and not args.verbose:
         print(f"  left out by the tensor filter: {len(result.left_out)} tensors (-v lists them)")
     return EXIT_OK

@@ -295,3 +295,17 @@ def test_no_progress_bar_when_not_a_terminal(tmp_path: Path) -> None:
     proc = run_cli("convert", source, "--layout", "keep")
     assert proc.returncode == 0 and proc.stderr == ""
     assert proc.stdout.startswith("converted: ") and "ETA" not in proc.stdout
+
+
+def test_many_carried_tensors_are_counted_and_listed_with_verbose(tmp_path: Path) -> None:
+    """A ResNet has one num_batches_tracked per BatchNorm: one line counts them, -v lists each."""
+    norms = torch.nn.Sequential(*[torch.nn.BatchNorm1d(2) for _ in range(5)])
+    save_file(norms.state_dict(), tmp_path / "norms.safetensors")
+    quiet = run_cli("convert", tmp_path / "norms.safetensors")
+    carried = [line for line in quiet.stdout.splitlines() if "carried in metadata" in line]
+    assert carried == [
+        "  carried in metadata (no slot on the target side): 5 tensors, e.g. 0.num_batches_tracked (-v lists them)"
+    ]
+    verbose = run_cli("convert", tmp_path / "norms.safetensors", "-o", tmp_path / "v.bpk", "-v")
+    listed = [line for line in verbose.stdout.splitlines() if "carried in metadata" in line]
+    assert listed == [f"  carried in metadata (no slot on the target side): {i}.num_batches_tracked" for i in range(5)]
