@@ -73,58 +73,100 @@ class CastCopy:
     """One tensor cast into the output (and transposed, for a Linear weight going between layouts), strip by
     strip; `verify` re-reads what was written and compares it with the cast done again from the source."""
 
-    def __init__(self, reader: Any, name: str, from_dtype: str, to_dtype: str, transpose: bool) -> None:
+    def __init__(self, reader: Any, name: str, from_dtype: str, to_dtype: str, transpose: bool,
+                 rows: tuple[int, int] | None = None, at: int = 0) -> None:
         self.reader = reader
         self.name = name
         self.from_dtype = from_dtype
         self.to_dtype = to_dtype
         self.transpose = transpose
+        # a piece of a PyTorch packed tensor: only rows r0:r1 of the source, written `at` bytes into the output
+        # tensor (a join lays several end to end)
+        self.rows = rows
+        self.at = at
+
+    def _window(self) -> tuple[int, tuple[int, ...]]:
+        """(byte offset within the source tensor, shape) of what this copy casts."""
+        info = self.reader.tensor(self.name)
+        if self.rows is None:
+            return 0, info.shape
+        r0, r1 = self.rows
+        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+        return r0 * row_bytes, (r1 - r0, *info.shape[1:])
 
     def _cast(self, data: memoryview) -> bytes:
         return cast_chunk(data, self.from_dtype, self.to_dtype, self.name, self.reader.path)
 
     def _strips(self) -> Iterator[tuple[int, int, bytes]]:
         """(first source row, rows, cast bytes of those rows), in order; rows = elements when not transposed."""
-        info = self.reader.tensor(self.name)
+        start, shape = self._window()
         item = ITEM[self.from_dtype]
-        row = info.shape[1] * item if self.transpose and len(info.shape) == 2 else item
-        rows = info.nbytes // row if row else 0
+        nbytes = item * _count(shape)
+        row = shape[1] * item if self.transpose and len(shape) == 2 else item
+        rows = nbytes // row if row else 0
         step = max(1, CHUNK_BYTES // max(row, 1))
-        buf = memoryview(bytearray(min(step * row, info.nbytes)))
+        buf = memoryview(bytearray(min(step * row, nbytes)))
         for r0 in range(0, rows, step):
             n = min(step, rows - r0)
             piece = buf[: n * row]
-            self.reader.readinto(self.name, r0 * row, piece)
+            self.reader.readinto(self.name, start + r0 * row, piece)
             yield r0, n, self._cast(piece)
 
     def fill(self, sink: Any) -> None:
-        info = self.reader.tensor(self.name)
-        if not self.transpose or info.nbytes == 0:
-            for _, _, data in self._strips():
-                sink.write(data)
-            return
-        rows, cols = info.shape
+        _, shape = self._window()
         out_item = ITEM[self.to_dtype]
+        if not self.transpose or _count(shape) == 0:
+            for r0, _, data in self._strips():
+                sink.pwrite(data, self.at + r0 * out_item)
+            return
+        rows, cols = shape
         for r0, n, data in self._strips():
             block = np.frombuffer(data, dtype=_UINT[out_item]).reshape(n, cols).T.copy()  # [cols, n]
             for c in range(cols):
-                sink.pwrite(block[c], (c * rows + r0) * out_item)
+                sink.pwrite(block[c], self.at + (c * rows + r0) * out_item)
 
     def verify(self, output: Any, target: str) -> None:
-        info = self.reader.tensor(self.name)
+        _, shape = self._window()
         out_item = ITEM[self.to_dtype]
-        rows, cols = info.shape if self.transpose and len(info.shape) == 2 else (0, 0)
+        rows, cols = shape if self.transpose and len(shape) == 2 else (0, 0)
         for r0, n, data in self._strips():
-            if not self.transpose or info.nbytes == 0:
+            if not self.transpose or _count(shape) == 0:
                 written = bytearray(len(data))
-                output.readinto(target, r0 * out_item, memoryview(written))
+                output.readinto(target, self.at + r0 * out_item, memoryview(written))
                 same = written == data
             else:
                 expected = np.frombuffer(data, dtype=_UINT[out_item]).reshape(n, cols).T
                 written_t = np.empty((cols, n), dtype=_UINT[out_item])
                 view = memoryview(written_t).cast("B")
                 for c in range(cols):
-                    output.readinto(target, (c * rows + r0) * out_item, view[c * n * out_item : (c + 1) * n * out_item])
+                    at = self.at + (c * rows + r0) * out_item
+                    output.readinto(target, at, view[c * n * out_item : (c + 1) * n * out_item])
                 same = np.array_equal(written_t, expected)
             if not same:
                 raise VerificationError(f"tensor '{target}' reads back different from its cast source", output.path)
+
+
+class JoinedCast:
+    """A PyTorch packed tensor joined from Burn's cast pieces: each piece's CastCopy writes at its own offset
+    within the output tensor (burn-compat.md §3.4: the HalfPrecisionAdapter casts the Linears a packed module
+    is split into, §3.5)."""
+
+    def __init__(self, pieces: list[CastCopy]) -> None:
+        self.pieces = pieces
+        self.from_dtype = pieces[0].from_dtype
+        self.to_dtype = pieces[0].to_dtype
+
+    def fill(self, sink: Any) -> None:
+        for piece in self.pieces:
+            piece.fill(sink)
+
+    def verify(self, output: Any, target: str) -> None:
+        for piece in self.pieces:
+            piece.verify(output, target)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total

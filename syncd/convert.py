@@ -40,7 +40,6 @@ from syncd.errors import (
     FormatError,
     SourceChangedError,
     SyncdError,
-    UnsupportedError,
     UsageError,
     VerificationError,
     one_line,
@@ -298,17 +297,6 @@ def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined:
     return Joined(pieces) if entry.parts else pieces[0]
 
 
-def _piecewise_unsupported(entry: PlanEntry, why: str, path: str) -> Callable[[Any], None]:
-    """The fill of a split or joined tensor a precision cast would take (only the one pass writes them)."""
-
-    def fill(sink: Any) -> None:
-        raise UnsupportedError(f"tensor '{entry.target}' is split from or joined into a PyTorch packed tensor, "
-                               f"which is not supported {why}; write one file from one file "
-                               "(--shard-size none), or convert with --layout keep", path)
-
-    return fill
-
-
 def _adapt(
     source: Source, request: ConvertRequest, target: Target, carried: carry.Carried
 ) -> tuple[AdapterPlan, StorePlan]:
@@ -401,17 +389,27 @@ def _output_shards(c: Conversion, explicit_dest: bool) -> ShardLayout | None:
 
 def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
     """A tensor's fill: moved from the source in the one pass, or cast on its own (cast.py)."""
-    if entry.source not in c.store.casts:
+    if not any(piece.source in c.store.casts for piece in entry.pieces):
         return _source_fill(c, entry)
-    if entry.is_piecewise:
-        return _piecewise_unsupported(entry, "with a precision cast", c.source.path)
-    info = c.source.tensor(entry.source)
-    from syncd.cast import CastCopy
+    from syncd.cast import CastCopy, JoinedCast
 
-    copy = CastCopy(c.source.reader_of(entry.source), entry.source, info.dtype, c.store.casts[entry.source],
-                    entry.transpose)
+    copies, at = [], 0
+    for piece in entry.pieces:  # a join's parts end to end, each cast (precision.py casts a packed module whole)
+        info = c.source.tensor(piece.source)
+        to_dtype = c.store.casts[piece.source]
+        copies.append(CastCopy(c.source.reader_of(piece.source), piece.source, info.dtype, to_dtype,
+                               piece.transpose, piece.rows, at))
+        at += _cast_nbytes(_piece_nbytes(info.nbytes, info.shape, piece.rows), info.dtype, to_dtype)
+    copy = copies[0] if len(copies) == 1 else JoinedCast(copies)
     c.casts[entry.target] = copy
     return copy.fill
+
+
+def _piece_nbytes(nbytes: int, shape: tuple[int, ...], rows: tuple[int, int] | None) -> int:
+    """The bytes of rows r0:r1 of a tensor (all of it without `rows`)."""
+    if rows is None:
+        return nbytes
+    return nbytes // shape[0] * (rows[1] - rows[0]) if shape and shape[0] else 0
 
 
 # -- write, verify, publish

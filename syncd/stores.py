@@ -71,9 +71,10 @@ def apply_options(
     final = rename_all([e.target for e in kept], options.remap, options.map_indices_contiguous)
     casts = {}
     if options.precision is not None:
-        wanted = {e.source for e in kept}
+        wanted = {name for e in kept for name in e.sources}
         by_name = [r for r in refs if r.name in wanted]
-        casts = {real[name]: dtype for name, dtype in plan_casts(by_name, plan.kinds, options.precision).items()}
+        planned = plan_casts(by_name, plan.kinds, options.precision, plan.packed)
+        casts = {real[name]: dtype for name, dtype in planned.items()}
     return StorePlan(
         entries=[_with_real_sources(e, real, final[e.target]) for e in kept],
         dropped=dropped,

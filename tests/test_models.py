@@ -763,14 +763,35 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
         plan_conversion(torch_side, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {"": "Lstm"}}))
 
 
-def test_a_packed_module_with_a_precision_cast_is_refused(tmp_path: Path) -> None:
-    """Burn would cast the split Linears, which a cast of the packed tensor is not: refused, one line naming
-    the file and the tensor, nothing written."""
-    source = tmp_path / "attn.safetensors"
-    save_bare(lambda: _Attention(bias=True), source, seed=3)
-    cast = run_cli("convert", source, "--precision", "f16")
-    assert cast.returncode == 1 and "attn.in_proj_bias" in cast.stderr and str(source) in cast.stderr
-    assert len(cast.stderr.strip().splitlines()) == 1 and not (tmp_path / "attn.bpk").exists()
+@pytest.mark.parametrize(
+    ("name", "precision", "dtype"),
+    [("mha", "f16", torch.float16), ("lstm", "bf16", torch.bfloat16), ("bigru", "f16", torch.float16)],
+)
+def test_a_packed_module_is_cast_piece_by_piece_and_joined_back(
+    tmp_path: Path, name: str, precision: str, dtype: torch.dtype
+) -> None:
+    """Burn's HalfPrecisionAdapter casts the Linears a packed module is split into (burn-compat.md §3.4, §3.5):
+    every split piece is the cast of its rows, and `--precision f32` joins the cast pieces back into the
+    packed tensors, each value the original rounded once."""
+    source = tmp_path / "packed.safetensors"
+    model = save_bare(PACKED_MODELS[name], source, seed=4)
+    done = run_cli("convert", source, "--precision", precision)
+    assert done.returncode == 0, done.stderr
+    packed, replaced = _packed_burn(model)
+    expected = {k: v for k, v in expected_burn(model, read_safetensors(source)).items() if k not in replaced}
+    burn = read_bpk(tmp_path / "packed.bpk").tensors
+    assert set(burn) == set(expected) | set(packed)
+    for key, value in packed.items():
+        assert burn[key].dtype == ("F16" if dtype == torch.float16 else "BF16"), key
+        assert burn[key].data == _bits(value.to(dtype)), key
+
+    back = run_cli("convert", tmp_path / "packed.bpk", "-o", tmp_path / "back.safetensors", "--precision", "f32",
+                   "--verify", "full")
+    assert back.returncode == 0, back.stderr
+    fresh = PACKED_MODELS[name]()
+    fresh.load_state_dict(read_torch(tmp_path / "back.safetensors"), strict=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value.to(dtype).to(torch.float32)), key
 
 
 def _save_as_set(state: dict[str, torch.Tensor], directory: Path, split: list[list[str]]) -> Path:

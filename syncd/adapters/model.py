@@ -139,6 +139,7 @@ class AdapterPlan:
     target_layout: str  # "pytorch" | "burn" | "keep"
     decisions: list[str]  # human lines: the file's layout first, then one line per module
     kinds: dict[str, str] = field(default_factory=dict)  # module path -> kind ("" is the root module)
+    packed: frozenset[str] = frozenset()  # source tensors of packed MHA/RNN modules (all Linears in Burn)
 
     @property
     def is_identity(self) -> bool:

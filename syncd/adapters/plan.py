@@ -119,6 +119,7 @@ def plan_conversion(
     plan = _build_plan(tensors, steps, source or NEUTRAL, to_layout, decisions, joined)
     plan.kinds = {module.path: kind.kind for module, kind in classified}
     plan.kinds.update({module.path: module.kind for module in packed if module.kind is not None})
+    plan.packed = frozenset(t.name for module in packed for t in module.tensors.values())
     return plan
 
 

@@ -10,10 +10,9 @@ The byte-level casts are in syncd/cast.py.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from syncd.adapters.model import CONV_KINDS, NORM, PACKED_KINDS, PRELU, TensorRef
-from syncd.errors import UnsupportedError
+from syncd.adapters.model import CONV_KINDS, NORM, PRELU, TensorRef
 
 PRECISIONS = ("f16", "bf16", "f32")
 TARGET_DTYPE = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
@@ -40,29 +39,20 @@ def module_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def plan_casts(tensors: Sequence[TensorRef], kinds: Mapping[str, str], precision: str) -> dict[str, str]:
-    """Source tensor name -> dtype to cast it to, for the tensors `precision` converts (possibly none)."""
+def plan_casts(
+    tensors: Sequence[TensorRef], kinds: Mapping[str, str], precision: str, packed: Collection[str] = ()
+) -> dict[str, str]:
+    """Source tensor name -> dtype to cast it to, for the tensors `precision` converts (possibly none).
+    `packed`: the tensors of packed MHA/RNN modules, which Burn holds as Linears (burn-compat.md §3.5), so the
+    HalfPrecisionAdapter casts them all (§3.4)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     target = TARGET_DTYPE[precision]
     sources = ("F16", "BF16") if precision == "f32" else ("F32",)
-    _refuse_packed_casts(tensors, kinds, sources)
     return {
         t.name: target
         for t in tensors
-        if t.dtype in sources and t.dtype != target and kinds.get(module_of(t.name)) in HALF_KINDS
+        if t.dtype in sources
+        and t.dtype != target
+        and (t.name in packed or kinds.get(module_of(t.name)) in HALF_KINDS)
     }
-
-
-def _refuse_packed_casts(tensors: Sequence[TensorRef], kinds: Mapping[str, str], sources: tuple[str, ...]) -> None:
-    """Burn's HalfPrecisionAdapter casts the Linears a packed MHA/RNN is split into (burn-compat.md §3.4, §3.5);
-    syncd writes split and joined tensors without casting them, so it refuses rather than leave them out."""
-    packed = [path for path, kind in kinds.items() if kind in PACKED_KINDS]
-    for tensor in tensors:
-        owner = module_of(tensor.name)
-        inside = any(owner == path or owner.startswith(f"{path}.") or not path for path in packed)
-        if inside and tensor.dtype in sources:
-            raise UnsupportedError(
-                f"tensor '{tensor.name}': a precision cast of a packed attention or recurrent module's tensors "
-                "is not supported; convert without --precision"
-            )
