@@ -243,11 +243,13 @@ def test_symlinks_to_devices_and_fifos_renamed_onto_a_source_never_hang_a_worker
 def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}], stuck_worker_seconds=0.2)
+    # a limit well under what converting and fsyncing 256 MiB takes anywhere, checked every 20 ms: the one-pass
+    # writer converts it in about 0.25 s here, which a 0.2 s limit checked every 50 ms could miss
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}], stuck_worker_seconds=0.02)
     runs = run.watch_dir()
-    run.start(env={"WATCHDOG_USEC": "100000"})
+    run.start(env={"WATCHDOG_USEC": "40000"})
     source = runs / "big.safetensors"
-    write_file(source, checkpoint(1, layers=16, width=2048))  # long enough to pass the limit
+    write_file(source, checkpoint(1, layers=16, width=2048))
 
     def stuck_line() -> bool:
         return any("watchdog pings withheld" in r.get("reason", "") for r in run.statuses("error", source))
