@@ -546,11 +546,19 @@ def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     first.start()
     source = runs / "big.safetensors"
     write_file(source, checkpoint(1, **HUGE))
-    wait_until(lambda: scratch_files(runs), 60, "the first daemon's scratch file")
-    # a second daemon on the same tree (another state), as a container or another host would run one
-    (first.root.parent / "d1").mkdir()
-    second = make_daemon([{"path": os.fspath(runs), "direction": "bpk->safetensors"}])
-    second.start(wrapper=OWN_PID_NAMESPACE)
+    live = wait_until(lambda: scratch_files(runs), 60, "the first daemon's scratch file")
+    # held mid-conversion (alive, its flock held) while the second daemon starts and scans: a conversion that
+    # finished first would leave nothing to test
+    first.send(signal.SIGSTOP)
+    try:
+        # a second daemon on the same tree (another state), as a container or another host would run one
+        (first.root.parent / "d1").mkdir()
+        second = make_daemon([{"path": os.fspath(runs), "direction": "bpk->safetensors"}])
+        second.start(wrapper=OWN_PID_NAMESPACE)
+        second.quiet(1.0)
+        assert scratch_files(runs) == live
+    finally:
+        first.send(signal.SIGCONT)
     first.wait_for("converted", [source], timeout=120)
     assert second.statuses("removed") == [], second.log_text()
     stop_wrapped(second)
