@@ -94,6 +94,13 @@ def one_way(make_daemon: Callable[..., DaemonRun]) -> tuple[DaemonRun, Path]:
     return run, run.watch_dir()
 
 
+def started_one_way(make_daemon: Callable[..., DaemonRun]) -> tuple[DaemonRun, Path]:
+    """one_way's daemon, started as it is by default."""
+    run, runs = one_way(make_daemon)
+    run.start()
+    return run, runs
+
+
 def stop_cleanly(run: DaemonRun) -> None:
     code, _ = run.stop()
     assert code == 0, run.stderr()
@@ -108,8 +115,7 @@ BIG = {"layers": 6, "width": 2048}  # 6 x 12 MiB transposed weights: the convers
 def test_a_source_rewritten_in_place_during_its_conversion_is_never_published_mixed(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     assert run.proc is not None
     source = runs / "model.safetensors"
     first, second = checkpoint(1, **BIG), checkpoint(2, **BIG)
@@ -213,8 +219,7 @@ def test_overwrite_never_swaps_two_users_files_in_a_both_tree(make_daemon: Calla
 def test_symlinks_to_devices_and_fifos_renamed_onto_a_source_never_hang_a_worker(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     source = runs / "a.safetensors"
     write_file(source, checkpoint(1))
     run.wait_for("converted", [source])  # a.bpk now names a.safetensors as its source
@@ -280,8 +285,7 @@ def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
 def test_a_reload_with_a_config_the_parser_chokes_on_keeps_the_daemon(
     make_daemon: Callable[..., DaemonRun], text: str
 ) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     good = run.config_path.read_text()
     run.write_config_text(text)
     check = subprocess.run(
@@ -461,8 +465,7 @@ SQUARE_ONLY = {"fc": "Linear"}
 def test_a_refusal_a_setting_decides_is_looked_at_again_after_the_reload_that_settles_it(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     source = runs / "square.safetensors"
     write_file(source, save({"fc.weight": np.ones((4, 4), np.float32)}))  # a lone square weight: ambiguous
     run.wait_for("refused", [source])
@@ -589,8 +592,7 @@ def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
 
 
 def test_a_source_renamed_away_during_its_conversion_leaves_no_output(make_daemon: Callable[..., DaemonRun]) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     source = runs / "big.safetensors"
     write_file(source, checkpoint(1, **HUGE))
     wait_until(lambda: scratch_files(runs), 60, "the conversion in flight")
@@ -645,8 +647,7 @@ def write_in_chunks(path: Path, data: bytes, cuts: list[int], pause: float) -> N
 def test_a_writer_closing_after_every_chunk_gets_one_converted_line_and_no_refusal(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     source = runs / "chunked.safetensors"
     data = checkpoint(1, layers=4, width=64)
     step = len(data) // 5
@@ -660,8 +661,7 @@ def test_a_writer_closing_after_every_chunk_gets_one_converted_line_and_no_refus
 
 
 def test_a_file_that_stays_truncated_is_refused_once_saying_so(make_daemon: Callable[..., DaemonRun]) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     source = runs / "cut.safetensors"
     write_file(source, checkpoint(1, layers=4, width=64)[:3000])  # header whole, tensor data cut short
     long_ago = time.time() - 3600  # unchanged for an hour: nobody is still writing it
@@ -686,8 +686,7 @@ def save_then_rename(temporary: Path, final: Path, epochs: range, delay: Callabl
 def test_a_source_renamed_away_before_its_conversion_starts_is_not_reported(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     x, y = runs / "x.safetensors", runs / "y.safetensors"
     # renamed at once (within the few ms a close is given to settle): x is never converted, never named
     save_then_rename(x, y, range(1, 21), lambda epoch: 0.002 * (epoch % 20))
@@ -711,8 +710,7 @@ def test_a_source_renamed_away_before_its_conversion_starts_is_not_reported(
 
 
 def test_syncd_retry_all_failed_looks_again_with_the_fixed_configuration(make_daemon: Callable[..., DaemonRun]) -> None:
-    run, runs = one_way(make_daemon)
-    run.start()
+    run, runs = started_one_way(make_daemon)
     source = runs / "square.safetensors"
     write_file(source, save({"fc.weight": np.ones((4, 4), np.float32)}))  # a lone square weight: ambiguous
     run.wait_for("refused", [source])
