@@ -80,6 +80,15 @@ class _Output:
         self.reader.close()
 
 
+def assert_pass_fails(source: Path, tmp_path: Path, error: type[Exception], match: str,
+                      cls: type[OnePass] = OnePass, **kw: int) -> None:
+    """One pass over `source` (with `cls`, e.g. a fault-injecting subclass) must fail with `error`."""
+    output = _Output(source, tmp_path / "out.safetensors")
+    with pytest.raises(error, match=match):
+        output.engine(cls, **kw).run()
+    output.close()
+
+
 @pytest.mark.parametrize(
     ("workers", "slot_bytes", "block_bytes"),
     [(1, onepass.SLOT_BYTES, onepass.BLOCK_BYTES), (2, 8192, 4096), (4, 4000, 1000), (3, 1 << 20, 7)],
@@ -100,7 +109,6 @@ def test_every_tensor_arrives_exact_with_any_writers_and_buffers(tmp_path: Path,
         expected = value.T if name in output.transposed else value
         assert after[name].shape == expected.shape
         assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
-
 
 def test_writeback_is_started_for_the_blocks_written_and_not_for_the_pieces_of_strips(tmp_path: Path) -> None:
     """The real sync_file_range, watched: each call covers the span of whole blocks written since the last one
@@ -248,10 +256,8 @@ def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> N
                     handle.write(bytes(64))  # still valid bools: only the change check can tell
             return super()._read(buf, offset)
 
-    output = _Output(source, tmp_path / "out.safetensors")
-    with pytest.raises(SourceChangedError, match="changed while it was being converted"):
-        output.engine(Torn, block_bytes=4096).run()
-    output.close()
+    assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", Torn,
+                      block_bytes=4096)
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:
@@ -263,10 +269,8 @@ def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> N
                 os.truncate(source, 20000)
             return super()._read(buf, offset)
 
-    output = _Output(source, tmp_path / "out.safetensors")
-    with pytest.raises(FormatError, match="truncated while it was being converted"):
-        output.engine(Truncated, block_bytes=4096).run()
-    output.close()
+    assert_pass_fails(source, tmp_path, FormatError, "truncated while it was being converted", Truncated,
+                      block_bytes=4096)
 
 
 def test_a_short_write_is_caught(tmp_path: Path) -> None:
@@ -304,10 +308,7 @@ def test_a_bool_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
         handle.seek(flag.offset + 3)
         handle.write(b"\x02")
     output.close()
-    output = _Output(source, tmp_path / "out.safetensors")
-    with pytest.raises(FormatError, match="bool tensor holds a byte other than 0 or 1"):
-        output.engine().run()
-    output.close()
+    assert_pass_fails(source, tmp_path, FormatError, "bool tensor holds a byte other than 0 or 1")
 
 
 def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -> None:
