@@ -6,8 +6,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "syncd.kernels._transpose",
-            ["syncd/kernels/_transpose.c"],
+            "syncd.engine.write.kernels._transpose",
+            ["syncd/engine/write/kernels/_transpose.c"],
             extra_compile_args=["-O3"],
             optional=True,
         )

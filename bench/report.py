@@ -276,7 +276,7 @@ def report(
         "the torch pipeline is the same with safetensors.torch for every dtype. Rows `syncd ..., N core(s)` ran "
         "pinned to the first N CPUs with taskset (syncd starts one writer thread per core it may use).",
         "",
-        f"Fixed cost in every `syncd convert` row: Python start + `import syncd.cli, syncd.convert` = "
+        f"Fixed cost in every `syncd convert` row: Python start + `import syncd.cli, syncd.engine.convert` = "
         f"{startup['median_s']:.2f} s (median).",
         "",
         "## Conversion",

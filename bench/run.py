@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{[c for c in args.core_counts if c is not None] or 'none'}")
     infos, measurements = [], []
     startup = startup_cost(args.reps, syncd)
-    log(f"  python start + import syncd.convert: {startup['median_s']:.2f} s (a fixed cost of every syncd convert)")
+    median = startup["median_s"]
+    log(f"  python start + import syncd.engine.convert: {median:.2f} s (a fixed cost of every syncd convert)")
     try:
         for case in cases:
             info, results = run_case(

@@ -1,7 +1,7 @@
 """Run syncd's command line from a given copy of the source tree instead of the installed package.
 
     python bench/syncd_at.py SRC_ROOT convert A -o B      # as `syncd convert A -o B`, importing SRC_ROOT/syncd
-    python bench/syncd_at.py SRC_ROOT --where              # imports syncd.convert, prints syncd's path
+    python bench/syncd_at.py SRC_ROOT --where              # imports syncd.engine.convert, prints syncd's path
     python bench/syncd_at.py SRC_ROOT --import MODULE      # exit 0 if MODULE imports from SRC_ROOT
 
 `bench/run.py --snapshot` uses it to measure syncd as committed at HEAD (a `git archive` under bench/work/)
@@ -21,7 +21,7 @@ def main() -> int:
     if sys.argv[2:] == ["--where"]:  # also the import cost of a conversion, for run.py's startup figure
         import syncd
         import syncd.cli
-        import syncd.convert  # noqa: F401
+        import syncd.engine.convert  # noqa: F401
 
         print(syncd.__file__)
         return 0

@@ -37,7 +37,7 @@ class SyncdUnderTest:
         """A command that starts Python and imports what every `syncd convert` imports, and nothing more."""
         if self.snapshot is not None:
             return [PYTHON, str(BENCH / "syncd_at.py"), str(self.snapshot), "--where"]
-        return [PYTHON, "-c", "import syncd.cli, syncd.convert"]
+        return [PYTHON, "-c", "import syncd.cli, syncd.engine.convert"]
 
     def kernel_name(self) -> str:
         """Which transpose kernel this syncd uses: compiled or numpy (syncd/kernels)."""

@@ -75,8 +75,8 @@ def transpose_extension(tmp_path_factory: pytest.TempPathFactory) -> Any:
          "--build-temp", str(build / "tmp")],
         cwd=REPO, check=True, capture_output=True,
     )
-    (so,) = (build / "lib" / "syncd" / "kernels").glob("_transpose*.so")
-    spec = importlib.util.spec_from_file_location("syncd.kernels._transpose", so)
+    (so,) = (build / "lib" / "syncd" / "engine" / "write" / "kernels").glob("_transpose*.so")
+    spec = importlib.util.spec_from_file_location("syncd.engine.write.kernels._transpose", so)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from conftest import REPO  # noqa: E402
 
-from syncd.publish import is_scratch_name
+from syncd.engine.publish import is_scratch_name
 
 START_TIMEOUT = 20.0
 POLL = 0.02

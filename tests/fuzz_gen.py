@@ -1049,7 +1049,7 @@ def _made_seeds() -> list[tuple[str, bytes]]:
         return _MADE
     from formatgen import bytes_spec
 
-    from syncd.convert import ConvertRequest, convert
+    from syncd.engine.convert import ConvertRequest, convert
     from syncd.formats.burnpack import LAYOUT_PACKED, Scalar, write_burnpack
     from syncd.formats.safetensors import write_safetensors
 
@@ -1186,8 +1186,8 @@ def _one_line(exc: SyncdError) -> bool:
 
 def read_everything(path: Path) -> int:
     """open_checkpoint, read every tensor through both access paths, describe it as `inspect` does."""
+    from syncd.engine.inspect import _describe, print_json, print_table
     from syncd.formats import open_checkpoint
-    from syncd.inspect import _describe, print_json, print_table
 
     with open_checkpoint(path) as reader:
         total = 0
@@ -1227,7 +1227,7 @@ def _scratch_files(directory: Path) -> list[str]:
 def check_convert(blob: bytes, ext: str, workdir: Path, to_format: str | None = None, layout: str = "auto") -> str:
     """The conversion property: success and a re-readable output, or a one-line SyncdError and nothing
     published (no output, no scratch file). Returns "ok" or the error class name."""
-    from syncd.convert import ConvertRequest, convert
+    from syncd.engine.convert import ConvertRequest, convert
     from syncd.formats.registry import BY_EXTENSION, BY_NAME
 
     source = workdir / f"source{ext}"
@@ -1280,7 +1280,8 @@ def cli_baseline() -> dict[str, float]:
     """Address space and start-up time of a `syncd` process that has imported everything `convert` uses,
     measured once: the CLI runs get this plus MEMORY_LIMIT, and this plus TIME_LIMIT."""
     if not _CLI_BASELINE:
-        code = ("import time; t=time.monotonic(); import syncd.cli, syncd.convert, syncd.inspect, syncd.adapters;"
+        code = ("import time; t=time.monotonic();"
+                "import syncd.cli, syncd.engine.convert, syncd.engine.inspect, syncd.adapters;"
                 "print(time.monotonic()-t);"
                 "print([l for l in open('/proc/self/status') if l.startswith('VmPeak')][0].split()[1])")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)

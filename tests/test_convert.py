@@ -1,7 +1,7 @@
 """Acceptance tests for issue 3: `syncd convert` between Burn `.bpk` and PyTorch `.safetensors`.
 
 Real files (the shared fixtures, files written by PyTorch here, burnpacks built with Burn's byte layout), the
-real CLI in a subprocess where exit codes and messages matter, `syncd.convert.convert` otherwise. Outputs are
+real CLI in a subprocess where exit codes and messages matter, `syncd.engine.convert.convert` otherwise. Outputs are
 read back with the independent readers in convcheck.py and, for the PyTorch side, with torch itself.
 """
 
@@ -40,13 +40,13 @@ from torch import nn
 
 from syncd.adapters import ModuleMap
 from syncd.adapters.keys import NameCollisionError, compile_rule
-from syncd.convert import ConvertRequest, convert
+from syncd.engine.convert import ConvertRequest, convert
+from syncd.engine.options import StoreOptions
+from syncd.engine.write.onepass import SLOT_BYTES
+from syncd.engine.write.planned import FromSource, verify_full
 from syncd.errors import FormatError, UnsupportedError, UsageError, VerificationError
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
 from syncd.formats.safetensors import SafetensorsReader
-from syncd.onepass import SLOT_BYTES
-from syncd.passwrite import FromSource, verify_full
-from syncd.stores import StoreOptions
 
 TO_TORCH_LEAF = {"gamma": "weight", "beta": "bias"}
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import CORPUS  # noqa: E402
 from convcheck import assert_one_line_error, dir_listing, read_any, run_cli
 
-from syncd.convert import ConvertRequest, convert
+from syncd.engine.convert import ConvertRequest, convert
 
 CONVERTS, REFUSED = "converts", "refused"
 

@@ -10,7 +10,7 @@ another exception, a hang or a crash; a failed conversion publishes nothing and 
   (default 2000) structured and as many mutated inputs per reader. Each input runs under fuzz_gen.budget:
   SIGALRM after 2 s, RLIMIT_AS = current VmSize + 256 MiB (so an allocation the input provokes raises
   MemoryError, which must not escape as such).
-* The convert path, in-process through `syncd.convert.convert` into a temp dir, under the same budget: half
+* The convert path, in-process through `syncd.engine.convert.convert` into a temp dir, under the same budget: half
   that count per format, structured and mutated each, over several layouts and both targets. Success must
   leave an output that re-reads; a SyncdError must leave no output and no `.*.syncd-*.tmp`.
 * The real CLI, `syncd convert`, in a subprocess (SYNCD_FUZZ_CLI_EXAMPLES, default 80, over both formats)

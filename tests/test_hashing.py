@@ -9,7 +9,7 @@ import pytest
 import xxhash
 from conftest import MNIST_BPK
 
-from syncd import hashing
+from syncd.engine import hashing
 
 
 def test_the_default_is_the_plain_xxh3_128_of_the_file_and_sha256_is_sha256() -> None:
@@ -58,8 +58,8 @@ def test_an_unknown_hash_is_refused() -> None:
 
 
 def test_the_daemon_knows_its_outputs_by_either_recorded_hash(tmp_path: Path) -> None:
-    from syncd.convert import ConvertRequest, convert
     from syncd.daemon.sync import _carries_source
+    from syncd.engine.convert import ConvertRequest, convert
 
     source = tmp_path / MNIST_BPK.name
     source.write_bytes(MNIST_BPK.read_bytes())

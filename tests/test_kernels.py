@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from syncd.kernels import Kernel, band_numpy, make_band, make_compiled, transpose_numpy
+from syncd.engine.write.kernels import Kernel, band_numpy, make_band, make_compiled, transpose_numpy
 
 SHAPES = [(1, 1), (1, 7), (7, 1), (31, 33), (32, 32), (64, 96), (100, 3), (3, 100), (257, 129), (4, 1000)]
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from syncd.adapters import FileContext, LayoutAmbiguityError, ModuleMap, TensorRef, plan_conversion
-from syncd.convert import ConvertRequest, convert
+from syncd.engine.convert import ConvertRequest, convert
 from syncd.errors import UnsupportedError
 
 hf.logging.set_verbosity_error()

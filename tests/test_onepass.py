@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from syncd import kernels, onepass
+from syncd.engine.hashing import file_digest
+from syncd.engine.write import kernels, onepass
+from syncd.engine.write.onepass import Move, OnePass
+from syncd.engine.write.planned import check_digests
 from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.fileio import bool_checker, pwrite_all
 from syncd.formats.safetensors import SafetensorsReader, plan_safetensors
 from syncd.formats.table import TensorSpec
-from syncd.hashing import file_digest
-from syncd.onepass import Move, OnePass
-from syncd.passwrite import check_digests
 
 
 def _source(tmp_path: Path, seed: int = 0) -> Path:

@@ -10,7 +10,7 @@ import torch
 
 from syncd.adapters import TensorRef, plan_conversion
 from syncd.adapters.precision import HALF_KINDS, plan_casts
-from syncd.cast import cast_chunk
+from syncd.engine.cast import cast_chunk
 from syncd.errors import UnsupportedError
 
 

@@ -21,8 +21,7 @@ import pytest
 from conftest import REPO  # noqa: E402
 
 from syncd import publish as pub
-from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
-from syncd.publish import (
+from syncd.engine.publish import (
     Scratch,
     ensure_destination_free,
     is_scratch_name,
@@ -30,6 +29,7 @@ from syncd.publish import (
     publish,
     remove_stale_scratch,
 )
+from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
 
 MIB = 1 << 20
 
@@ -41,7 +41,7 @@ WORKER = r"""
 import os, random, sys
 from pathlib import Path
 from syncd.errors import SyncdError
-from syncd.publish import ensure_destination_free, open_scratch, publish
+from syncd.engine.publish import ensure_destination_free, open_scratch, publish
 
 def content(seed, size):
     return random.Random(seed).randbytes(size)

@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from syncd.adapters import ModuleMap
-from syncd.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.engine.hashing import SOURCE_HASH_KEYS
 from syncd.errors import SyncdError
 from syncd.formats.burnpack import BurnpackReader
 from syncd.formats.shards import split_greedy
-from syncd.hashing import SOURCE_HASH_KEYS
 
 ORIGINAL_FILES = [
     "model-00001-of-00003.safetensors",
@@ -381,9 +381,9 @@ def test_a_pass_over_a_window_reads_only_that_part_of_the_source(tmp_path: Path)
     hashed), nothing before or after it."""
     from safetensors.numpy import save_file
 
+    from syncd.engine.hashing import new_hasher
+    from syncd.engine.write.onepass import Move, OnePass
     from syncd.formats.safetensors import SafetensorsReader
-    from syncd.hashing import new_hasher
-    from syncd.onepass import Move, OnePass
 
     rng = np.random.default_rng(1)
     save_file({name: rng.standard_normal(1000, dtype=np.float32) for name in "abc"}, tmp_path / "src.safetensors")

@@ -36,7 +36,7 @@ def test_inspect_reads_a_table_without_numpy_yaml_or_the_daemon() -> None:
     assert status == 0
     assert "cbor2" in modules  # it did read the burnpack
     assert not {m for m in modules if m.split(".")[0] in ("numpy", "yaml", "watchdog", "xxhash", "hashlib")}
-    assert not {m for m in modules if m.startswith(("syncd.daemon", "syncd.adapters", "syncd.convert"))}
+    assert not {m for m in modules if m.startswith(("syncd.daemon", "syncd.adapters", "syncd.engine.convert"))}
 
 
 def test_the_log_command_still_gets_its_options() -> None:
@@ -48,7 +48,7 @@ def test_the_log_command_still_gets_its_options() -> None:
 def test_a_conversion_without_transposes_does_not_import_numpy_or_yaml(tmp_path: Path) -> None:
     status, modules = _imports("convert", str(MNIST_BPK), "-o", str(tmp_path / "out.safetensors"), "--layout", "keep")
     assert status == 0 and (tmp_path / "out.safetensors").exists()
-    assert "syncd.onepass" in modules and "xxhash" in modules
+    assert "syncd.engine.write.onepass" in modules and "xxhash" in modules
     assert not {m for m in modules if m.split(".")[0] in ("numpy", "yaml", "watchdog")}
     assert not {m for m in modules if m.startswith("syncd.daemon")}
 
@@ -58,11 +58,11 @@ def test_a_transposing_conversion_with_the_compiled_kernel_does_not_import_numpy
                                                                                   transpose_extension: Any) -> None:
     root = tmp_path / "installed"  # the package as pip installs it with a compiler: the kernel beside the code
     shutil.copytree(REPO / "syncd", root / "syncd", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    shutil.copy(transpose_extension.__file__, root / "syncd" / "kernels")
+    shutil.copy(transpose_extension.__file__, root / "syncd" / "engine" / "write" / "kernels")
     argv = ("convert", str(MNIST_BPK), "-o", str(tmp_path / "out.safetensors"), "--layout", "burn")
     status, modules = _imports(*argv, root=root)
     assert status == 0 and (tmp_path / "out.safetensors").exists()
-    assert "syncd.kernels._transpose" in modules  # it did transpose, with the compiled kernel
+    assert "syncd.engine.write.kernels._transpose" in modules  # it did transpose, with the compiled kernel
     assert not {m for m in modules if m.split(".")[0] == "numpy"}
     (tmp_path / "out.safetensors").unlink()
     status, modules = _imports(*argv, root=root, env={"SYNCD_KERNEL": "numpy"})  # the fallback needs numpy

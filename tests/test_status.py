@@ -23,8 +23,8 @@ from conftest import MNIST_BPK, REPO  # noqa: E402
 from daemonutil import DaemonRun, wait_until
 from safetensors.torch import save_file
 
-from syncd.convert import ConvertRequest, convert
 from syncd.daemon.status import CONVERTING_AFTER, STATUS_FILE, Activity
+from syncd.engine.convert import ConvertRequest, convert
 
 
 @pytest.fixture

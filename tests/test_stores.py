@@ -1,4 +1,4 @@
-"""The store options applied to real plans (syncd/stores.py): filter, remap, contiguous indices, casts, undo."""
+"""The store options applied to real plans (syncd/engine/options.py): filter, remap, contiguous indices, casts, undo."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hfsets import LLAMA_MODULES, tiny_llama
 
 from syncd.adapters import ModuleMap, TensorRef, plan_conversion
 from syncd.adapters.keys import NameCollisionError, TensorFilter, compile_rule
-from syncd.stores import StoreOptions, apply_options, undo_renames
+from syncd.engine.options import StoreOptions, apply_options, undo_renames
 
 DTYPES = {"torch.float32": "F32"}
 

@@ -19,7 +19,7 @@ from daemonutil import CAP_LEASE, DaemonRun, scratch_files, wait_until
 from hfsets import save_llama
 from safetensors.numpy import save
 
-from syncd.convert import ConvertRequest, convert
+from syncd.engine.convert import ConvertRequest, convert
 
 # ------------------------------------------------------------------------------------------ checkpoints
 

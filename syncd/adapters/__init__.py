@@ -24,7 +24,7 @@ API
     to_layout "burn" | "pytorch" | "keep"; source_layout "auto" | "pytorch" | "burn"; context a
     ``FileContext(metadata, recorded_layout, recorded_kinds, config, notes)``: what the file's surroundings say
     (its metadata, its `syncd.layout` / `syncd.kinds` record, the parsed config.json beside it), gathered by
-    the convert layer (`syncd.context`); the adapters do no I/O.
+    the convert layer (`syncd.engine.context`); the adapters do no I/O.
 ``apply_plan(tensors, plan) -> list[TensorRef]``: the table the plan produces.
 ``ModuleMap.from_yaml_file(path)``, ``ModuleMap.from_yaml_text(text, source=...)``,
 ``ModuleMap.from_dict(data, source=...)``: a module map (see `syncd.adapters.modulemap` for the YAML form and

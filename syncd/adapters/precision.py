@@ -5,7 +5,7 @@ DeformConv2d, LayerNorm, GroupNorm, InstanceNorm, RmsNorm and PRelu modules, and
 ("running_var underflows in F16") along with every other module. Like it, only F32 tensors are cast going down
 (`f16`, or `bf16` as FloatCastAdapter would) and only F16/BF16 ones going up (`f32`). Casting down is lossy,
 so it is opt-in; a value too large for the target is refused (naming the tensor) rather than turned into inf.
-The byte-level casts are in syncd/cast.py.
+The byte-level casts are in syncd/engine/cast.py.
 """
 
 from __future__ import annotations

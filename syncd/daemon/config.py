@@ -65,7 +65,7 @@ TOP_LEVEL_KEYS = (
 )
 # settings a running daemon cannot change: a SIGHUP names them in its `reloaded` line
 RESTART_SETTINGS = ("workers", "state_dir", "log.path")
-HASH_CHOICES = ("xxh3_128", "sha256")  # syncd.hashing.HASH_CHOICES, without importing the converter
+HASH_CHOICES = ("xxh3_128", "sha256")  # syncd.engine.hashing.HASH_CHOICES, without importing the converter
 LOG_KEYS = ("path", "max_bytes", "backups", "level")
 WATCH_KEYS = (
     "path",

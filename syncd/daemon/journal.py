@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from syncd.daemon.synclog import SyncLog
-from syncd.progress import human_bytes
+from syncd.engine.progress import human_bytes
 
 log = logging.getLogger("syncd")
 

@@ -22,8 +22,8 @@ from typing import Any, BinaryIO, TextIO
 
 from syncd.daemon.config import DEFAULT_CONFIG_PATH, load_config
 from syncd.daemon.synclog import STATUSES, backup_path, parse_timestamp
+from syncd.engine.progress import human_bytes
 from syncd.errors import SyncdError, UsageError
-from syncd.progress import human_bytes
 
 _SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _RELATIVE_SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")

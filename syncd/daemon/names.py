@@ -5,7 +5,7 @@ name that one of them skips is skipped by all three. A candidate:
 
 * announces a format by its extension (`syncd.formats.format_for_path`) that the watch converts in its
   direction;
-* is not one of syncd's own scratch files (`.<name>.syncd-<pid>-<n>.tmp`, `syncd.publish`), whatever the
+* is not one of syncd's own scratch files (`.<name>.syncd-<pid>-<n>.tmp`, `syncd.engine.publish`), whatever the
   configuration says;
 * does not match the watch's `ignore` globs: names that are temporary by convention. By default dotfiles
   (a writer's `.tmp-1.safetensors`, renamed into place when complete), `*.tmp*` (a writer's
@@ -26,10 +26,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from syncd.engine.publish import is_scratch_name
 from syncd.formats import format_for_path
 from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import INDEX_SUFFIX, is_index_name
-from syncd.publish import is_scratch_name
 
 if TYPE_CHECKING:
     from syncd.daemon.config import Watch

@@ -27,8 +27,8 @@ from syncd.daemon.state import StateDB, lock_holder, lock_state_dir
 from syncd.daemon.status import SHOWN_WAITING, Activity
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
+from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
 from syncd.errors import SyncdError, UsageError, one_line
-from syncd.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
 
 log = logging.getLogger("syncd")
 

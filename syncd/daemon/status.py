@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from syncd.daemon.synclog import utc_timestamp
+from syncd.engine.progress import ProgressCallback, ProgressState, describe, human_bytes, human_seconds
 from syncd.errors import SyncdError
-from syncd.progress import ProgressCallback, ProgressState, describe, human_bytes, human_seconds
 
 log = logging.getLogger("syncd")
 

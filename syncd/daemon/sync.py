@@ -20,13 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from syncd import carry, hashing
 from syncd.adapters.keys import TensorFilter, compile_rule
-from syncd.convert import ConvertRequest, ConvertResult, convert, source_digest
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
 from syncd.daemon.state import FileVersion, StateDB
 from syncd.daemon.synclog import SyncLog
+from syncd.engine import carry, hashing
+from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.engine.options import StoreOptions
+from syncd.engine.progress import ProgressCallback
+from syncd.engine.publish import FileIdentity
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
@@ -48,9 +51,6 @@ from syncd.formats.shards import (
     looks_like_shard,
     member_files,
 )
-from syncd.progress import ProgressCallback
-from syncd.publish import FileIdentity
-from syncd.stores import StoreOptions
 
 log = logging.getLogger("syncd.sync")
 

@@ -1,7 +1,7 @@
 """The one description of each checkpoint format: every other module reads format facts from here.
 
 A third format is one more `Format` entry (plus its reader and writer, and its conversion target in
-syncd/targets.py). Layout names are defined here too, as each format's native layout; the adapters use the
+syncd/engine/targets.py). Layout names are defined here too, as each format's native layout; the adapters use the
 same constants (they decide layouts, this layer only names them).
 """
 

@@ -220,7 +220,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_log_command(args)
     if args.command == "completion":
-        from syncd.completion import bash_completion
+        from syncd.cli.completion import bash_completion
 
         sys.stdout.write(bash_completion(build_parser()))
         return EXIT_OK
@@ -228,7 +228,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from syncd.inspect import describe, print_json, print_table
+    from syncd.engine.inspect import describe, print_json, print_table
 
     doc = describe(str(args.file), with_hash=args.hash)
     (print_json if args.json else print_table)(doc, sys.stdout)
@@ -251,8 +251,8 @@ def target_format(to: str | None, output: Path | None) -> str | None:
 
 def _convert(args: argparse.Namespace) -> int:
     from syncd.adapters import ModuleMap
-    from syncd.convert import ConvertRequest, convert
-    from syncd.progress import ProgressBar
+    from syncd.engine.convert import ConvertRequest, convert
+    from syncd.engine.progress import ProgressBar
 
     bar = ProgressBar.for_stream(sys.stderr, label=args.source.name, enabled=not (args.quiet or args.json))
     store, shard_size, one_file = _store_options(args)
@@ -323,8 +323,8 @@ def _result_doc(result: object) -> dict[str, object]:
 def _store_options(args: argparse.Namespace):  # -> tuple[StoreOptions, int | None, bool]
     """--remap/--include/--exclude/--precision/--shard-size, each bad pattern or size one usage error."""
     from syncd.adapters.keys import TensorFilter, parse_rule_argument
+    from syncd.engine.options import StoreOptions
     from syncd.formats.shards import parse_shard_size
-    from syncd.stores import StoreOptions
 
     try:
         rules = tuple(parse_rule_argument(text) for text in args.remap)

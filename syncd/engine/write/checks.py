@@ -47,8 +47,8 @@ def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0,
     transpose, swapped dimensions, a misplaced or stale tile, two rows swapped along a band of tiles) fails
     with near certainty; a lone flipped element is not what a transpose gets wrong.
 
-    This is the numpy form, used with the numpy kernel; `check` in syncd/kernels/_transpose.c applies the same
-    rule in C beside the compiled kernel (syncd.kernels.band_matches picks the one in use).
+    This is the numpy form, used with the numpy kernel; `check` in kernels/_transpose.c applies the same rule in C
+    beside the compiled kernel (syncd.engine.write.kernels.band_matches picks the one in use).
     """
     import numpy as np
 

@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from syncd import carry
 from syncd.adapters import PlanEntry
+from syncd.engine import carry
 from syncd.errors import FormatError, UnsupportedError, VerificationError
 from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.burnpack import LAYOUT_ALIGNED, plan_burnpack
@@ -23,7 +23,7 @@ from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.table import TensorInfo, TensorSpec
 
 if TYPE_CHECKING:  # the pipeline's state; convert.py imports this module, not the other way round at run time
-    from syncd.convert import Conversion
+    from syncd.engine.convert import Conversion
 
 Fill = Callable[[Any], None]
 

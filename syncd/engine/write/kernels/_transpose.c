@@ -10,7 +10,7 @@
  * rows of dst dst_stride apart: a band of columns of a larger matrix can be transposed without copying it out.
  * check(src, dst, ..., samples, seed) (same geometry): the in-cache check of a transposed block, in C so that a
  * transposing conversion never needs numpy (its import and its per-block calls cost 0.25 s of CPU per GiB).
- * Built by setup.py as an optional extension; syncd.kernels falls back to numpy (identical bytes, the same
+ * Built by setup.py as an optional extension; syncd.engine.write.kernels falls back to numpy (identical bytes, the same
  * check) when it is absent.
  */
 #define PY_SSIZE_T_CLEAN
@@ -123,7 +123,7 @@ static PyObject *py_transpose(PyObject *self, PyObject *args) {
  * repeated in the other): dst[c, dst_col + r] must equal src[r, src_col + c], compared as bytes. With
  * samples == 0 every element is compared; otherwise `samples` elements of every TILE x TILE tile, each at its
  * own pseudo-random place (splitmix64 from `seed`, which the caller draws afresh for every block). The
- * sampling rule is syncd.blockcheck.check_transposed's, the numpy form of this check. */
+ * sampling rule is syncd.engine.write.checks.check_transposed's, the numpy form of this check. */
 static inline uint64_t splitmix64(uint64_t *state) {
     uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;

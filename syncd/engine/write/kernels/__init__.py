@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from syncd.blockcheck import FULL_CHECK_ELEMENTS, SAMPLES_PER_TILE, check_transposed
+from syncd.engine.write.checks import FULL_CHECK_ELEMENTS, SAMPLES_PER_TILE, check_transposed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -71,7 +71,7 @@ def _compiled() -> Any:
     if os.environ.get("SYNCD_KERNEL") == "numpy":  # for measuring and testing the fallback
         return None
     try:
-        from syncd.kernels import _transpose
+        from syncd.engine.write.kernels import _transpose
     except ImportError:
         return None
     return _transpose

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+from syncd.engine.publish import PublishResult, Scratch, ensure_destination_free, open_scratch, publish
 from syncd.errors import SyncdError
 from syncd.formats.fileio import pwrite_all
 from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.shards import ShardLayout
 from syncd.formats.table import TensorSpec
-from syncd.publish import PublishResult, Scratch, ensure_destination_free, open_scratch, publish
 
 
 def set_paths(layout: ShardLayout, directory: Path) -> list[Path]:

@@ -23,13 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from syncd.blockcheck import Entry, WriteLedger
+from syncd.engine.hashing import DEFAULT_HASH, block_digest, new_hasher
+from syncd.engine.write.checks import Entry, WriteLedger
+from syncd.engine.write.onepass import Move, OnePass, default_workers
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.fileio import TensorFileReader, TensorSink, bool_checker, pwrite_all, write_zeros
 from syncd.formats.table import TensorSpec
-from syncd.hashing import DEFAULT_HASH, block_digest, new_hasher
-from syncd.onepass import Move, OnePass, default_workers
 
 VERIFY_CHOICES = ("fast", "full")
 

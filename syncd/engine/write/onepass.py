@@ -26,11 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from syncd.blockcheck import Entry, SourceStamp, WriteLedger
+from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
+from syncd.engine.write.checks import Entry, SourceStamp, WriteLedger
 from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.fileio import pwrite_all
 from syncd.formats.table import Buffer
-from syncd.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
 SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of this size
@@ -361,7 +361,7 @@ class OnePass:
         """Source rows r0:r0+n become columns r0:r0+n of every output row, a band of output rows at a time:
         each band is transposed, checked, hashed and written while it is in cache (a transposed buffer
         larger than the cache costs three times as much to write, measured). Byte buffers throughout: with
-        the compiled kernel no numpy is needed (syncd.kernels)."""
+        the compiled kernel no numpy is needed (syncd.engine.write.kernels)."""
         from syncd import kernels
 
         try:

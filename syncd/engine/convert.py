@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from syncd import carry, hashing
 from syncd.adapters import (
     AUTO,
     BURN,
@@ -35,7 +34,24 @@ from syncd.adapters import (
     TensorRef,
     plan_conversion,
 )
-from syncd.context import gather_context
+from syncd.engine import carry, hashing
+from syncd.engine.context import gather_context
+from syncd.engine.options import StoreOptions, StorePlan, apply_options, undo_renames
+from syncd.engine.progress import ProgressCallback
+from syncd.engine.publish import FileIdentity, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
+from syncd.engine.sets import set_paths, write_set
+from syncd.engine.targets import TARGETS, Target
+from syncd.engine.write.planned import (
+    VERIFY_CHOICES,
+    FromSource,
+    Joined,
+    Written,
+    check_digests,
+    check_written,
+    source_pieces,
+    verify_full,
+    write_planned,
+)
 from syncd.errors import (
     FormatError,
     SourceChangedError,
@@ -58,25 +74,9 @@ from syncd.formats.shards import (
     read_index,
 )
 from syncd.formats.table import TensorInfo, TensorSpec
-from syncd.passwrite import (
-    VERIFY_CHOICES,
-    FromSource,
-    Joined,
-    Written,
-    check_digests,
-    check_written,
-    source_pieces,
-    verify_full,
-    write_planned,
-)
-from syncd.progress import ProgressCallback
-from syncd.publish import FileIdentity, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
-from syncd.setout import set_paths, write_set
-from syncd.stores import StoreOptions, StorePlan, apply_options, undo_renames
-from syncd.targets import TARGETS, Target
 
 if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a plain copy does not)
-    from syncd.cast import CastCopy
+    from syncd.engine.cast import CastCopy
 
 # The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
 
@@ -350,7 +350,7 @@ def _cast_spec(c: Conversion, entry: PlanEntry, spec: TensorSpec) -> TensorSpec:
 
 
 def _cast_nbytes(nbytes: int, from_dtype: str, to_dtype: str) -> int:
-    from syncd.cast import cast_nbytes
+    from syncd.engine.cast import cast_nbytes
 
     return cast_nbytes(nbytes, from_dtype, to_dtype)
 
@@ -391,7 +391,7 @@ def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
     """A tensor's fill: moved from the source in the one pass, or cast on its own (cast.py)."""
     if not any(piece.source in c.store.casts for piece in entry.pieces):
         return _source_fill(c, entry)
-    from syncd.cast import CastCopy, JoinedCast
+    from syncd.engine.cast import CastCopy, JoinedCast
 
     copies, at = [], 0
     for piece in entry.pieces:  # a join's parts end to end, each cast (precision.py casts a packed module whole)
