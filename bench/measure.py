@@ -18,6 +18,7 @@ from undertest import WORK, SyncdUnderTest
 
 Log = Callable[[str], None]
 
+
 @dataclass
 class Run:
     seconds: float
@@ -94,7 +95,13 @@ def _failure(stderr_path: Path, status: int) -> str:
 
 
 def measure_case(
-    case: Case, sources: dict[str, Path], workdir: Path, reps: int, warmup: bool, syncd: SyncdUnderTest, log: Log,
+    case: Case,
+    sources: dict[str, Path],
+    workdir: Path,
+    reps: int,
+    warmup: bool,
+    syncd: SyncdUnderTest,
+    log: Log,
     commands: list[tuple[str, str, str, str]] = COMMANDS,
 ) -> list[Measurement]:
     """Every command of one case, interleaved: a warm-up round, then `reps` rounds each running every command
@@ -165,7 +172,12 @@ def startup_cost(reps: int, syncd: SyncdUnderTest) -> dict:
 
 
 def run_case(
-    case: Case, reps: int, warmup: bool, keep: bool, syncd: SyncdUnderTest, log: Log,
+    case: Case,
+    reps: int,
+    warmup: bool,
+    keep: bool,
+    syncd: SyncdUnderTest,
+    log: Log,
     commands: list[tuple[str, str, str, str]] = COMMANDS,
 ) -> tuple[dict, list[Measurement]]:
     workdir = WORK / case.name

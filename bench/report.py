@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,15 +94,20 @@ def evaluate_targets(cases: list[Case], measurements: list[Measurement], daemon:
         for key, label in (("syncd_to_bpk", "pytorch->burn"), ("syncd_to_st", "burn->pytorch")):
             m = by.get((case, key))
             ok = None if m is None or m.x_cp_fsync is None else m.x_cp_fsync <= limit
-            figure = f"{m.x_cp_fsync:.2f}x cp+fsync ({m.median_s:.2f} s)" if m and m.x_cp_fsync else (
-                m.error if m else "-")
+            figure = (
+                f"{m.x_cp_fsync:.2f}x cp+fsync ({m.median_s:.2f} s)" if m and m.x_cp_fsync else (m.error if m else "-")
+            )
             plain = f"; {m.x_cp:.2f}x cp" if m and m.x_cp else ""
             add(f"{title} {label}: <= {limit}x cp+fsync [{case}]", figure + plain, ok)
             for pinned_key in sorted(k for c, k in by if c == case and k.startswith(key + "@")):
                 p = by[(case, pinned_key)]
                 cores = pinned_key.split("@")[1]
-                add(f"  the same on {cores} core(s) (taskset)", fmt(p.x_cp_fsync, "{:.2f}x cp+fsync") +
-                    fmt(p.median_s, " ({:.2f} s)"), None, "reference")
+                add(
+                    f"  the same on {cores} core(s) (taskset)",
+                    fmt(p.x_cp_fsync, "{:.2f}x cp+fsync") + fmt(p.median_s, " ({:.2f} s)"),
+                    None,
+                    "reference",
+                )
 
     def torch_target(case: str | None) -> None:
         torch = by.get((case, "torch")) if case else None
@@ -111,8 +116,11 @@ def evaluate_targets(cases: list[Case], measurements: list[Measurement], daemon:
         for key, label in (("syncd_to_bpk", "pytorch->burn"), ("syncd_to_st", "burn->pytorch")):
             m = by.get((case, key))
             speedup = torch.median_s / m.median_s if m and m.median_s else None
-            add(f"Linear-heavy F32 {label}: >= 2x faster than the torch pipeline [{case}]",
-                fmt(speedup, "{:.2f}x") + f" (torch {torch.median_s:.2f} s)", None if speedup is None else speedup >= 2)
+            add(
+                f"Linear-heavy F32 {label}: >= 2x faster than the torch pipeline [{case}]",
+                fmt(speedup, "{:.2f}x") + f" (torch {torch.median_s:.2f} s)",
+                None if speedup is None else speedup >= 2,
+            )
 
     ratio_target(role.get("linear"), 1.8, "Linear-heavy F32")
     torch_target(role.get("linear"))
@@ -156,7 +164,7 @@ def environment() -> dict:
     cp_version = subprocess.run(["cp", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     fs = subprocess.run(["df", "-T", str(BENCH)], capture_output=True, text=True).stdout.splitlines()[1:2]
     return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "cores_allowed": len(os.sched_getaffinity(0)),

@@ -107,17 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     WORK.mkdir(parents=True, exist_ok=True)
     args.core_counts = parse_cores(args.cores)
     args.core_record = core_record()
-    log(f"  cores: {args.core_record['allowed']} of {args.core_record['cpu_count']} allowed; syncd also pinned to "
-        f"{[c for c in args.core_counts if c is not None] or 'none'}")
+    log(
+        f"  cores: {args.core_record['allowed']} of {args.core_record['cpu_count']} allowed; syncd also pinned to "
+        f"{[c for c in args.core_counts if c is not None] or 'none'}"
+    )
     infos, measurements = [], []
     startup = startup_cost(args.reps, syncd)
     median = startup["median_s"]
     log(f"  python start + import syncd.engine.convert: {median:.2f} s (a fixed cost of every syncd convert)")
     try:
         for case in cases:
-            info, results = run_case(
-                case, args.reps, not args.quick, args.keep, syncd, log, commands(args.core_counts)
-            )
+            info, results = run_case(case, args.reps, not args.quick, args.keep, syncd, log, commands(args.core_counts))
             infos.append(info)
             measurements += results
         if not args.no_sharded:

@@ -21,7 +21,7 @@ def main() -> int:
     if sys.argv[2:] == ["--where"]:  # also the import cost of a conversion, for run.py's startup figure
         import syncd
         import syncd.cli
-        import syncd.engine.convert  # noqa: F401
+        import syncd.engine.convert
 
         print(syncd.__file__)
         return 0

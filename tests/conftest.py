@@ -71,9 +71,19 @@ def transpose_extension(tmp_path_factory: pytest.TempPathFactory) -> Any:
     temporary directory): tests cover it whether or not the checkout was built with a compiler present."""
     build = tmp_path_factory.mktemp("build")
     subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(build / "lib"),
-         "--build-temp", str(build / "tmp")],
-        cwd=REPO, check=True, capture_output=True,
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-lib",
+            str(build / "lib"),
+            "--build-temp",
+            str(build / "tmp"),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
     )
     (so,) = (build / "lib" / "syncd" / "engine" / "write" / "kernels").glob("_transpose*.so")
     spec = importlib.util.spec_from_file_location("syncd.engine.write.kernels._transpose", so)

@@ -17,7 +17,7 @@ from typing import Any
 
 import cbor2
 import numpy as np
-from conftest import REPO  # noqa: E402
+from conftest import REPO
 
 from syncd.errors import VerificationError
 from syncd.formats.dtypes import ITEMSIZE
@@ -136,15 +136,17 @@ def dir_listing(path: Path) -> list[str]:
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def verify_tensor(source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str,
-                  transpose: bool) -> None:
+def verify_tensor(
+    source: TensorFileReader, src_name: str, output: TensorFileReader, out_name: str, transpose: bool
+) -> None:
     """Compare one written tensor with its source directly, without any checksum taken while writing:
     independent of the writer's checks, for tests."""
     info, out_info = source.tensor(src_name), output.tensor(out_name)
     expected_shape = tuple(reversed(info.shape)) if transpose else info.shape
     if out_info.nbytes != info.nbytes or out_info.shape != expected_shape:
-        raise VerificationError(f"tensor '{out_name}' has shape {list(out_info.shape)}, expected "
-                                f"{list(expected_shape)}", output.path)
+        raise VerificationError(
+            f"tensor '{out_name}' has shape {list(out_info.shape)}, expected {list(expected_shape)}", output.path
+        )
     if not transpose or info.nbytes == 0:
         if source.read(src_name) != output.read(out_name):
             raise VerificationError(f"tensor '{out_name}' differs from its source '{src_name}'", output.path)
@@ -161,5 +163,4 @@ def verify_tensor(source: TensorFileReader, src_name: str, output: TensorFileRea
         for c in range(cols):
             output.readinto(out_name, (c * rows + r0) * itemsize, view[c * n * itemsize : (c + 1) * n * itemsize])
         if not np.array_equal(got.T, src):
-            raise VerificationError(f"tensor '{out_name}' is not the transpose of its source '{src_name}'",
-                                    output.path)
+            raise VerificationError(f"tensor '{out_name}' is not the transpose of its source '{src_name}'", output.path)

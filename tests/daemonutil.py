@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import REPO  # noqa: E402
+from conftest import REPO
 
 from syncd.engine.publish import is_scratch_name
 

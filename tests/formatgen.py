@@ -38,6 +38,7 @@ def bytes_spec(
     view = memoryview(data).cast("B")
     return TensorSpec(name, dtype, tuple(shape), len(view), lambda sink: sink.write(view), param_id, raw_dtype)
 
+
 # ------------------------------------------------------------------------------------------- raw CBOR
 
 

@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import (  # noqa: E402
+from conftest import (
     ASTERINAS_BPK,
     CORPUS,
     FIXTURES,
     MULTI_LAYER_ST,
     REGRESSIONS,
-    REPO,  # noqa: E402
+    REPO,
 )
 from hypothesis import strategies as st
 
@@ -152,8 +152,13 @@ def jsonb(value: Any) -> bytes:
     if isinstance(value, Text):
         return b'"' + value.data + b'"'
     if isinstance(value, Pairs):
-        return b"{" + b",".join(jsonb(k if not isinstance(k, str) else Text(_jstr(k))) + b":" + jsonb(v)
-                               for k, v in value.items) + b"}"
+        return (
+            b"{"
+            + b",".join(
+                jsonb(k if not isinstance(k, str) else Text(_jstr(k))) + b":" + jsonb(v) for k, v in value.items
+            )
+            + b"}"
+        )
     if isinstance(value, dict):
         return jsonb(Pairs(tuple(value.items())))
     if isinstance(value, list | tuple):
@@ -206,49 +211,217 @@ def chance(draw: Any, percent: int) -> bool:
 # ================================================================================================ pools
 
 HOSTILE_INTS = [
-    0, 1, 2, 3, 7, 8, 24, 255, 256, 257, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1,
-    10_737_418_240, 10_737_418_241, 104_857_601, 2**62, 2**63 - 1, 2**63, 2**64 - 256, 2**64 - 2, 2**64 - 1,
-    -1, -2, -(2**31), -(2**63), -(2**63) - 1, -(2**64),
-    2**64, 2**65, 10**30, -(2**64) - 1,  # bignums (CBOR tags 2/3)
+    0,
+    1,
+    2,
+    3,
+    7,
+    8,
+    24,
+    255,
+    256,
+    257,
+    65535,
+    65536,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**53 + 1,
+    10_737_418_240,
+    10_737_418_241,
+    104_857_601,
+    2**62,
+    2**63 - 1,
+    2**63,
+    2**64 - 256,
+    2**64 - 2,
+    2**64 - 1,
+    -1,
+    -2,
+    -(2**31),
+    -(2**63),
+    -(2**63) - 1,
+    -(2**64),
+    2**64,
+    2**65,
+    10**30,
+    -(2**64) - 1,  # bignums (CBOR tags 2/3)
 ]
 HOSTILE_INT = st.one_of(st.sampled_from(HOSTILE_INTS), st.integers(0, 70), st.integers(-(2**64), 2**64 + 5))
 SELF_REFERENCE = Raw(b"\xd8\x1c\x82\x00\xd8\x1d\x00")  # shareable [0, <itself>]: a cycle
 # anything that is not what a field wants: wrong types, tags, specials, lying heads, nests
 HOSTILE_VALUES = [
-    None, True, False, 0.5, float("nan"), float("inf"), -0.0, 1e300, "", "3", "F32", b"\x01", [], {}, [[1]],
-    {"a": 1}, Raw(b"\xf7"), Raw(b"\xf0"), Raw(b"\xf8\xff"), Tag(2, b"\x01" * 9), Tag(0, "2024-01-01T00:00:00Z"),
-    Tag(1, 2**62), Tag(1, 1e300), Tag(258, [1, 2]), Tag(35, "(a+)+$"), Tag(30, [1, 0]), Tag(1000, 1), Tag(37, b"x"),
-    Tag(260, b"\x01\x02"), Tag(36, "x"), Tag(4, [1, 2]), Tag(25, 0), Tag(256, ["a"]), SELF_REFERENCE,
-    Raw(b"\x81" * 129 + b"\x00"), Raw(b"\x9f" * 130 + b"\xff" * 130), Raw(b"\x9b" + b"\xff" * 8),
-    Raw(b"\x7a\xff\xff\xff\xff"), Raw(b"\x5b\x7f" + b"\xff" * 7), Raw(b"\xff"), Raw(b"\x1c"),
-    Text(b"\xff\xfe"), Text(b"\xed\xa0\x80"), Wide(1, 8), -1, 2**64 - 1, 2**64,
+    None,
+    True,
+    False,
+    0.5,
+    float("nan"),
+    float("inf"),
+    -0.0,
+    1e300,
+    "",
+    "3",
+    "F32",
+    b"\x01",
+    [],
+    {},
+    [[1]],
+    {"a": 1},
+    Raw(b"\xf7"),
+    Raw(b"\xf0"),
+    Raw(b"\xf8\xff"),
+    Tag(2, b"\x01" * 9),
+    Tag(0, "2024-01-01T00:00:00Z"),
+    Tag(1, 2**62),
+    Tag(1, 1e300),
+    Tag(258, [1, 2]),
+    Tag(35, "(a+)+$"),
+    Tag(30, [1, 0]),
+    Tag(1000, 1),
+    Tag(37, b"x"),
+    Tag(260, b"\x01\x02"),
+    Tag(36, "x"),
+    Tag(4, [1, 2]),
+    Tag(25, 0),
+    Tag(256, ["a"]),
+    SELF_REFERENCE,
+    Raw(b"\x81" * 129 + b"\x00"),
+    Raw(b"\x9f" * 130 + b"\xff" * 130),
+    Raw(b"\x9b" + b"\xff" * 8),
+    Raw(b"\x7a\xff\xff\xff\xff"),
+    Raw(b"\x5b\x7f" + b"\xff" * 7),
+    Raw(b"\xff"),
+    Raw(b"\x1c"),
+    Text(b"\xff\xfe"),
+    Text(b"\xed\xa0\x80"),
+    Wide(1, 8),
+    -1,
+    2**64 - 1,
+    2**64,
 ]
 HOSTILE_VALUE = st.sampled_from(HOSTILE_VALUES)
 DEEP = [127, 128, 129, 400, 5000]
 SEGMENTS = [
-    "weight", "bias", "gamma", "beta", "running_mean", "running_var", "num_batches_tracked", "alpha", "fc",
-    "fc1", "linear", "conv", "norm", "bn", "ln", "0", "1", "layers", "embed", "encoder", "attn", "proj",
+    "weight",
+    "bias",
+    "gamma",
+    "beta",
+    "running_mean",
+    "running_var",
+    "num_batches_tracked",
+    "alpha",
+    "fc",
+    "fc1",
+    "linear",
+    "conv",
+    "norm",
+    "bn",
+    "ln",
+    "0",
+    "1",
+    "layers",
+    "embed",
+    "encoder",
+    "attn",
+    "proj",
 ]
 UNIT_DTYPES = ["F64", "F32", "Flex32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "Bool"]
 BPK_KINDS = UNIT_DTYPES + ["Bool(Native)", "Bool(U8)", "Bool(U32)", "QFloat"]
-ITEMSIZE = {"F64": 8, "F32": 4, "Flex32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-            "U32": 4, "U16": 2, "U8": 1, "Bool": 1, "Native": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-            "F8_E8M0": 1, "C64": 8}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "Flex32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "Bool": 1,
+    "Native": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
+}
 BOOL_STORES = {"Native": 1, "U8": 1, "U32": 4}
-ST_DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL", "F8_E4M3",
-             "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"]
+ST_DTYPES = [
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U64",
+    "U32",
+    "U16",
+    "U8",
+    "BOOL",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E8M0",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "C64",
+]
 SUBBYTE = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 QUANT_VALUES = ["Q8F", "E5M2", "E4M3", "Q4F", "E2M1", "Q2F", "Q8S", "Q4S", "Q2S"]
-CARRIED_KEYS = ["syncd.layout", "syncd.param_ids", "syncd.dtypes", "syncd.data_order", "syncd.burnpack_metadata",
-                "syncd.burnpack_layout", "syncd.scalars", "syncd.dropped", "syncd.safetensors_metadata",
-                "syncd.source", "syncd.source_sha256", "syncd.source_xxh3_128", "format"]
+CARRIED_KEYS = [
+    "syncd.layout",
+    "syncd.param_ids",
+    "syncd.dtypes",
+    "syncd.data_order",
+    "syncd.burnpack_metadata",
+    "syncd.burnpack_layout",
+    "syncd.scalars",
+    "syncd.dropped",
+    "syncd.safetensors_metadata",
+    "syncd.source",
+    "syncd.source_sha256",
+    "syncd.source_xxh3_128",
+    "format",
+]
 META_KEYS = CARRIED_KEYS + ["version", "producer", "note"]
 LAYOUT_VALUES = ["pytorch", "burn", "keep", "packed", "aligned", "", "x" * 300]
 
 JSON_LEAF = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8),
-    st.sampled_from(["0x1p99999", "0x1.8p1", "inf", "nan", "F32", "Flex32", "Bool(U32)", "true", "AAE=", "!!",
-                     "Float", "Int", "UInt", "Bool", "packed", "aligned", "I64", "w", "fc.weight"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=8),
+    st.sampled_from(
+        [
+            "0x1p99999",
+            "0x1.8p1",
+            "inf",
+            "nan",
+            "F32",
+            "Flex32",
+            "Bool(U32)",
+            "true",
+            "AAE=",
+            "!!",
+            "Float",
+            "Int",
+            "UInt",
+            "Bool",
+            "packed",
+            "aligned",
+            "I64",
+            "w",
+            "fc.weight",
+        ]
+    ),
 )
 JSON_VALUE = st.recursive(
     JSON_LEAF,
@@ -256,16 +429,44 @@ JSON_VALUE = st.recursive(
     max_leaves=12,
 )
 HOSTILE_JSON = [
-    "[" * 100_000 + "]" * 100_000, "{" * 2000, '"\\ud800"', "1" * 5000, "1e99999", "NaN", "", "{", "[1,",
-    '{"a":1,"a":2}', '{"w":["Float","0x1p99999"]}', '{"w":["Float","-0x1p-99999"]}', '{"w":["Int","1e3"]}',
-    '{"w":["UInt","-1"]}', '{"w":["Int","99999999999999999999999"]}', '{"w":["Bool","yes"]}', '{"w":[1,2,3]}',
-    '{"w":{"dtype":"I64","shape":[-1,-1],"data":"AA=="}}', '{"w":{"dtype":"I64","shape":[],"data":"!!"}}',
-    '{"w":{"dtype":"QFloat","shape":[],"data":""}}', '{"w":{"dtype":"I64","shape":[1e3],"data":""}}',
-    '{"w":{"dtype":"Bool(U32)","shape":[1],"data":"AgAAAA=="}}', '{"w":"18446744073709551616"}',
-    '{"w":"-1"}', '{"w":"0x10"}', '{"w":1.5}', '{"w":"Flex32"}', '{"w":"QFloat"}', '["w","w"]', '[1]',
-    '{"__metadata__":{"dtype":"I64","shape":[],"data":"AAAAAAAAAAA="}}', '{"w":["Float",1]}',
-    '{"w":{"dtype":"I64","shape":[],"data":"AAAAAAAAAAA="}}', '{"fc.weight":"F32"}', '{"w":"Bool(U32)"}',
-    '{"w":{"dtype":"U8","shape":[2,-2],"data":"AAAA"}}', '{"w\\ud800":"1"}', '["\\udfff"]',
+    "[" * 100_000 + "]" * 100_000,
+    "{" * 2000,
+    '"\\ud800"',
+    "1" * 5000,
+    "1e99999",
+    "NaN",
+    "",
+    "{",
+    "[1,",
+    '{"a":1,"a":2}',
+    '{"w":["Float","0x1p99999"]}',
+    '{"w":["Float","-0x1p-99999"]}',
+    '{"w":["Int","1e3"]}',
+    '{"w":["UInt","-1"]}',
+    '{"w":["Int","99999999999999999999999"]}',
+    '{"w":["Bool","yes"]}',
+    '{"w":[1,2,3]}',
+    '{"w":{"dtype":"I64","shape":[-1,-1],"data":"AA=="}}',
+    '{"w":{"dtype":"I64","shape":[],"data":"!!"}}',
+    '{"w":{"dtype":"QFloat","shape":[],"data":""}}',
+    '{"w":{"dtype":"I64","shape":[1e3],"data":""}}',
+    '{"w":{"dtype":"Bool(U32)","shape":[1],"data":"AgAAAA=="}}',
+    '{"w":"18446744073709551616"}',
+    '{"w":"-1"}',
+    '{"w":"0x10"}',
+    '{"w":1.5}',
+    '{"w":"Flex32"}',
+    '{"w":"QFloat"}',
+    '["w","w"]',
+    "[1]",
+    '{"__metadata__":{"dtype":"I64","shape":[],"data":"AAAAAAAAAAA="}}',
+    '{"w":["Float",1]}',
+    '{"w":{"dtype":"I64","shape":[],"data":"AAAAAAAAAAA="}}',
+    '{"fc.weight":"F32"}',
+    '{"w":"Bool(U32)"}',
+    '{"w":{"dtype":"U8","shape":[2,-2],"data":"AAAA"}}',
+    '{"w\\ud800":"1"}',
+    '["\\udfff"]',
 ]
 
 
@@ -276,13 +477,42 @@ def json_text(draw: Any, hostility: int) -> str:
     return pick(draw, HOSTILE_JSON)
 
 
-CARRIED_NAMES = ["fc.weight", "fc.bias", "norm.num_batches_tracked", "bn.running_mean", "w", "", "a..b", "\ud800",
-                 "__metadata__", "q.weight"]
-CARRIED_DTYPES: list[Any] = ["Flex32", "Bool", "Bool(U8)", "Bool(U32)", "F32", "QFloat", "I64", "", 1, None,
-                             ["Flex32"]]
-SCALAR_TEXTS: list[Any] = ["0x1p99999", "-0x1p-99999", "0x1.8p1", "inf", "-inf", "nan", "1e3", "true", "false", "yes",
-                           "-1", "18446744073709551616", "9223372036854775808", "-9223372036854775809", "1" * 5000,
-                           "0", "", 1, 1.5, None, ["x"]]
+CARRIED_NAMES = [
+    "fc.weight",
+    "fc.bias",
+    "norm.num_batches_tracked",
+    "bn.running_mean",
+    "w",
+    "",
+    "a..b",
+    "\ud800",
+    "__metadata__",
+    "q.weight",
+]
+CARRIED_DTYPES: list[Any] = ["Flex32", "Bool", "Bool(U8)", "Bool(U32)", "F32", "QFloat", "I64", "", 1, None, ["Flex32"]]
+SCALAR_TEXTS: list[Any] = [
+    "0x1p99999",
+    "-0x1p-99999",
+    "0x1.8p1",
+    "inf",
+    "-inf",
+    "nan",
+    "1e3",
+    "true",
+    "false",
+    "yes",
+    "-1",
+    "18446744073709551616",
+    "9223372036854775808",
+    "-9223372036854775809",
+    "1" * 5000,
+    "0",
+    "",
+    1,
+    1.5,
+    None,
+    ["x"],
+]
 DROPPED_DATA: list[Any] = ["", "AA==", "AAAAAAAAAAA=", "AQAAAA==", "!!", "AAE", "A" * 100_000, 1, None, "AgAAAA=="]
 DROPPED_SHAPES: list[Any] = [[], [1], [2], [-1, -1], [2**64], [1e3], ["1"], None, "1", [[1]], [True], [0, 2**70]]
 
@@ -297,18 +527,44 @@ def carried_text(draw: Any, key: str, hostility: int) -> str:
         return json_text(draw, hostility)
     names = [pick(draw, CARRIED_NAMES) for _ in range(ints(draw, 0, 3))]
     if key == "syncd.param_ids":
-        value: Any = {n: pick(draw, ["0", "18446744073709551615", "18446744073709551616", "-1", "1.5", "x", 7, None,
-                                     [1], "0x10", "1" * 5000]) for n in names}
+        value: Any = {
+            n: pick(
+                draw,
+                [
+                    "0",
+                    "18446744073709551615",
+                    "18446744073709551616",
+                    "-1",
+                    "1.5",
+                    "x",
+                    7,
+                    None,
+                    [1],
+                    "0x10",
+                    "1" * 5000,
+                ],
+            )
+            for n in names
+        }
     elif key == "syncd.dtypes":
         value = {n: pick(draw, CARRIED_DTYPES) for n in names}
     elif key == "syncd.data_order":
         value = names if chance(draw, 80) else [draw(HOSTILE_INT) for _ in names]
     elif key == "syncd.scalars":
-        value = {n: [pick(draw, ["Float", "Int", "UInt", "Bool", "Str", ""]), pick(draw, SCALAR_TEXTS)]
-                 + ([1] if chance(draw, 10) else []) for n in names}
+        value = {
+            n: [pick(draw, ["Float", "Int", "UInt", "Bool", "Str", ""]), pick(draw, SCALAR_TEXTS)]
+            + ([1] if chance(draw, 10) else [])
+            for n in names
+        }
     elif key == "syncd.dropped":
-        value = {n: {"dtype": pick(draw, CARRIED_DTYPES + ["I64", "U8", "F64", "C64", "F4", "BF16"]),
-                     "shape": pick(draw, DROPPED_SHAPES), "data": pick(draw, DROPPED_DATA)} for n in names}
+        value = {
+            n: {
+                "dtype": pick(draw, CARRIED_DTYPES + ["I64", "U8", "F64", "C64", "F4", "BF16"]),
+                "shape": pick(draw, DROPPED_SHAPES),
+                "data": pick(draw, DROPPED_DATA),
+            }
+            for n in names
+        }
         if chance(draw, 20) and value:
             next(iter(value.values())).pop(pick(draw, ["dtype", "shape", "data"]))
     else:  # the carried metadata maps
@@ -319,8 +575,26 @@ def carried_text(draw: Any, key: str, hostility: int) -> str:
 
 
 HOSTILE_NAMES: list[Any] = [
-    "", ".", "..", "a..b", ".a", "a.", "__metadata__", "a\nb", "a\x00b", " ", "w\u202e", "\ud800", "a.\udfff",
-    "😀.weight", "fc.weight\r", Text(b"\xff"), Text(b"a.\xc3"), Text(b"\xed\xa0\x80"), Text(b"\xc0\xae"), Text(b""),
+    "",
+    ".",
+    "..",
+    "a..b",
+    ".a",
+    "a.",
+    "__metadata__",
+    "a\nb",
+    "a\x00b",
+    " ",
+    "w\u202e",
+    "\ud800",
+    "a.\udfff",
+    "😀.weight",
+    "fc.weight\r",
+    Text(b"\xff"),
+    Text(b"a.\xc3"),
+    Text(b"\xed\xa0\x80"),
+    Text(b"\xc0\xae"),
+    Text(b""),
 ]
 ANY_TEXT = st.text(max_size=12)
 
@@ -357,8 +631,17 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-HOSTILE_SHAPES = [[2**63, 0], [0, 2**64 - 1], [2**64 - 1, 2**64 - 1], [1] * 300, [2**32, 2**32], [10_737_418_240],
-                  [3, -1], [2**64], [0] * 5000]
+HOSTILE_SHAPES = [
+    [2**63, 0],
+    [0, 2**64 - 1],
+    [2**64 - 1, 2**64 - 1],
+    [1] * 300,
+    [2**32, 2**32],
+    [10_737_418_240],
+    [3, -1],
+    [2**64],
+    [0] * 5000,
+]
 DIMS = [0, 1, 1, 2, 3, 4, 5, 8, 16]
 ZERO_SIZED = [[2**40, 0], [0, 2**40], [2**63, 0], [0, 2**64 - 1], [0], [0, 0], [0, 3], [3, 0], [0, 2**32, 2**32]]
 
@@ -421,10 +704,22 @@ def tensor_plan(draw: Any, hostility: int) -> list[tuple[str, list[int], str] | 
 
 
 HOSTILE_DTYPES: list[tuple[Any, str | None]] = [
-    ("f32", None), ("Bool(U8)", None), ("QFloat", None), ("", None), ("F32 ", None), ({"Bool": "U16"}, None),
-    ({"Bool": 1}, None), ({"Bool": "U8", "x": 1}, None), ({"QFloat": None}, None), ({"QFloat": []}, None),
-    ({"QFloat": {}}, None), ({"QFloat": {"value": [1]}}, None), ({"QFloat": {"value": {"a": 1}}}, None),
-    ({"QFloat": {"value": Tag(258, [1])}}, None), ({"Float": "F32"}, None), ({"Bool": Text(b"\xff")}, None),
+    ("f32", None),
+    ("Bool(U8)", None),
+    ("QFloat", None),
+    ("", None),
+    ("F32 ", None),
+    ({"Bool": "U16"}, None),
+    ({"Bool": 1}, None),
+    ({"Bool": "U8", "x": 1}, None),
+    ({"QFloat": None}, None),
+    ({"QFloat": []}, None),
+    ({"QFloat": {}}, None),
+    ({"QFloat": {"value": [1]}}, None),
+    ({"QFloat": {"value": {"a": 1}}}, None),
+    ({"QFloat": {"value": Tag(258, [1])}}, None),
+    ({"Float": "F32"}, None),
+    ({"Bool": Text(b"\xff")}, None),
     ({"QFloat": {"value": "Q8S", "store": SELF_REFERENCE}}, "QFloat"),
     ({"QFloat": {"value": "Q4F", "nest": Raw(b"\x81" * 120 + b"\x00")}}, "QFloat"),
     ({"QFloat": {"value": "Q8F", "odd": b"\x00\x01"}}, "QFloat"),
@@ -443,17 +738,36 @@ BLOCK = {"storage": [32, 1, 1, 1, 1], "len": 1}
 
 def quant_scheme(draw: Any) -> Any:
     value = pick(draw, QUANT_VALUES)
-    return pick(draw, [
-        {"value": value, "store": "Native", "mode": "Symmetric", "tensor": "F32", "block": None},
-        {"value": value, "store": {"PackedU32": 0}, "mode": "Lookup", "tensor": None,
-         "block": {"size": BLOCK, "dtype": "F16"}},
-        {"value": value, "param": "F32", "store": "Native", "level": "Tensor", "mode": "Symmetric"},
-        {"value": value, "param": "F32", "store": {"PackedNative": 2}, "level": {"Block": BLOCK}, "mode": "Symmetric"},
-        {"value": value, "param": "F32", "store": "U32",
-         "level": {"BlockTensor": {"block": BLOCK, "global": "UE8M0"}}, "mode": "Symmetric"},
-        {"value": value},
-        {"value": value, "store": [1, 2, [3, [4, [5]]]], "x": {"y": {"z": None}}, "f": 0.5, "n": -7, "t": True},
-    ])
+    return pick(
+        draw,
+        [
+            {"value": value, "store": "Native", "mode": "Symmetric", "tensor": "F32", "block": None},
+            {
+                "value": value,
+                "store": {"PackedU32": 0},
+                "mode": "Lookup",
+                "tensor": None,
+                "block": {"size": BLOCK, "dtype": "F16"},
+            },
+            {"value": value, "param": "F32", "store": "Native", "level": "Tensor", "mode": "Symmetric"},
+            {
+                "value": value,
+                "param": "F32",
+                "store": {"PackedNative": 2},
+                "level": {"Block": BLOCK},
+                "mode": "Symmetric",
+            },
+            {
+                "value": value,
+                "param": "F32",
+                "store": "U32",
+                "level": {"BlockTensor": {"block": BLOCK, "global": "UE8M0"}},
+                "mode": "Symmetric",
+            },
+            {"value": value},
+            {"value": value, "store": [1, 2, [3, [4, [5]]]], "x": {"y": {"z": None}}, "f": 0.5, "n": -7, "t": True},
+        ],
+    )
 
 
 def bpk_dtype(draw: Any, hostility: int) -> tuple[Any, str | None]:
@@ -470,16 +784,34 @@ def bpk_dtype(draw: Any, hostility: int) -> tuple[Any, str | None]:
 
 
 HOSTILE_OFFSETS: list[Any] = [
-    [2**64 - 1, 2**64 - 1], [2**64 - 256, 2**64], [0, 2**64 - 1], [256, 0], [0], [0, 0, 0], [], [-1, 3], [0.0, 4.0],
-    "0..4", None, [True, False], [Wide(0, 8), Wide(4, 8)], [2**63, 2**63 + 4], [0, 10_737_418_241],
+    [2**64 - 1, 2**64 - 1],
+    [2**64 - 256, 2**64],
+    [0, 2**64 - 1],
+    [256, 0],
+    [0],
+    [0, 0, 0],
+    [],
+    [-1, 3],
+    [0.0, 4.0],
+    "0..4",
+    None,
+    [True, False],
+    [Wide(0, 8), Wide(4, 8)],
+    [2**63, 2**63 + 4],
+    [0, 10_737_418_241],
 ]
 NON_KEYS: list[Any] = [1, -1, b"w", None, True, 0.5, [1], Raw(b"\xf7"), Tag(258, ["a"]), Tag(1000, "w")]
 NON_MAPS: list[Any] = [[], "desc", None, 0, Raw(b"\xbf\xff"), Tag(55799, {})]
 DESC_KEYS = ["extra", "dtype", "shape", "param_id", "data_offsets"]
 
 
-BPK_SPELLING: dict[str, tuple[Any, str]] = {"F32": ("F32", "F32"), "F16": ("F16", "F16"), "BF16": ("BF16", "BF16"),
-                                             "F64": ("F64", "F64"), "I64": ("I64", "I64")}
+BPK_SPELLING: dict[str, tuple[Any, str]] = {
+    "F32": ("F32", "F32"),
+    "F16": ("F16", "F16"),
+    "BF16": ("BF16", "BF16"),
+    "F64": ("F64", "F64"),
+    "I64": ("I64", "I64"),
+}
 
 
 def descriptor(draw: Any, hostility: int, fixed: tuple[str, list[int], str] | None = None) -> _Planned:
@@ -506,7 +838,8 @@ def descriptor(draw: Any, hostility: int, fixed: tuple[str, list[int], str] | No
     bools = 0
     shape = doc.get("shape")
     valid_shape = isinstance(shape, list) and all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < U64 for d in shape)
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < U64 for d in shape
+    )
     if kind == "QFloat":
         nbytes = ints(draw, 0, 64)
     elif kind is not None and valid_shape:
@@ -551,7 +884,8 @@ def meta_map(draw: Any, hostility: int) -> Any:
             entries[key] = draw(ANY_TEXT)
     if chance(draw, hostility):
         entries[pick(draw, ["k", 1, Text(b"\xff"), Raw(b"\xf6"), "syncd.param_ids"])] = (
-            draw(HOSTILE_VALUE) if chance(draw, 70) else "\ud800")
+            draw(HOSTILE_VALUE) if chance(draw, 70) else "\ud800"
+        )
     return entries
 
 
@@ -577,13 +911,33 @@ def scalars_map(draw: Any, hostility: int) -> Any:
     return out
 
 
-TOP_EXTRAS: list[Any] = [
-    ("tensors", {}), ("extra", SELF_REFERENCE), (Tag(55799, "x"), 1), (1, 2), ("metadata", None), ("scalars", []),
-    ("metadata", []), ("extra", Raw(b"\xa0")), ("extra", Tag(35, "(a*)*b")), ("extra", Tag(2, b"\xff" * 4000)),
-] + [("extra", Raw(b"\x81" * d + b"\x00")) for d in DEEP] + [("extra", Raw(b"\x9f" * d + b"\xff" * d)) for d in DEEP]
+TOP_EXTRAS: list[Any] = (
+    [
+        ("tensors", {}),
+        ("extra", SELF_REFERENCE),
+        (Tag(55799, "x"), 1),
+        (1, 2),
+        ("metadata", None),
+        ("scalars", []),
+        ("metadata", []),
+        ("extra", Raw(b"\xa0")),
+        ("extra", Tag(35, "(a*)*b")),
+        ("extra", Tag(2, b"\xff" * 4000)),
+    ]
+    + [("extra", Raw(b"\x81" * d + b"\x00")) for d in DEEP]
+    + [("extra", Raw(b"\x9f" * d + b"\xff" * d)) for d in DEEP]
+)
 TOP_REPLACEMENTS: list[Any] = [("tensors", []), ("tensors", None), ("tensors", "x"), ("tensorz", {})]
-DOC_REPLACEMENTS: list[Any] = [[], "tensors", None, Tag(55799, {"tensors": {}}), Raw(b"\xbf\xff"),
-                               Raw(b"\xa1\x67tensors\xbf\xff"), Raw(b""), Raw(b"\xa1\x67tensors\xa0" * 2)]
+DOC_REPLACEMENTS: list[Any] = [
+    [],
+    "tensors",
+    None,
+    Tag(55799, {"tensors": {}}),
+    Raw(b"\xbf\xff"),
+    Raw(b"\xa1\x67tensors\xbf\xff"),
+    Raw(b""),
+    Raw(b"\xa1\x67tensors\xa0" * 2),
+]
 HOSTILITY = [0, 0, 2, 5, 15, 40, 100]
 GENTLE = [0, 1, 2, 3, 5, 10]  # for the conversion tests: most files must get past the reader
 
@@ -637,8 +991,9 @@ def burnpack_files(draw: Any, levels: list[int] = HOSTILITY) -> bytes:
         meta += pick(draw, [b"\x00", b"\xff", b"\x00" * 100])  # trailing bytes after the document
     size_field = len(meta)
     if chance(draw, hostility // 2):
-        size_field = pick(draw, [0, 1, len(meta) - 1, len(meta) + 1, len(meta) + 256, 2**32 - 1, 2**31,
-                                 104_857_600, 104_857_601])
+        size_field = pick(
+            draw, [0, 1, len(meta) - 1, len(meta) + 1, len(meta) + 256, 2**32 - 1, 2**31, 104_857_600, 104_857_601]
+        )
         size_field = max(0, min(size_field, 2**32 - 1))
     magic = MAGIC if not chance(draw, hostility // 4) else pick(draw, [0, MAGIC ^ 1, 0x4E525542])
     version = 1 if not chance(draw, hostility // 2) else pick(draw, [0, 2, 0xFFFF])
@@ -656,11 +1011,39 @@ def burnpack_files(draw: Any, levels: list[int] = HOSTILITY) -> bytes:
 
 # ================================================================================================ safetensors
 
-HOSTILE_ST_DTYPES: list[Any] = ["f32", "F32 ", "", "Bool", "QFloat", "Flex32", "F8", 4, None, ["F32"], {"F32": 1},
-                                Text(b"\\ud800"), Text(b"\xff"), "bool", "U1"]
-HOSTILE_ST_SHAPES: list[Any] = [None, "3", [1.0], [True], [[2]], [-0.0], {}, Raw(b"[1e999]"),
-                                Raw(b"[1" + b"0" * 5000 + b"]"), Raw(b"[18446744073709551616]"), Raw(b"[-0]"),
-                                Raw(b"[1E2]"), Raw(b"[01]"), Raw(b"[" * 3000 + b"]" * 3000)]
+HOSTILE_ST_DTYPES: list[Any] = [
+    "f32",
+    "F32 ",
+    "",
+    "Bool",
+    "QFloat",
+    "Flex32",
+    "F8",
+    4,
+    None,
+    ["F32"],
+    {"F32": 1},
+    Text(b"\\ud800"),
+    Text(b"\xff"),
+    "bool",
+    "U1",
+]
+HOSTILE_ST_SHAPES: list[Any] = [
+    None,
+    "3",
+    [1.0],
+    [True],
+    [[2]],
+    [-0.0],
+    {},
+    Raw(b"[1e999]"),
+    Raw(b"[1" + b"0" * 5000 + b"]"),
+    Raw(b"[18446744073709551616]"),
+    Raw(b"[-0]"),
+    Raw(b"[1E2]"),
+    Raw(b"[01]"),
+    Raw(b"[" * 3000 + b"]" * 3000),
+]
 ST_ENTRY_KEYS = ["extra", "dtype", "shape", "data_offsets", "__metadata__"]
 ST_NON_ENTRIES: list[Any] = [[], "entry", None, 0, Raw(b"[" * 3000 + b"]" * 3000), Raw(b"{}")]
 
@@ -698,16 +1081,57 @@ def st_entry(draw: Any, hostility: int, fixed: tuple[str, list[int], str] | None
     return name, entry, nbytes
 
 
-HOSTILE_ST_OFFSETS: list[Any] = [[], [0], [0, 0, 0], [4, 0], [0.0, 4.0], "0,4", None, [True, True],
-                                 Raw(b"[0,18446744073709551616]"), Raw(b"[-0,0]"), [2**64 - 1, 2**64 - 1]]
-HOSTILE_ST_META: list[Any] = [[], "m", None, 1, {"k": 1}, {"k": None}, {"k": ["v"]}, {"k": Text(b"\\ud800")},
-                              {"k": Text(b"\xff")}, {Text(b"\\udfff"): "v"}, {"k": Text(b"\\u0000")},
-                              {"syncd.param_ids": Text(b"\\ud800")}]
-BAD_NAMES = [Text(b"\\ud800"), Text(b"a\\udc00b"), Text(b"\xff"), Text(b"\\u0000"), Text(b"\\ud800\\udc00"),
-             Text(b"a\\n")]
-ST_TEXT_REPLACEMENTS = [b"", b"[]", b"null", b" {}", b"\xef\xbb\xbf{}", b"{" * 100_000, b"[" * 100_000,
-                        b'{"a":' * 3000 + b"1" + b"}" * 3000, b"{}" + b"\x00" * 5, b'{"__metadata__":{}}',
-                        b'{"a":{"dtype":"U8","shape":[],"data_offsets":[0,1]}}', b"{}}", b"{,}", b'{"a":1}']
+HOSTILE_ST_OFFSETS: list[Any] = [
+    [],
+    [0],
+    [0, 0, 0],
+    [4, 0],
+    [0.0, 4.0],
+    "0,4",
+    None,
+    [True, True],
+    Raw(b"[0,18446744073709551616]"),
+    Raw(b"[-0,0]"),
+    [2**64 - 1, 2**64 - 1],
+]
+HOSTILE_ST_META: list[Any] = [
+    [],
+    "m",
+    None,
+    1,
+    {"k": 1},
+    {"k": None},
+    {"k": ["v"]},
+    {"k": Text(b"\\ud800")},
+    {"k": Text(b"\xff")},
+    {Text(b"\\udfff"): "v"},
+    {"k": Text(b"\\u0000")},
+    {"syncd.param_ids": Text(b"\\ud800")},
+]
+BAD_NAMES = [
+    Text(b"\\ud800"),
+    Text(b"a\\udc00b"),
+    Text(b"\xff"),
+    Text(b"\\u0000"),
+    Text(b"\\ud800\\udc00"),
+    Text(b"a\\n"),
+]
+ST_TEXT_REPLACEMENTS = [
+    b"",
+    b"[]",
+    b"null",
+    b" {}",
+    b"\xef\xbb\xbf{}",
+    b"{" * 100_000,
+    b"[" * 100_000,
+    b'{"a":' * 3000 + b"1" + b"}" * 3000,
+    b"{}" + b"\x00" * 5,
+    b'{"__metadata__":{}}',
+    b'{"a":{"dtype":"U8","shape":[],"data_offsets":[0,1]}}',
+    b"{}}",
+    b"{,}",
+    b'{"a":1}',
+]
 ST_PADS = [b"", b"\x00" * 8, b"\n\t  ", b" " * 4096, b"\r\n", b"  \x00"]
 
 
@@ -752,16 +1176,20 @@ def safetensors_files(draw: Any, levels: list[int] = HOSTILITY) -> bytes:
         pairs.append((pick(draw, BAD_NAMES), {"dtype": "U8", "shape": [0], "data_offsets": [cursor, cursor]}))
     text = jsonb(Pairs(tuple(pairs)))
     if chance(draw, hostility // 3):
-        text = pick(draw, ST_TEXT_REPLACEMENTS + [text + b"}", text[:-1], text + b"x", text.replace(b":", b"=", 1),
-                                                 b" " + text, b"\n" + text])
+        text = pick(
+            draw,
+            ST_TEXT_REPLACEMENTS
+            + [text + b"}", text[:-1], text + b"x", text.replace(b":", b"=", 1), b" " + text, b"\n" + text],
+        )
     pad = b" " * (-len(text) % 8)
     if chance(draw, hostility // 2):
         pad = pick(draw, ST_PADS)
     text += pad
     length = len(text)
     if chance(draw, hostility // 2):
-        length = pick(draw, [0, 1, 2, 7, length - 1, length + 1, length + 8, 2**32, 2**63, 2**64 - 1,
-                             100_000_000, 100_000_001])
+        length = pick(
+            draw, [0, 1, 2, 7, length - 1, length + 1, length + 8, 2**32, 2**63, 2**64 - 1, 100_000_000, 100_000_001]
+        )
         length = max(0, min(length, 2**64 - 1))
     blob = struct.pack("<Q", length) + text + b"".join(chunks)
     if chance(draw, hostility // 2):
@@ -783,15 +1211,59 @@ def header_end(blob: bytes | bytearray) -> int:
 
 
 INTERESTING_CBOR = [
-    b"\x9b\xff\xff\xff\xff\xff\xff\xff\xff", b"\xbb\x00\x00\x00\x00\xff\xff\xff\xff", b"\x7b" + b"\xff" * 8,
-    b"\x5a\xff\xff\xff\xff", b"\xd8\x1c", b"\xd8\x1d\x00", b"\xc2", b"\xd9\x01\x02", b"\xff", b"\x9f", b"\xbf",
-    b"\xf7", b"\xf8\x20", b"\x1b" + b"\xff" * 8, b"\x3b" + b"\xff" * 8, b"\x1c", b"\x81" * 200,
-    b"\xfb\x7f\xf8\x00\x00\x00\x00\x00\x00", b"\x62\xed\xa0", b"\x60", b"\xc1\x1b\x7f" + b"\xff" * 7, b"\xd8\x23",
+    b"\x9b\xff\xff\xff\xff\xff\xff\xff\xff",
+    b"\xbb\x00\x00\x00\x00\xff\xff\xff\xff",
+    b"\x7b" + b"\xff" * 8,
+    b"\x5a\xff\xff\xff\xff",
+    b"\xd8\x1c",
+    b"\xd8\x1d\x00",
+    b"\xc2",
+    b"\xd9\x01\x02",
+    b"\xff",
+    b"\x9f",
+    b"\xbf",
+    b"\xf7",
+    b"\xf8\x20",
+    b"\x1b" + b"\xff" * 8,
+    b"\x3b" + b"\xff" * 8,
+    b"\x1c",
+    b"\x81" * 200,
+    b"\xfb\x7f\xf8\x00\x00\x00\x00\x00\x00",
+    b"\x62\xed\xa0",
+    b"\x60",
+    b"\xc1\x1b\x7f" + b"\xff" * 7,
+    b"\xd8\x23",
 ]
 INTERESTING_JSON = [
-    b"18446744073709551616", b"-1", b"1e999", b"NaN", b"1.5", b"0", b"\\ud800", b"\xff", b'"', b"\\", b"[", b"{",
-    b"]", b"}", b",", b":", b"null", b"99999999999999999999", b"[" * 2000, b'"__metadata__"', b"BOOL", b"F4",
-    b"F6_E2M3", b"C64", b"\x00", b" " * 9, b"\\udfff", b"\\u0000", b'"syncd.dropped":"[1]",',
+    b"18446744073709551616",
+    b"-1",
+    b"1e999",
+    b"NaN",
+    b"1.5",
+    b"0",
+    b"\\ud800",
+    b"\xff",
+    b'"',
+    b"\\",
+    b"[",
+    b"{",
+    b"]",
+    b"}",
+    b",",
+    b":",
+    b"null",
+    b"99999999999999999999",
+    b"[" * 2000,
+    b'"__metadata__"',
+    b"BOOL",
+    b"F4",
+    b"F6_E2M3",
+    b"C64",
+    b"\x00",
+    b" " * 9,
+    b"\\udfff",
+    b"\\u0000",
+    b'"syncd.dropped":"[1]",',
 ]
 NUMBERS_JSON = INTERESTING_JSON[:6] + [b"4", b"1" + b"0" * 30, b"-0", b"0.0", b"1e2", b"9223372036854775808"]
 OPS = ["flip", "flip", "byte", "truncate", "insert", "delete", "length", "length", "token", "token", "number", "dup"]
@@ -816,12 +1288,17 @@ def mutations(draw: Any, pool: str) -> tuple[str, bytes]:
         elif op == "byte" and data:
             data[pos] = pick(draw, BYTES)
         elif op == "truncate":
-            cut = pick(draw, [0, 1, 4, 7, 8, 9, 10, pos, end - 1, end, end + 1, len(data) - 1, len(data) - 255,
-                              len(data) - 256])
-            del data[max(0, cut):]
+            cut = pick(
+                draw,
+                [0, 1, 4, 7, 8, 9, 10, pos, end - 1, end, end + 1, len(data) - 1, len(data) - 255, len(data) - 256],
+            )
+            del data[max(0, cut) :]
         elif op == "insert":
-            extra = draw(SMALL_BINARY) if chance(draw, 40) else pick(draw, INTERESTING_CBOR if burnpack
-                                                                           else INTERESTING_JSON)
+            extra = (
+                draw(SMALL_BINARY)
+                if chance(draw, 40)
+                else pick(draw, INTERESTING_CBOR if burnpack else INTERESTING_JSON)
+            )
             data[pos:pos] = extra
         elif op == "delete":
             del data[pos : pos + ints(draw, 1, 32)]
@@ -858,15 +1335,49 @@ def mutations(draw: Any, pool: str) -> tuple[str, bytes]:
 def _rewrite_length(draw: Any, data: bytearray, burnpack: bool) -> None:
     if burnpack and chance(draw, 85):
         real = int.from_bytes(data[6:10], "little")
-        value = pick(draw, [0, 1, real - 1, real + 1, real + 246, real - 256, 2**32 - 1, 2**31, 104_857_600,
-                            104_857_601, len(data), len(data) - 10])
+        value = pick(
+            draw,
+            [
+                0,
+                1,
+                real - 1,
+                real + 1,
+                real + 246,
+                real - 256,
+                2**32 - 1,
+                2**31,
+                104_857_600,
+                104_857_601,
+                len(data),
+                len(data) - 10,
+            ],
+        )
         data[6:10] = (value % 2**32).to_bytes(4, "little")
     elif burnpack:
         data[4:6] = pick(draw, [0, 2, 0xFFFF]).to_bytes(2, "little")  # the version field
     else:
         real = int.from_bytes(data[:8], "little")
-        value = pick(draw, [0, 1, 2, 7, 8, real - 1, real + 1, real - 8, real + 8, len(data) - 8, len(data), 2**32,
-                            2**63, 2**64 - 1, 100_000_000, 100_000_001])
+        value = pick(
+            draw,
+            [
+                0,
+                1,
+                2,
+                7,
+                8,
+                real - 1,
+                real + 1,
+                real - 8,
+                real + 8,
+                len(data) - 8,
+                len(data),
+                2**32,
+                2**63,
+                2**64 - 1,
+                100_000_000,
+                100_000_001,
+            ],
+        )
         data[:8] = (value % U64).to_bytes(8, "little")
 
 
@@ -949,14 +1460,65 @@ def _edit(draw: Any, node: Any, burnpack: bool, depth: int = 0) -> Any:
 
 
 HOSTILE_JSON_VALUES: list[Any] = [
-    None, True, 0.5, "", "3", "F32", "BOOL", "F4", [], {}, [[1]], {"a": 1}, -1, 2**64, float("nan"), float("inf"),
-    Raw(b"1e999"), Raw(b"-0"), Raw(b"1" * 5000), Raw(b"[" * 3000 + b"]" * 3000), Text(b"\\ud800"), Text(b"\xff"),
-    Text(b"\\u0000"), "0x1p99999", "Bool(U32)", "Flex32", "pytorch", "burn", "packed", "a\nb",
+    None,
+    True,
+    0.5,
+    "",
+    "3",
+    "F32",
+    "BOOL",
+    "F4",
+    [],
+    {},
+    [[1]],
+    {"a": 1},
+    -1,
+    2**64,
+    float("nan"),
+    float("inf"),
+    Raw(b"1e999"),
+    Raw(b"-0"),
+    Raw(b"1" * 5000),
+    Raw(b"[" * 3000 + b"]" * 3000),
+    Text(b"\\ud800"),
+    Text(b"\xff"),
+    Text(b"\\u0000"),
+    "0x1p99999",
+    "Bool(U32)",
+    "Flex32",
+    "pytorch",
+    "burn",
+    "packed",
+    "a\nb",
 ]
 
 
-GENTLE_LEAVES: list[Any] = [0, 1, 2, 3, -1, 2**64 - 1, 2**64, "", "x", "F32", "Flex32", "Bool(U32)", "I64",
-                            "fc.weight", "fc.bias", "pytorch", "burn", True, None, 0.5, [], {}, "\ud800", "a\nb"]
+GENTLE_LEAVES: list[Any] = [
+    0,
+    1,
+    2,
+    3,
+    -1,
+    2**64 - 1,
+    2**64,
+    "",
+    "x",
+    "F32",
+    "Flex32",
+    "Bool(U32)",
+    "I64",
+    "fc.weight",
+    "fc.bias",
+    "pytorch",
+    "burn",
+    True,
+    None,
+    0.5,
+    [],
+    {},
+    "\ud800",
+    "a\nb",
+]
 
 
 def _carried_edit(draw: Any, doc: Any, burnpack: bool) -> Any:
@@ -1070,28 +1632,46 @@ def _made_seeds() -> list[tuple[str, bytes]]:
             bytes_spec("b.bool8", "Bool(U8)", [3], b"\x01\x00\x01"),
             bytes_spec("b.native", "Bool(Native)", [1], b"\x01"),
             bytes_spec("c.legacy", "Bool", [2], b"\x00\x01"),
-            bytes_spec("q.weight", "QFloat", [4], bytes(8),
-                       raw_dtype={"QFloat": {"value": "Q8S", "store": "Native", "mode": "Symmetric",
-                                             "tensor": "F32", "block": None}}),
+            bytes_spec(
+                "q.weight",
+                "QFloat",
+                [4],
+                bytes(8),
+                raw_dtype={
+                    "QFloat": {"value": "Q8S", "store": "Native", "mode": "Symmetric", "tensor": "F32", "block": None}
+                },
+            ),
             bytes_spec("u.u16", "U16", [3], bytes(6)),
             bytes_spec("fc.weight", "F32", [2, 3], bytes(range(24))),
             bytes_spec("fc.bias", "F32", [3], bytes(12)),
         ]
-        scalars = {"lr": Scalar("Float", 0.1), "step": Scalar("UInt", 7), "neg": Scalar("Int", -3),
-                   "flag": Scalar("Bool", True)}
-        made = [("made_all_dtypes.bpk", specs, {"producer": "fuzz"}, scalars, "aligned"),
-                ("made_packed.bpk", specs[-3:], None, None, LAYOUT_PACKED)]
+        scalars = {
+            "lr": Scalar("Float", 0.1),
+            "step": Scalar("UInt", 7),
+            "neg": Scalar("Int", -3),
+            "flag": Scalar("Bool", True),
+        }
+        made = [
+            ("made_all_dtypes.bpk", specs, {"producer": "fuzz"}, scalars, "aligned"),
+            ("made_packed.bpk", specs[-3:], None, None, LAYOUT_PACKED),
+        ]
         for name, sp, md, sc, layout in made:
             fd = os.open(work / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 write_burnpack(fd, sp, md, sc, layout)
             finally:
                 os.close(fd)
-        st_specs = [bytes_spec(f"t.{d.lower()}", d, [4], bytes(4 * ITEMSIZE.get(d, 1) if d not in SUBBYTE else
-                                                              SUBBYTE[d] // 2)) for d in ["F32", "I64", "BF16"]]
-        st_specs += [bytes_spec("t.f4", "F4", [4], bytes(2)), bytes_spec("t.f6", "F6_E2M3", [4], bytes(3)),
-                     bytes_spec("t.c64", "C64", [1], bytes(8)), bytes_spec("t.e8", "F8_E8M0", [2], bytes(2)),
-                     bytes_spec("t.bool", "Bool(Native)", [2], b"\x01\x00")]
+        st_specs = [
+            bytes_spec(f"t.{d.lower()}", d, [4], bytes(4 * ITEMSIZE.get(d, 1) if d not in SUBBYTE else SUBBYTE[d] // 2))
+            for d in ["F32", "I64", "BF16"]
+        ]
+        st_specs += [
+            bytes_spec("t.f4", "F4", [4], bytes(2)),
+            bytes_spec("t.f6", "F6_E2M3", [4], bytes(3)),
+            bytes_spec("t.c64", "C64", [1], bytes(8)),
+            bytes_spec("t.e8", "F8_E8M0", [2], bytes(2)),
+            bytes_spec("t.bool", "Bool(Native)", [2], b"\x01\x00"),
+        ]
         fd = os.open(work / "made_all.safetensors", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             write_safetensors(fd, st_specs, {"syncd.layout": "burn", "note": "x"})
@@ -1266,8 +1846,11 @@ def check_convert(blob: bytes, ext: str, workdir: Path, to_format: str | None = 
         with budget():
             read_everything(dest)
     except (SyncdError, Exception) as exc:
-        raise _fail(blob, ext, f"published output ({to_format}, {layout}) does not re-read: "
-                               f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+        raise _fail(
+            blob,
+            ext,
+            f"published output ({to_format}, {layout}) does not re-read: {type(exc).__name__}: {str(exc)[:300]}",
+        ) from exc
     return outcome
 
 
@@ -1280,10 +1863,12 @@ def cli_baseline() -> dict[str, float]:
     """Address space and start-up time of a `syncd` process that has imported everything `convert` uses,
     measured once: the CLI runs get this plus MEMORY_LIMIT, and this plus TIME_LIMIT."""
     if not _CLI_BASELINE:
-        code = ("import time; t=time.monotonic();"
-                "import syncd.cli, syncd.engine.convert, syncd.engine.inspect, syncd.adapters;"
-                "print(time.monotonic()-t);"
-                "print([l for l in open('/proc/self/status') if l.startswith('VmPeak')][0].split()[1])")
+        code = (
+            "import time; t=time.monotonic();"
+            "import syncd.cli, syncd.engine.convert, syncd.engine.inspect, syncd.adapters;"
+            "print(time.monotonic()-t);"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmPeak')][0].split()[1])"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
         seconds, peak_kb = out.stdout.split()
         _CLI_BASELINE["vm_peak"] = int(peak_kb) * 1024
@@ -1328,10 +1913,16 @@ def check_cli(blob: bytes, ext: str, workdir: Path, extra: list[str] | None = No
     limit = int(base["vm_peak"]) + MEMORY_LIMIT
     env = {k: v for k, v in os.environ.items() if k != "SYNCD_DEBUG"}
     try:
-        proc = subprocess.run([*syncd_command(), "convert", str(source), "-o", str(dest), *(extra or [])],
-                              capture_output=True, text=True, errors="replace", env=env, cwd=workdir,
-                              timeout=TIME_LIMIT + max(1.0, 2 * base["import_seconds"]),
-                              preexec_fn=lambda: _limit_child(limit))
+        proc = subprocess.run(
+            [*syncd_command(), "convert", str(source), "-o", str(dest), *(extra or [])],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            env=env,
+            cwd=workdir,
+            timeout=TIME_LIMIT + max(1.0, 2 * base["import_seconds"]),
+            preexec_fn=lambda: _limit_child(limit),
+        )
     except subprocess.TimeoutExpired:
         raise _fail(blob, ext, "syncd convert timed out") from None
     err = proc.stderr

@@ -29,8 +29,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=100_000, help="inputs per reader test (default 100000)")
     parser.add_argument("--cli", type=int, default=2_000, help="CLI subprocess runs in all (default 2000)")
-    parser.add_argument("--save", type=Path, default=TESTS / "data" / "regressions" / "incoming",
-                        help="where failing inputs go")
+    parser.add_argument(
+        "--save", type=Path, default=TESTS / "data" / "regressions" / "incoming", help="where failing inputs go"
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
     env = {
@@ -40,14 +41,24 @@ def main() -> int:
         "SYNCD_FUZZ_RANDOM": "1",
         "SYNCD_FUZZ_SAVE": str(args.save),
     }
-    command = [sys.executable, "-m", "pytest", str(TESTS / "test_fuzz.py"), "-s", "-p", "no:cacheprovider",
-               *args.pytest_args]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(TESTS / "test_fuzz.py"),
+        "-s",
+        "-p",
+        "no:cacheprovider",
+        *args.pytest_args,
+    ]
     print(f"fuzz_long: {args.examples} inputs per reader test, failures saved in {args.save}", flush=True)
     status = subprocess.call(command, env=env, cwd=TESTS.parent)
     saved = sorted(args.save.glob("*")) if args.save.is_dir() else []
     if saved:
-        print(f"fuzz_long: {len(saved)} failing input(s) in {args.save} (the shrunk ones are those named in the "
-              "pytest failures); move each into tests/data/regressions/ with a line in its README.md")
+        print(
+            f"fuzz_long: {len(saved)} failing input(s) in {args.save} (the shrunk ones are those named in the "
+            "pytest failures); move each into tests/data/regressions/ with a line in its README.md"
+        )
     return status
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
-from daemonutil import DaemonRun, scratch_files, wait_until  # noqa: E402
-from test_training_loop import checkpoint, conversion_of, rewrite_in_place, write_file  # noqa: E402
+from daemonutil import DaemonRun, scratch_files, wait_until
+from test_training_loop import checkpoint, conversion_of, rewrite_in_place, write_file
 
 NAMES = 12  # distinct source names; each is created, rewritten and re-saved many times over
 

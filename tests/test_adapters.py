@@ -14,7 +14,7 @@ import cbor2
 import pytest
 import torch
 import yaml
-from conftest import CORPUS, FIXTURES  # noqa: E402
+from conftest import CORPUS, FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -253,8 +253,10 @@ def test_transformer_block_refuses_with_a_suggestion_that_settles_it() -> None:
     plan = plan_conversion(source, to_layout="burn", module_map=ModuleMap.from_yaml_text(error.suggestion))
     assert plan.source_layout == "pytorch"
     assert plan.kinds["tok_emb"] == "Embedding" and plan.kinds["act"] == "PRelu" and plan.kinds["rms"] == "RmsNorm"
-    assert any(line.startswith("tok_emb: Embedding (2-D weight [50, 16] without bias, named '*_emb')") for line in
-               plan.decisions)
+    assert any(
+        line.startswith("tok_emb: Embedding (2-D weight [50, 16] without bias, named '*_emb')")
+        for line in plan.decisions
+    )
 
 
 def test_transformer_block_to_burn_with_a_module_map() -> None:
@@ -320,9 +322,7 @@ def test_instance_norm_with_running_stats_drops_them_going_to_burn() -> None:
 
 def test_conflicting_layout_names_are_refused_listing_both_sides() -> None:
     # a PyTorch file and a Burn file glued together: their norm names show both layouts
-    burn = [
-        TensorRef(f"burn.{t.name}", t.dtype, t.shape) for t in burnpack_table(FIXTURES / "burn" / "mnist_web.bpk")
-    ]
+    burn = [TensorRef(f"burn.{t.name}", t.dtype, t.shape) for t in burnpack_table(FIXTURES / "burn" / "mnist_web.bpk")]
     mixed = safetensors_table(FIXTURES / "pytorch" / "mnist.safetensors") + burn
     with pytest.raises(AmbiguousLayoutError) as caught:
         plan_conversion(mixed, to_layout="burn")
@@ -354,8 +354,11 @@ def test_names_outrank_a_bias_matching_dim_1() -> None:
     assert not {"model.0.weight", "model.2.weight", "model.4.weight"} & transposed(plan)
     assert transposed(plan) == {"fc1.weight", "fc2.weight"}
     assert plan.decisions[0] == "source layout: pytorch (shown by names of norm1, norm2)"
-    back = plan_conversion(apply_plan(mixed, plan), to_layout="pytorch", context=FileContext(
-        recorded_layout="burn", recorded_kinds=plan.kinds))
+    back = plan_conversion(
+        apply_plan(mixed, plan),
+        to_layout="pytorch",
+        context=FileContext(recorded_layout="burn", recorded_kinds=plan.kinds),
+    )
     assert apply_plan(apply_plan(mixed, plan), back) == [t for t in mixed if t.name not in plan.dropped]
 
 
@@ -380,8 +383,11 @@ def test_packed_pytorch_tensors_are_split_going_to_burn_and_joined_coming_back()
     assert pieces["rnn.cell_gate.input_transform.weight"] == ("rnn.weight_ih_l0", (6, 9), True, (4, 3))
     assert pieces["rnn.output_gate.hidden_transform.bias"] == ("rnn.bias_hh_l0", (9, 12), False, (3,))
     assert plan.kinds["attn"] == "MultiHeadAttention" and plan.kinds["rnn"] == "Lstm"
-    back = plan_conversion(apply_plan(source, plan), to_layout="pytorch", context=FileContext(
-        recorded_layout="burn", recorded_kinds=plan.kinds))
+    back = plan_conversion(
+        apply_plan(source, plan),
+        to_layout="pytorch",
+        context=FileContext(recorded_layout="burn", recorded_kinds=plan.kinds),
+    )
     assert apply_plan(apply_plan(source, plan), back) == source
     assert plan_conversion(source, to_layout="pytorch").is_identity  # packed names show pytorch layout
     assert plan_conversion(source, to_layout="keep").is_identity

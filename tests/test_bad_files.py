@@ -248,8 +248,8 @@ def test_bad_file(
     report = run_isolated(open_and_close(path))
     assert not report.get("hung"), f"{case}: reading did not finish"
     # a FormatError; one the file's own sizes show cut short is its subclass IncompleteFileError
-    assert report.get("error_type") in ("FormatError", "IncompleteFileError"), (
-        report.get("traceback") or report.get("result")
+    assert report.get("error_type") in ("FormatError", "IncompleteFileError"), report.get("traceback") or report.get(
+        "result"
     )
     error = report["error"]
     assert fragment in error["str"], error["str"]
@@ -346,8 +346,12 @@ def test_a_large_legitimate_tensor_table_is_still_decoded(tmp_path: Path) -> Non
     from syncd.formats.fileio import DECODE_BUDGET, DECODE_SCAN_ABOVE
 
     tensors = {
-        f"layers.{i}.attention.weight": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0],
-                                         "param_id": 2**63 + i}
+        f"layers.{i}.attention.weight": {
+            "dtype": "F32",
+            "shape": [0, 4096],
+            "data_offsets": [0, 0],
+            "param_id": 2**63 + i,
+        }
         for i in range(100_000)
     }
     raw = cbor2.dumps({"tensors": tensors})

@@ -11,9 +11,9 @@ from typing import Any
 
 import cbor2
 import pytest
-from conftest import ASTERINAS_BPK as ASTERINAS  # noqa: E402
-from conftest import CORPUS as _CORPUS_DIR  # noqa: E402
-from conftest import MNIST_BPK as MNIST  # noqa: E402
+from conftest import ASTERINAS_BPK as ASTERINAS
+from conftest import CORPUS as _CORPUS_DIR
+from conftest import MNIST_BPK as MNIST
 from formatgen import bpk_bytes, bytes_spec, cbor_text, descriptor, specs_from_reader, write_bpk
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -201,7 +201,7 @@ def expected_layout(model: list[dict[str, Any]], layout: str) -> list[int]:
     return starts
 
 
-def expected_document(model, starts, metadata, scalars) -> dict[str, Any]:  # noqa: ANN001
+def expected_document(model, starts, metadata, scalars) -> dict[str, Any]:
     tensors_doc = {}
     for i in sorted(range(len(model)), key=lambda i: model[i]["name"].encode()):
         t = model[i]
@@ -214,7 +214,7 @@ def expected_document(model, starts, metadata, scalars) -> dict[str, Any]:  # no
     return doc
 
 
-def roundtrip(model, metadata, scalars, layout) -> None:  # noqa: ANN001
+def roundtrip(model, metadata, scalars, layout) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         first = write_bpk(Path(tmp, "a.bpk"), to_specs(model), metadata=metadata, scalars=scalars, layout=layout)
         again = write_bpk(Path(tmp, "b.bpk"), to_specs(model), metadata=metadata, scalars=scalars, layout=layout)
@@ -281,7 +281,7 @@ def roundtrip(model, metadata, scalars, layout) -> None:  # noqa: ANN001
     scalars=st.dictionaries(st.text(max_size=6), scalar_values, max_size=4),
     layout=st.sampled_from([LAYOUT_ALIGNED, LAYOUT_PACKED]),
 )
-def test_roundtrip_property(model, metadata, scalars, layout) -> None:  # noqa: ANN001
+def test_roundtrip_property(model, metadata, scalars, layout) -> None:
     roundtrip(model, metadata, scalars, layout)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import MNIST_BPK, MNIST_ST, REPO  # noqa: E402
+from conftest import MNIST_BPK, MNIST_ST, REPO
 from convcheck import assert_one_line_error, dir_listing, run_cli
 from safetensors.torch import save_file
 

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO  # noqa: E402
+from conftest import REPO
 
 from syncd.daemon.config import (
     DEFAULT_POLL_INTERVAL,

@@ -21,8 +21,8 @@ import pytest
 import torch
 import xxhash
 import yaml
-from conftest import MNIST_BPK as MNIST_WEB  # noqa: E402
-from conftest import MNIST_ST as MNIST_PT  # noqa: E402
+from conftest import MNIST_BPK as MNIST_WEB
+from conftest import MNIST_ST as MNIST_PT
 from convcheck import (
     Checkpoint,
     assert_one_line_error,
@@ -800,8 +800,9 @@ def test_verify_full_converts_both_ways_and_gives_the_same_bytes_as_fast(tmp_pat
     for verify in ("fast", "full"):
         proc = run_cli("convert", source, "-o", tmp_path / f"{verify}.safetensors", "--verify", verify)
         assert proc.returncode == 0, proc.stderr
-        proc = run_cli("convert", tmp_path / f"{verify}.safetensors", "-o", tmp_path / f"{verify}.bpk",
-                       "--verify", verify)
+        proc = run_cli(
+            "convert", tmp_path / f"{verify}.safetensors", "-o", tmp_path / f"{verify}.bpk", "--verify", verify
+        )
         assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "full.safetensors").read_bytes()
     assert read_bpk(tmp_path / "fast.bpk").tensors == read_bpk(tmp_path / "full.bpk").tensors

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS  # noqa: E402
+from conftest import CORPUS
 from convcheck import assert_one_line_error, dir_listing, read_any, run_cli
 
 from syncd.engine.convert import ConvertRequest, convert

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES  # noqa: E402
+from conftest import FIXTURES
 from daemonutil import CAP_LEASE, REPO, DaemonRun, scratch_files, wait_until
 from safetensors.torch import load_file, save
 
@@ -48,7 +48,6 @@ MNIST_BPK_TENSORS = {
     "fc3.weight": (10, 128),
     "fc3.bias": (10,),
 }
-
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

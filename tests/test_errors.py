@@ -34,8 +34,9 @@ def test_an_open_that_is_refused_for_permission_is_not_the_files_fault_and_not_t
             try:
                 open_regular_file(directory)
             except FormatError as exc:
-                os._exit(0 if (exc.kind, exc.transient, classify(exc)) == ("environment", False, ("skipped", False))
-                         else 1)
+                os._exit(
+                    0 if (exc.kind, exc.transient, classify(exc)) == ("environment", False, ("skipped", False)) else 1
+                )
             os._exit(2)
         assert os.waitpid(pid, 0)[1] == 0
     finally:

@@ -116,8 +116,17 @@ def test_reader_mutated(kind: str, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ convert
 
-CONVERT_OPTIONS = st.sampled_from([(None, "auto"), (None, "auto"), (None, "keep"), (None, "pytorch"),
-                                   (None, "burn"), ("same", "keep"), ("same", "auto")])
+CONVERT_OPTIONS = st.sampled_from(
+    [
+        (None, "auto"),
+        (None, "auto"),
+        (None, "keep"),
+        (None, "pytorch"),
+        (None, "burn"),
+        ("same", "keep"),
+        ("same", "auto"),
+    ]
+)
 
 
 def _options(kind: str, option: tuple[str | None, str]) -> tuple[str | None, str]:
@@ -168,8 +177,11 @@ def test_cli_subprocess(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
     counts: Counter = Counter()
     started = time.monotonic()
-    generated = st.one_of(mutations(kind).map(lambda case: case[1]), tree_mutations(kind).map(lambda case: case[1]),
-                          burnpack_files() if kind == "burnpack" else safetensors_files())
+    generated = st.one_of(
+        mutations(kind).map(lambda case: case[1]),
+        tree_mutations(kind).map(lambda case: case[1]),
+        burnpack_files() if kind == "burnpack" else safetensors_files(),
+    )
 
     @fuzz_settings(CLI_EXAMPLES // 2)
     @given(blob=generated)
@@ -197,8 +209,14 @@ def test_corpus_replay(path: Path, tmp_path: Path) -> None:
     ext = path.suffix
     kind = "burnpack" if ext == ".bpk" else "safetensors"
     check_reader(blob, ext, tmp_path)
-    for option in [(None, "auto"), (None, "keep"), (None, "pytorch"), (None, "burn"), ("same", "keep"),
-                   ("same", "auto")]:
+    for option in [
+        (None, "auto"),
+        (None, "keep"),
+        (None, "pytorch"),
+        (None, "burn"),
+        ("same", "keep"),
+        ("same", "auto"),
+    ]:
         check_convert(blob, ext, tmp_path, *_options(kind, option))
     assert check_cli(blob, ext, tmp_path) in (0, 1, 2, 3)
 
@@ -255,14 +273,17 @@ def test_cbor_amplification_is_bounded(tmp_path: Path) -> None:
     path = tmp_path / "amplify.bpk"
     path.write_bytes(_cbor_extra(b"\x9a", 8 * MIB, b"\x80"))
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec (pytest may be large)
-    code = ("import sys; from syncd.formats import open_checkpoint\n"
-            "def hwm():\n"
-            "    return [int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM')][0]\n"
-            "before = hwm()\n"
-            "try:\n    open_checkpoint(sys.argv[1]).close()\nexcept Exception:\n    pass\n"
-            "print((hwm() - before) * 1024)")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
-                         cwd=fuzz_gen.REPO)
+    code = (
+        "import sys; from syncd.formats import open_checkpoint\n"
+        "def hwm():\n"
+        "    return [int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM')][0]\n"
+        "before = hwm()\n"
+        "try:\n    open_checkpoint(sys.argv[1]).close()\nexcept Exception:\n    pass\n"
+        "print((hwm() - before) * 1024)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60, cwd=fuzz_gen.REPO
+    )
     assert int(out.stdout) < fuzz_gen.MEMORY_LIMIT, out.stdout + out.stderr
 
 

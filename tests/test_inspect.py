@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MNIST_BPK, MNIST_ST  # noqa: E402
+from conftest import MNIST_BPK, MNIST_ST
 from hfsets import save_llama
 
 

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO  # noqa: E402
+from conftest import REPO
 
 SECURITY_LIMIT = 0.6  # systemd-analyze security's score of syncd.service before issue 14; not to grow
 NEEDS_A_RUNNING_SYSTEM = ("systemctl", "apt-get", "dnf")

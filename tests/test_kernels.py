@@ -87,8 +87,10 @@ def test_both_band_kernels_transpose_each_band_of_a_byte_buffer(extension: Any, 
 def test_signalling_nans_and_odd_float_bits_survive_unchanged(compiled: Kernel) -> None:
     # float32 signalling NaN (quiet bit clear), a NaN with payload, -0.0, a denormal, infinities; and the
     # bfloat16 and float64 counterparts: a float load/store on x87 or a BLAS copy could quieten the sNaN
-    specials32 = np.array([0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FC00001, 0x80000000, 0x00000001,
-                           0x7F800000, 0xFF800000], dtype=np.uint32)
+    specials32 = np.array(
+        [0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FC00001, 0x80000000, 0x00000001, 0x7F800000, 0xFF800000],
+        dtype=np.uint32,
+    )
     specials16 = np.array([0x7F81, 0xFF81, 0x7FC1, 0x8000, 0x0001, 0x7F80], dtype=np.uint16)
     specials64 = np.array([0x7FF0000000000001, 0xFFF0000000000001, 0x7FF8000000000001, 1 << 63], dtype=np.uint64)
     for specials in (specials32, specials16, specials64):
@@ -125,11 +127,12 @@ def test_the_compiled_kernel_refuses_what_does_not_fit(compiled: Kernel) -> None
 
 
 def test_the_fallback_is_chosen_when_asked_and_gives_the_same_bytes() -> None:
-    code = ("import numpy as np; from syncd import kernels; a = np.arange(12, dtype=np.uint32).reshape(3, 4); "
-            "o = np.empty((4, 3), np.uint32); kernels.transpose(a, o); print(kernels.KERNEL_NAME, o.tobytes().hex())")
+    code = (
+        "import numpy as np; from syncd import kernels; a = np.arange(12, dtype=np.uint32).reshape(3, 4); "
+        "o = np.empty((4, 3), np.uint32); kernels.transpose(a, o); print(kernels.KERNEL_NAME, o.tobytes().hex())"
+    )
     env = {"PYTHONPATH": str(REPO), "SYNCD_KERNEL": "numpy"}
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
     name, data = out.split()
     assert name == "numpy"
     assert bytes.fromhex(data) == np.arange(12, dtype=np.uint32).reshape(3, 4).T.copy().tobytes()
-

@@ -616,8 +616,10 @@ def test_the_chunk_order_is_pytorchs(tmp_path: Path) -> None:
     state |= {f"attn.{k}": v for k, v in attn.state_dict().items()}
     save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "m.safetensors")
     convert(ConvertRequest(source=tmp_path / "m.safetensors"))
-    burn = {name: torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape)
-            for name, t in read_bpk(tmp_path / "m.bpk").tensors.items()}
+    burn = {
+        name: torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape)
+        for name, t in read_bpk(tmp_path / "m.bpk").tensors.items()
+    }
     for k, gate in enumerate(("input_gate", "forget_gate", "cell_gate", "output_gate")):  # i, f, g, o
         for leaf in ("input_transform.weight", "hidden_transform.weight", "input_transform.bias"):
             assert torch.all(burn[f"rnn.{gate}.{leaf}"] == k), (gate, leaf)
@@ -643,8 +645,11 @@ def test_packed_tensors_without_a_burn_slot_are_refused_naming_the_tensor(
 ) -> None:
     source = tmp_path / "packed.safetensors"
     model = save_bare(build, source, seed=2)
-    with pytest.raises(UnsupportedError, match=f"tensor '{tensor}': .*{why}.*; map .* as Other to leave its "
-                       "tensors unchanged, or convert with --layout keep"):
+    with pytest.raises(
+        UnsupportedError,
+        match=f"tensor '{tensor}': .*{why}.*; map .* as Other to leave its "
+        "tensors unchanged, or convert with --layout keep",
+    ):
         convert(ConvertRequest(source=source))
     assert not (tmp_path / "packed.bpk").exists()
     done = run_cli("convert", source)
@@ -710,8 +715,11 @@ def test_an_unusable_config_json_is_noted_and_names_and_shapes_decide(
 
 def _burn_attention_table(prefix: str = "blocks.0.attn") -> list[TensorRef]:
     """A Burn MultiHeadAttention's tensors (burn-compat.md §3.5), beside a LayerNorm that shows burn layout."""
-    table = [TensorRef(f"{prefix}.{field}.{leaf}", "F32", (8, 8) if leaf == "weight" else (8,))
-             for field in ("query", "key", "value", "output") for leaf in ("weight", "bias")]
+    table = [
+        TensorRef(f"{prefix}.{field}.{leaf}", "F32", (8, 8) if leaf == "weight" else (8,))
+        for field in ("query", "key", "value", "output")
+        for leaf in ("weight", "bias")
+    ]
     return [*table, TensorRef("blocks.0.norm.gamma", "F32", (8,)), TensorRef("blocks.0.norm.beta", "F32", (8,))]
 
 
@@ -731,9 +739,12 @@ def test_query_key_value_names_alone_are_never_joined_a_map_or_record_joins_them
     for plan in (mapped, recorded):
         targets = {e.target: e for e in plan.entries}
         joined = targets["blocks.0.attn.in_proj_weight"]
-        assert joined.shape == (24, 8) and [p.source for p in joined.parts] == [
-            "blocks.0.attn.query.weight", "blocks.0.attn.key.weight", "blocks.0.attn.value.weight"
-        ] and all(p.transpose for p in joined.parts)
+        assert (
+            joined.shape == (24, 8)
+            and [p.source for p in joined.parts]
+            == ["blocks.0.attn.query.weight", "blocks.0.attn.key.weight", "blocks.0.attn.value.weight"]
+            and all(p.transpose for p in joined.parts)
+        )
         assert targets["blocks.0.attn.out_proj.weight"].transpose
         assert plan.kinds["blocks.0.attn"] == "MultiHeadAttention"
     assert any(line.startswith("blocks.0.attn: MultiHeadAttention (module map '**.attn')") for line in mapped.decisions)
@@ -742,10 +753,12 @@ def test_query_key_value_names_alone_are_never_joined_a_map_or_record_joins_them
 def test_burn_gate_names_are_evidence_of_themselves() -> None:
     """Burn's GateController names are Burn's own: a Burn-native LSTM (no record, no map) is joined."""
     gates = ("input_gate", "forget_gate", "cell_gate", "output_gate")
-    table = [TensorRef(f"rnn.{gate}.{transform}.{leaf}", "F32", shape)
-             for gate in gates
-             for transform, shape in (("input_transform", (4, 3)), ("hidden_transform", (3, 3)))
-             for leaf in ("weight",)]
+    table = [
+        TensorRef(f"rnn.{gate}.{transform}.{leaf}", "F32", shape)
+        for gate in gates
+        for transform, shape in (("input_transform", (4, 3)), ("hidden_transform", (3, 3)))
+        for leaf in ("weight",)
+    ]
     plan = plan_conversion(table, to_layout="pytorch")
     assert plan.source_layout == "burn" and plan.kinds == {"rnn": "Lstm"}
     assert [(e.target, e.shape) for e in plan.entries] == [("rnn.weight_ih_l0", (12, 4)), ("rnn.weight_hh_l0", (12, 3))]
@@ -756,8 +769,11 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
 
     table = _burn_attention_table()[:-4]  # no value, no output
     with pytest.raises(ConfigError, match="blocks.0.attn: mapped as MultiHeadAttention, but it has no blocks.0.attn"):
-        plan_conversion(table, to_layout="pytorch",
-                        module_map=ModuleMap.from_dict({"modules": {"blocks.0.attn": "MultiHeadAttention"}}))
+        plan_conversion(
+            table,
+            to_layout="pytorch",
+            module_map=ModuleMap.from_dict({"modules": {"blocks.0.attn": "MultiHeadAttention"}}),
+        )
     torch_side = [TensorRef(k, "F32", tuple(v.shape)) for k, v in nn.GRU(4, 3).state_dict().items()]
     with pytest.raises(ConfigError, match="maps '\\(root\\)' to Lstm, but its tensors are those of a Gru"):
         plan_conversion(torch_side, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {"": "Lstm"}}))
@@ -785,8 +801,16 @@ def test_a_packed_module_is_cast_piece_by_piece_and_joined_back(
         assert burn[key].dtype == ("F16" if dtype == torch.float16 else "BF16"), key
         assert burn[key].data == _bits(value.to(dtype)), key
 
-    back = run_cli("convert", tmp_path / "packed.bpk", "-o", tmp_path / "back.safetensors", "--precision", "f32",
-                   "--verify", "full")
+    back = run_cli(
+        "convert",
+        tmp_path / "packed.bpk",
+        "-o",
+        tmp_path / "back.safetensors",
+        "--precision",
+        "f32",
+        "--verify",
+        "full",
+    )
     assert back.returncode == 0, back.stderr
     fresh = PACKED_MODELS[name]()
     fresh.load_state_dict(read_torch(tmp_path / "back.safetensors"), strict=True)
@@ -832,8 +856,10 @@ def test_a_packed_module_in_a_sharded_set_is_split_and_joined_both_ways(tmp_path
     (tmp_path / "set-back").mkdir()
     assert run_cli("convert", tmp_path / "set.bpk", "-o", tmp_path / "set-back").returncode == 0
     assert sorted(os.listdir(tmp_path / "set-back")) == sorted(os.listdir(index.parent))
-    assert all((tmp_path / "set-back" / name).read_bytes() == (index.parent / name).read_bytes()
-               for name in os.listdir(index.parent))
+    assert all(
+        (tmp_path / "set-back" / name).read_bytes() == (index.parent / name).read_bytes()
+        for name in os.listdir(index.parent)
+    )
     (tmp_path / "split").mkdir()
     split = run_cli("convert", tmp_path / "single.bpk", "-o", tmp_path / "split", "--shard-size", "200")
     assert split.returncode == 0, split.stderr
@@ -849,8 +875,10 @@ def test_convert_v_and_the_sync_log_show_each_packed_decision_and_its_evidence(t
     model = save_bare(lambda: nn.LSTM(4, 3), tmp_path / "lstm.safetensors", seed=6)
     done = run_cli("convert", tmp_path / "lstm.safetensors", "-v")
     assert done.returncode == 0, done.stderr
-    split = ("(root): Lstm (PyTorch weight_hh_l0 [12, 3]: 4 chunk(s) of 3 rows) -> split the rows i, f, g, o of "
-             "weight/bias_ih_l0, _hh_l0 into input_gate, forget_gate, cell_gate, output_gate")
+    split = (
+        "(root): Lstm (PyTorch weight_hh_l0 [12, 3]: 4 chunk(s) of 3 rows) -> split the rows i, f, g, o of "
+        "weight/bias_ih_l0, _hh_l0 into input_gate, forget_gate, cell_gate, output_gate"
+    )
     assert any(line.strip().startswith(split) for line in done.stdout.splitlines()), done.stdout
     back = run_cli("convert", tmp_path / "lstm.bpk", "-o", tmp_path / "back.safetensors", "-v")
     assert back.returncode == 0, back.stderr
@@ -901,10 +929,18 @@ def test_a_burn_file_comes_back_with_its_order_and_param_ids_after_a_join_and_a_
     convert(ConvertRequest(source=source, dest=tmp_path / "made.bpk"))
     made = read_bpk(tmp_path / "made.bpk")
     native = tmp_path / "native.bpk"
-    write_bpk(native, [bytes_spec(name, made.tensors[name].dtype, made.tensors[name].shape, made.tensors[name].data,
-                                  param_id=1000 + 7 * i) for i, name in enumerate(reversed(made.order))])
-    attention = ModuleMap.from_dict({"modules": {"**.self_attn": "MultiHeadAttention",
-                                                 "**.multihead_attn": "MultiHeadAttention"}})
+    write_bpk(
+        native,
+        [
+            bytes_spec(
+                name, made.tensors[name].dtype, made.tensors[name].shape, made.tensors[name].data, param_id=1000 + 7 * i
+            )
+            for i, name in enumerate(reversed(made.order))
+        ],
+    )
+    attention = ModuleMap.from_dict(
+        {"modules": {"**.self_attn": "MultiHeadAttention", "**.multihead_attn": "MultiHeadAttention"}}
+    )
     convert(ConvertRequest(source=native, dest=tmp_path / "torch.safetensors", module_map=attention))
     fresh = PACKED_MODELS["nn.Transformer"]()
     fresh.load_state_dict(read_torch(tmp_path / "torch.safetensors"), strict=True)

@@ -49,8 +49,13 @@ class _Output:
         infos = self.reader.tensors
         self.transposed = {t.name for t in infos if t.name.endswith(".weight")}
         specs = [
-            TensorSpec(t.name, t.dtype, tuple(reversed(t.shape)) if t.name in self.transposed else t.shape, t.nbytes,
-                       fill=lambda sink: None)
+            TensorSpec(
+                t.name,
+                t.dtype,
+                tuple(reversed(t.shape)) if t.name in self.transposed else t.shape,
+                t.nbytes,
+                fill=lambda sink: None,
+            )
             for t in infos
         ]
         self.plan = plan_safetensors(specs)
@@ -58,8 +63,15 @@ class _Output:
         os.ftruncate(self.fd, self.plan.file_size)
         pwrite_all(self.fd, self.plan.header, 0)
         self.moves = [
-            Move(t.name, t.offset, t.nbytes, self.plan.starts[i], ITEMSIZE[t.dtype],
-                 t.shape if t.name in self.transposed else None, bool_checker(t.dtype, t.name))
+            Move(
+                t.name,
+                t.offset,
+                t.nbytes,
+                self.plan.starts[i],
+                ITEMSIZE[t.dtype],
+                t.shape if t.name in self.transposed else None,
+                bool_checker(t.dtype, t.name),
+            )
             for i, t in enumerate(infos)
         ]
 
@@ -80,8 +92,9 @@ class _Output:
         self.reader.close()
 
 
-def assert_pass_fails(source: Path, tmp_path: Path, error: type[Exception], match: str,
-                      cls: type[OnePass] = OnePass, **kw: int) -> None:
+def assert_pass_fails(
+    source: Path, tmp_path: Path, error: type[Exception], match: str, cls: type[OnePass] = OnePass, **kw: int
+) -> None:
     """One pass over `source` (with `cls`, e.g. a fault-injecting subclass) must fail with `error`."""
     output = _Output(source, tmp_path / "out.safetensors")
     with pytest.raises(error, match=match):
@@ -94,12 +107,14 @@ def assert_pass_fails(source: Path, tmp_path: Path, error: type[Exception], matc
     [(1, onepass.SLOT_BYTES, onepass.BLOCK_BYTES), (2, 8192, 4096), (4, 4000, 1000), (3, 1 << 20, 7)],
 )
 @pytest.mark.parametrize("inline", [False, True])  # writer threads, or all on the reading thread
-def test_every_tensor_arrives_exact_with_any_writers_and_buffers(tmp_path: Path, workers: int, slot_bytes: int,
-                                                                  block_bytes: int, inline: bool) -> None:
+def test_every_tensor_arrives_exact_with_any_writers_and_buffers(
+    tmp_path: Path, workers: int, slot_bytes: int, block_bytes: int, inline: bool
+) -> None:
     source = _source(tmp_path)
     output = _Output(source, tmp_path / "out.safetensors")
-    engine = output.engine(workers=workers, slot_bytes=slot_bytes, block_bytes=block_bytes,
-                           inline_bytes=1 << 30 if inline else 0)
+    engine = output.engine(
+        workers=workers, slot_bytes=slot_bytes, block_bytes=block_bytes, inline_bytes=1 << 30 if inline else 0
+    )
     digest = engine.run()
     output.check(engine)
     output.close()
@@ -109,6 +124,7 @@ def test_every_tensor_arrives_exact_with_any_writers_and_buffers(tmp_path: Path,
         expected = value.T if name in output.transposed else value
         assert after[name].shape == expected.shape
         assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
+
 
 def test_writeback_is_started_for_the_blocks_written_and_not_for_the_pieces_of_strips(tmp_path: Path) -> None:
     """The real sync_file_range, watched: each call covers the span of whole blocks written since the last one
@@ -161,8 +177,9 @@ def test_a_block_written_at_a_wrong_offset_is_caught(tmp_path: Path) -> None:
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
     engine = output.engine(block_bytes=4096)
     moves = engine.moves
-    engine.moves = [m if m.name != "d.bias" else Move(m.name, m.src_offset, m.nbytes, m.dst_offset + 4)
-                    for m in moves]  # the writes follow a wrong window: the re-read header disagrees
+    engine.moves = [
+        m if m.name != "d.bias" else Move(m.name, m.src_offset, m.nbytes, m.dst_offset + 4) for m in moves
+    ]  # the writes follow a wrong window: the re-read header disagrees
     engine.run()
     with pytest.raises(VerificationError, match="'d.bias' was written at .* but the header says"):
         output.check(engine)
@@ -189,8 +206,9 @@ def _band_checks(extension: Any) -> dict[str, kernels.BandCheck]:
 
 @pytest.mark.parametrize("check", ["numpy", "compiled"])
 @pytest.mark.parametrize("fault", ["not transposed", "last tile stale", "rows swapped"])
-def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              transpose_extension: Any, fault: str, check: str) -> None:
+def test_a_wrong_transpose_is_caught_in_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transpose_extension: Any, fault: str, check: str
+) -> None:
     def wrong(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int) -> None:
         dtype = np.dtype(f"u{itemsize}")
         band = np.frombuffer(src, dtype, rows * cols).reshape(rows, cols)[:, first : first + count]
@@ -216,7 +234,8 @@ def test_a_wrong_transpose_is_caught_in_cache(tmp_path: Path, monkeypatch: pytes
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
 @pytest.mark.parametrize("shape", [(100, 70), (1000, 700)])  # compared whole; sampled per tile
 def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(
-        transpose_extension: Any, shape: tuple[int, int], dtype: type, check: str) -> None:
+    transpose_extension: Any, shape: tuple[int, int], dtype: type, check: str
+) -> None:
     matches = _band_checks(transpose_extension)[check]
     rows, cols = shape
     item = np.dtype(dtype).itemsize
@@ -256,8 +275,9 @@ def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> N
                     handle.write(bytes(64))  # still valid bools: only the change check can tell
             return super()._read(buf, offset)
 
-    assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", Torn,
-                      block_bytes=4096)
+    assert_pass_fails(
+        source, tmp_path, SourceChangedError, "changed while it was being converted", Torn, block_bytes=4096
+    )
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:
@@ -269,8 +289,9 @@ def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> N
                 os.truncate(source, 20000)
             return super()._read(buf, offset)
 
-    assert_pass_fails(source, tmp_path, FormatError, "truncated while it was being converted", Truncated,
-                      block_bytes=4096)
+    assert_pass_fails(
+        source, tmp_path, FormatError, "truncated while it was being converted", Truncated, block_bytes=4096
+    )
 
 
 def test_a_short_write_is_caught(tmp_path: Path) -> None:
@@ -345,7 +366,7 @@ def test_a_failing_job_releases_the_jobs_waiting_for_their_turn(tmp_path: Path) 
     def run() -> None:
         try:
             output.engine(FailsEarly, workers=4, block_bytes=1024).run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             outcome.append(exc)
 
     runner = threading.Thread(target=run)
@@ -376,13 +397,35 @@ def test_pieces_of_tensors_split_and_joined_arrive_exact_and_tile_their_windows(
     os.ftruncate(fd, plan.file_size)
     pwrite_all(fd, plan.header, 0)
     piece = 40 * 24 * 4
-    moves = [Move("joined", info[name].offset, piece, plan.starts[0] + k * piece, 4, (40, 24), piece_at=k * piece,
-                  tensor_nbytes=3 * piece) for k, name in enumerate(("q", "k", "v"))]
+    moves = [
+        Move(
+            "joined",
+            info[name].offset,
+            piece,
+            plan.starts[0] + k * piece,
+            4,
+            (40, 24),
+            piece_at=k * piece,
+            tensor_nbytes=3 * piece,
+        )
+        for k, name in enumerate(("q", "k", "v"))
+    ]
     rows = 20 * 24 * 4
-    moves += [Move(f"split{k}", info["packed"].offset + k * rows, rows, plan.starts[1 + k], 4, (20, 24))
-              for k in range(3)]
-    engine = OnePass(reader.fd, reader.file_size, reader.path, fd, str(tmp_path / "out.safetensors"), moves,
-                     workers=workers, slot_bytes=slot_bytes, band_bytes=256, inline_bytes=0)
+    moves += [
+        Move(f"split{k}", info["packed"].offset + k * rows, rows, plan.starts[1 + k], 4, (20, 24)) for k in range(3)
+    ]
+    engine = OnePass(
+        reader.fd,
+        reader.file_size,
+        reader.path,
+        fd,
+        str(tmp_path / "out.safetensors"),
+        moves,
+        workers=workers,
+        slot_bytes=slot_bytes,
+        band_bytes=256,
+        inline_bytes=0,
+    )
     engine.run()
     with SafetensorsReader(tmp_path / "out.safetensors") as out:
         table = {t.name: (t.offset, t.nbytes) for t in out.tensors}

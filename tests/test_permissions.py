@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO  # noqa: E402
+from conftest import REPO
 from convcheck import run_cli
 from daemonutil import DaemonRun
 

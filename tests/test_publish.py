@@ -18,7 +18,7 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
-from conftest import REPO  # noqa: E402
+from conftest import REPO
 
 from syncd import publish as pub
 from syncd.engine.publish import (

@@ -15,7 +15,7 @@ import safetensors
 import safetensors.numpy
 import safetensors.torch
 import torch
-from conftest import FIXTURES as _FIXTURES_DIR  # noqa: E402
+from conftest import FIXTURES as _FIXTURES_DIR
 from formatgen import bpk_bytes, bytes_spec, descriptor, specs_from_reader, write_st
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -238,7 +238,7 @@ def models(draw: st.DrawFn) -> list[tuple[str, str, tuple[int, ...], bytes]]:
 
 @settings(max_examples=150, deadline=None)
 @given(tensors=models(), metadata=st.none() | st.dictionaries(meta_text, meta_text, min_size=1, max_size=1))
-def test_writer_matches_library_property(tensors, metadata) -> None:  # noqa: ANN001
+def test_writer_matches_library_property(tensors, metadata) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "p.safetensors")
         ours = write_st(path, our_specs(tensors), metadata)
@@ -251,7 +251,7 @@ def test_writer_matches_library_property(tensors, metadata) -> None:  # noqa: AN
 
 @settings(max_examples=50, deadline=None)
 @given(tensors=models(), metadata=st.dictionaries(meta_text, meta_text, min_size=2, max_size=5))
-def test_many_metadata_keys_property(tensors, metadata) -> None:  # noqa: ANN001
+def test_many_metadata_keys_property(tensors, metadata) -> None:
     """The library writes `__metadata__` in hash order; ours is sorted, the rest of the file identical."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "m.safetensors")

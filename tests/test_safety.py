@@ -155,8 +155,11 @@ def test_running_out_of_inotify_watches_falls_back_to_polling_and_says_so(tmp_pa
             run.start()
         finally:
             limit_file.write_text(original)
-        fallback = wait_until(lambda: [r for r in run.records() if "polling" in r.get("reason", "")], 10,
-                              "a sync log line about the inotify limit")
+        fallback = wait_until(
+            lambda: [r for r in run.records() if "polling" in r.get("reason", "")],
+            10,
+            "a sync log line about the inotify limit",
+        )
         assert "inotify unavailable" in fallback[0]["reason"]
         source = write_checkpoint(runs / "sub7" / "model.safetensors")
         run.wait_for("converted", [source], timeout=20)  # served by polling

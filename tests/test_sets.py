@@ -391,8 +391,16 @@ def test_a_pass_over_a_window_reads_only_that_part_of_the_source(tmp_path: Path)
         b = reader.tensor("b")
         fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o644)
         hasher = new_hasher("xxh3_128")
-        OnePass(reader.fd, reader.file_size, reader.path, fd, str(tmp_path / "out"), [Move("b", b.offset, b.nbytes, 0)],
-                hasher=hasher, window=(b.offset, b.offset + b.nbytes)).run()
+        OnePass(
+            reader.fd,
+            reader.file_size,
+            reader.path,
+            fd,
+            str(tmp_path / "out"),
+            [Move("b", b.offset, b.nbytes, 0)],
+            hasher=hasher,
+            window=(b.offset, b.offset + b.nbytes),
+        ).run()
         os.close(fd)
         data = reader.read("b")
     assert (tmp_path / "out").read_bytes() == data

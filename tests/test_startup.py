@@ -25,8 +25,14 @@ print(json.dumps([status, sorted(m for m in sys.modules if m.split('.')[0] in
 
 
 def _imports(*argv: str, root: Path = REPO, env: dict[str, str] | None = None) -> tuple[int, set[str]]:
-    out = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=root, env={"PYTHONPATH": str(root), **(env or {})},
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        cwd=root,
+        env={"PYTHONPATH": str(root), **(env or {})},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     status, modules = json.loads(out)
     return status, set(modules)
 
@@ -53,9 +59,9 @@ def test_a_conversion_without_transposes_does_not_import_numpy_or_yaml(tmp_path:
     assert not {m for m in modules if m.startswith("syncd.daemon")}
 
 
-
-def test_a_transposing_conversion_with_the_compiled_kernel_does_not_import_numpy(tmp_path: Path,
-                                                                                  transpose_extension: Any) -> None:
+def test_a_transposing_conversion_with_the_compiled_kernel_does_not_import_numpy(
+    tmp_path: Path, transpose_extension: Any
+) -> None:
     root = tmp_path / "installed"  # the package as pip installs it with a compiler: the kernel beside the code
     shutil.copytree(REPO / "syncd", root / "syncd", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     shutil.copy(transpose_extension.__file__, root / "syncd" / "engine" / "write" / "kernels")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MNIST_BPK, REPO  # noqa: E402
+from conftest import MNIST_BPK, REPO
 from daemonutil import DaemonRun, wait_until
 from safetensors.torch import save_file
 

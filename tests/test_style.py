@@ -12,15 +12,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ruff_check_is_clean() -> None:
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 # A path of one machine (a home, a work tree, a venv outside the clone) or of a directory beside the repository.
 # Recorded benchmark JSON is exempt: it records where a run happened, as data.
-MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users|tmp/[\w.-]+)/[\w.-]+|\.\./shared\b|"
-                          r"parents\[[2-9]\]")
+MACHINE_PATH = re.compile(
+    r"(?<![\w.~-])/(?:work|root|home|Users|tmp/[\w.-]+)/[\w.-]+|\.\./shared\b|"
+    r"parents\[[2-9]\]"
+)
 
 
 def tracked_text_files() -> list[Path]:

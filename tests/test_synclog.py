@@ -9,7 +9,7 @@ import os
 import re
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -69,7 +69,7 @@ def test_a_record_is_one_ascii_json_line_with_fields_in_order_and_nones_dropped(
         "reason",
     ]
     assert ISO_MS_UTC.match(record["time"])
-    assert abs(parse_timestamp(record["time"]) - datetime.now(timezone.utc)) < timedelta(seconds=5)
+    assert abs(parse_timestamp(record["time"]) - datetime.now(UTC)) < timedelta(seconds=5)
 
 
 def test_timestamps_are_utc_with_milliseconds() -> None:
@@ -178,7 +178,7 @@ def write_records(path: Path, records: list[dict]) -> None:
 
 
 def record(status: str, minutes_ago: float, **fields: object) -> dict:
-    moment = datetime.now(timezone.utc) - timedelta(minutes=minutes_ago)
+    moment = datetime.now(UTC) - timedelta(minutes=minutes_ago)
     return {"time": utc_timestamp(moment), "status": status, **fields}
 
 
@@ -272,19 +272,19 @@ def test_filter_since_relative_and_absolute(sample_log: Path) -> None:
     assert [json.loads(line)["status"] for line in out.splitlines()] == ["error", "in_sync", "conflict"]
     _, out, _ = run_show(sample_log, since="30s", as_json=True)
     assert out == ""
-    boundary = utc_timestamp(datetime.now(timezone.utc) - timedelta(minutes=5))
+    boundary = utc_timestamp(datetime.now(UTC) - timedelta(minutes=5))
     _, out, _ = run_show(sample_log, since=boundary, as_json=True)
     assert [json.loads(line)["status"] for line in out.splitlines()] == ["conflict"]
 
 
 def test_parse_since() -> None:
-    now = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    now = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
     assert parse_since("30s", now) == now - timedelta(seconds=30)
     assert parse_since("15m", now) == now - timedelta(minutes=15)
     assert parse_since("1h", now) == now - timedelta(hours=1)
     assert parse_since("2d", now) == now - timedelta(days=2)
-    assert parse_since("2025-01-01T00:00:00Z") == datetime(2025, 1, 1, tzinfo=timezone.utc)
-    assert parse_since("2025-01-01T00:00:00+02:00") == datetime(2024, 12, 31, 22, tzinfo=timezone.utc)
+    assert parse_since("2025-01-01T00:00:00Z") == datetime(2025, 1, 1, tzinfo=UTC)
+    assert parse_since("2025-01-01T00:00:00+02:00") == datetime(2024, 12, 31, 22, tzinfo=UTC)
     assert parse_since("2025-01-01 00:00").tzinfo is not None  # local time
 
 

@@ -266,8 +266,11 @@ def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
     pinged_while_stuck = sum(lines == ["WATCHDOG=1"] for lines in run.receive())
     # while the worker was past the limit, no ping (a few may have gone out before the line was written)
     assert pinged_while_stuck - before <= 2
-    wait_until(lambda: sum(lines == ["WATCHDOG=1"] for lines in run.receive()) > pinged_while_stuck + 3, 30,
-               "pings again once the worker is done")
+    wait_until(
+        lambda: sum(lines == ["WATCHDOG=1"] for lines in run.receive()) > pinged_while_stuck + 3,
+        30,
+        "pings again once the worker is done",
+    )
     stop_cleanly(run)
 
 
@@ -290,13 +293,17 @@ def test_a_reload_with_a_config_the_parser_chokes_on_keeps_the_daemon(
     run.write_config_text(text)
     check = subprocess.run(
         [sys.executable, "-m", "syncd", "check-config", os.fspath(run.config_path)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert check.returncode == 2 and "internal error" not in check.stdout + check.stderr
     assert (check.stdout + check.stderr).count("\n") == 1, check
     run.send(signal.SIGHUP)
-    wait_until(lambda: any("reload refused" in r.get("reason", "") for r in run.statuses("error")), 30,
-               "the refused reload")
+    wait_until(
+        lambda: any("reload refused" in r.get("reason", "") for r in run.statuses("error")), 30, "the refused reload"
+    )
     write_file(runs / "a.safetensors", checkpoint(1))
     run.wait_for("converted", [runs / "a.safetensors"])
     run.write_config_text(good)
@@ -339,7 +346,10 @@ def test_a_second_daemon_on_the_same_state_exits_1_naming_the_first(make_daemon:
     assert run.proc is not None
     second = subprocess.run(
         [sys.executable, "-m", "syncd", "run", "-c", os.fspath(run.config_path)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
         cwd=run.root,
     )
     assert second.returncode == 1, second
@@ -437,11 +447,17 @@ def test_a_full_disk_under_the_state_database_is_logged_and_retried(make_daemon:
         junk = disk.fill()
         source = runs / "a.safetensors"
         write_file(source, checkpoint(1, layers=40))
-        wait_until(lambda: any("state database" in r.get("error", "") for r in run.statuses("error")), 60,
-                   "the state database error")
+        wait_until(
+            lambda: any("state database" in r.get("error", "") for r in run.statuses("error")),
+            60,
+            "the state database error",
+        )
         junk.unlink()
-        wait_until(lambda: run.statuses("in_sync", source) or run.statuses("converted", source), 90,
-                   "the file recorded once the disk has room")
+        wait_until(
+            lambda: run.statuses("in_sync", source) or run.statuses("converted", source),
+            90,
+            "the file recorded once the disk has room",
+        )
         stop_cleanly(run)
 
 
@@ -489,7 +505,10 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
     (run.root / "mirror" / "sub").unlink()  # fixed by the administrator; the source itself did not change
     retry = subprocess.run(
         [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), os.fspath(source)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert retry.returncode == 0, retry.stderr
     assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
@@ -579,8 +598,11 @@ def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
     run.send(signal.SIGKILL)  # unshare --kill-child passes it on to the daemon, PID 1 in its namespace
     assert run.proc is not None
     run.proc.wait(30)
-    wait_until(lambda: not any(has_open(int(p.name), source) for p in Path("/proc").iterdir() if p.name.isdigit()),
-               30, "the killed daemon gone")
+    wait_until(
+        lambda: not any(has_open(int(p.name), source) for p in Path("/proc").iterdir() if p.name.isdigit()),
+        30,
+        "the killed daemon gone",
+    )
     assert scratch_files(runs) == left
     run.start(wrapper=OWN_PID_NAMESPACE)
     run.wait_for("converted", [source], timeout=120)
@@ -718,7 +740,10 @@ def test_syncd_retry_all_failed_looks_again_with_the_fixed_configuration(make_da
     run.write_config([{"path": "runs", "direction": "safetensors->bpk", "modules": SQUARE_ONLY, "layout": "pytorch"}])
     retry = subprocess.run(
         [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), "--all-failed"],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert retry.returncode == 0, retry.stderr
     assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
@@ -747,6 +772,8 @@ def test_a_sharded_sets_existing_output_is_in_sync_after_a_restart_with_no_state
     run.wait_for("in_sync", [index])
     run.quiet(2.0)
     assert [r["status"] for r in run.records() if r["status"] not in ("started", "stopped")] == [
-        "converted", "in_sync"], run.log_text()
+        "converted",
+        "in_sync",
+    ], run.log_text()
     assert (runs / "llama" / "model.bpk").read_bytes() == published
     stop_cleanly(run)

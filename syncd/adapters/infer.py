@@ -231,8 +231,10 @@ def _lone_vector(module: Module, leaf: str) -> ModuleKind:
     if leaf == "weight" and shape == [1]:
         return ModuleKind(module.path, PRELU, "lone 1-element weight: a PRelu (a norm over 1 feature is a no-op)")
     options = (RMS_NORM, PRELU, OTHER) if leaf == "weight" else (RMS_NORM, OTHER)
-    what = "RmsNorm/LayerNorm (gamma), PRelu (alpha) or a custom parameter" if leaf == "weight" else (
-        "RmsNorm (weight) or a custom parameter such as a layer scale"
+    what = (
+        "RmsNorm/LayerNorm (gamma), PRelu (alpha) or a custom parameter"
+        if leaf == "weight"
+        else ("RmsNorm (weight) or a custom parameter such as a layer scale")
     )
     pending = LONE_WEIGHT if leaf == "weight" else LONE_GAMMA
     return ModuleKind(module.path, UNKNOWN, f"lone 1-D {leaf} {shape}: {what}", options=options, pending=pending)

@@ -248,5 +248,3 @@ def _class_regex(body: str) -> str:
     members = "".join("\\" + c if c in "\\^[]" else c for c in (body[1:] if negate else body))
     # a negated class must still not match the '.' between segments
     return f"[^{members}.]" if negate else f"[{members}]"
-
-

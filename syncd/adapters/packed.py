@@ -114,8 +114,10 @@ _CHUNKS = {MULTI_HEAD_ATTENTION: "q, k, v", LSTM: "i, f, g, o", GRU: "r, z, n", 
 def _chunk_words(kind: str | None, *, into_burn: bool) -> str:
     if kind == MULTI_HEAD_ATTENTION:
         fields, packed = "query, key, value", "in_proj_weight/in_proj_bias rows q, k, v"
-        return f"{packed} into {fields}, out_proj into output" if into_burn else (
-            f"{fields} into {packed}, output into out_proj"
+        return (
+            f"{packed} into {fields}, out_proj into output"
+            if into_burn
+            else (f"{fields} into {packed}, output into out_proj")
         )
     gates = ", ".join(GATES.get(kind or "", ()))
     packed = f"the rows {_CHUNKS.get(kind or '', '')} of weight/bias_ih_l0, _hh_l0"
@@ -194,8 +196,11 @@ def _split_mha(module: PackedModule) -> list[PlanEntry]:
     output. §4: bias_k/bias_v and the separate q/k/v_proj_weight (kdim/vdim) have no Burn slot."""
     for rel, tensor in module.tensors.items():
         if rel not in _MHA_SPLIT:
-            raise _refuse(tensor.name, "Burn's MultiHeadAttention has no slot for it (no bias_k/bias_v, no "
-                                       "separate q/k/v projections for kdim/vdim; burn-compat.md §4)")
+            raise _refuse(
+                tensor.name,
+                "Burn's MultiHeadAttention has no slot for it (no bias_k/bias_v, no "
+                "separate q/k/v projections for kdim/vdim; burn-compat.md §4)",
+            )
     weight = module.tensors.get("in_proj_weight")
     out_weight = module.tensors.get("out_proj.weight")
     if weight is None or out_weight is None:
@@ -233,8 +238,9 @@ def _split_rnn(module: PackedModule) -> list[PlanEntry]:
                 tensor = _direction_tensor(module, f"{param}_{side}_l0{suffix}", param == "weight")
                 if tensor is None:
                     continue
-                _chunk_rows(tensor, chunks, f"{param}_{side}_l0 [{chunks}H{', ...' if param == 'weight' else ''}]",
-                            hidden)
+                _chunk_rows(
+                    tensor, chunks, f"{param}_{side}_l0 [{chunks}H{', ...' if param == 'weight' else ''}]", hidden
+                )
                 within = f"{field_name}." if bidirectional else ""
                 targets = [f"{within}{gate}.{transform}.{param}" for gate in GATES[module.kind]]
                 entries += _row_pieces(module, tensor, targets, hidden, transpose=param == "weight")
@@ -285,8 +291,10 @@ def _row_pieces(
 
 def _whole(module: PackedModule, tensor: TensorRef, target: str, *, transpose: bool) -> PlanEntry:
     if transpose and (len(tensor.shape) != 2 or tensor.dtype not in ITEMSIZE):
-        raise _refuse(tensor.name, f"a Linear weight must be 2-D with a fixed element size, not {tensor.dtype} "
-                                   f"{list(tensor.shape)}")
+        raise _refuse(
+            tensor.name,
+            f"a Linear weight must be 2-D with a fixed element size, not {tensor.dtype} {list(tensor.shape)}",
+        )
     shape = tensor.shape[::-1] if transpose else tensor.shape
     return PlanEntry(tensor.name, _full(module.path, target), transpose, shape)
 
@@ -321,9 +329,7 @@ def _burn_candidates(tensors: Sequence[TensorRef]) -> dict[str, str]:
     return found
 
 
-def _burn_module(
-    root: str, candidate: str, by_name: dict[str, TensorRef], sources: KindSources
-) -> PackedModule | None:
+def _burn_module(root: str, candidate: str, by_name: dict[str, TensorRef], sources: KindSources) -> PackedModule | None:
     """The packed module at `root`, if the evidence says so and the tensors fit (a map that does not fit is
     an error; a record or names that do not fit leave the tensors to the other rules)."""
     stated, by, reason, origin = _stated_burn_kind(root, sources)
@@ -353,7 +359,6 @@ def _stated_burn_kind(root: str, sources: KindSources) -> tuple[str | None, str,
     if recorded is not None:
         return recorded, BY_RECORD, "recorded in the file (syncd.kinds)", ""
     return None, BY_NAME, "", ""
-
 
 
 def _join_mha(module: PackedModule, by_name: dict[str, TensorRef]) -> list[PlanEntry]:
@@ -419,5 +424,6 @@ def _joined(module: PackedModule, tensors: list[TensorRef], target: str, *, tran
         raise UnsupportedError(f"its pieces of {target} differ or are not {rank}-D: {listed}")
     parts = tuple(_whole(module, t, target, transpose=transpose) for t in tensors)
     piece = parts[0].shape
-    return PlanEntry(tensors[0].name, _full(module.path, target), False, (piece[0] * len(parts), *piece[1:]),
-                     parts=parts)
+    return PlanEntry(
+        tensors[0].name, _full(module.path, target), False, (piece[0] * len(parts), *piece[1:]), parts=parts
+    )

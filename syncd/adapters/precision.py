@@ -52,7 +52,5 @@ def plan_casts(
     return {
         t.name: target
         for t in tensors
-        if t.dtype in sources
-        and t.dtype != target
-        and (t.name in packed or kinds.get(module_of(t.name)) in HALF_KINDS)
+        if t.dtype in sources and t.dtype != target and (t.name in packed or kinds.get(module_of(t.name)) in HALF_KINDS)
     }

@@ -290,8 +290,10 @@ def _convert(args: argparse.Namespace) -> int:
         for name in result.dropped:
             print(f"  carried in metadata (no slot on the target side): {name}")
     else:  # a ResNet has one num_batches_tracked per BatchNorm: a count, not a hundred lines
-        print(f"  carried in metadata (no slot on the target side): {len(result.dropped)} tensors, "
-              f"e.g. {result.dropped[0]} (-v lists them)")
+        print(
+            f"  carried in metadata (no slot on the target side): {len(result.dropped)} tensors, "
+            f"e.g. {result.dropped[0]} (-v lists them)"
+        )
     if result.left_out and not args.verbose:
         print(f"  left out by the tensor filter: {len(result.left_out)} tensors (-v lists them)")
     return EXIT_OK

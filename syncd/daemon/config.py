@@ -154,6 +154,7 @@ class Config:
         now = {"workers": self.workers, "state_dir": self.state_dir, "log.path": self.log.path}
         then = {"workers": new.workers, "state_dir": new.state_dir, "log.path": new.log.path}
         return [name for name in RESTART_SETTINGS if now[name] != then[name]]
+
     hash_name: str = "xxh3_128"  # the source hash recorded in outputs (`hash:`)
 
     def polling_interval_for(self, watch: Watch) -> float | None:

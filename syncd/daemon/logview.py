@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
@@ -37,7 +37,7 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     """`30s`, `15m`, `1h`, `2d`, `1w` ago, or an ISO 8601 time (local time when it has no offset)."""
     match = _RELATIVE_SINCE.match(text)
     if match:
-        now = now or datetime.now(timezone.utc)
+        now = now or datetime.now(UTC)
         return now - timedelta(seconds=float(match.group(1)) * _SINCE_UNITS[match.group(2)])
     iso = text.strip()
     try:
@@ -260,7 +260,7 @@ def table_row(entry: Entry) -> tuple[str, ...]:
     source, dest = record.get("source"), record.get("dest")
     files = " -> ".join(printable(short_path(path, watch)) for path in (source, dest) if path is not None)
     return (
-        entry.moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        entry.moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
         printable(record["status"]),
         files or printable(str(watch or "")),
         number("tensors", lambda v: str(int(v))),

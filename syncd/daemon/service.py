@@ -126,9 +126,7 @@ class Daemon:
                 directories.update(p.parent for p in walk_files(root, watch.recursive) if is_scratch_name(p.name))
         for directory in directories:
             for removed in remove_stale_scratch(directory):
-                self.synclog.log(
-                    "removed", source=str(removed), reason="a stale scratch file of a syncd that died"
-                )
+                self.synclog.log("removed", source=str(removed), reason="a stale scratch file of a syncd that died")
 
     def _scan_all(self) -> int:
         return sum(self._scan(watch, watch.path) for watch in self.config.watches)
@@ -215,7 +213,7 @@ class Daemon:
         self._config_stamp = _file_stamp(self.config.path)
         try:
             new = load_config(self.config.path)
-        except Exception as exc:  # noqa: BLE001 - a config the loader chokes on is refused like an invalid one
+        except Exception as exc:
             self.synclog.log("error", reason=f"reload refused, keeping the running configuration: {one_line(exc)}")
             notify.ready(self._status())
             return
@@ -223,7 +221,7 @@ class Daemon:
         new = _keeping(new, self.config)
         try:
             self._apply(new)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("reload failed")
             self.synclog.log("error", reason=f"reload failed, keeping the running configuration: {one_line(exc)}")
             self._apply(self.config)
@@ -316,8 +314,12 @@ def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
 
 def _keeping(new: Config, running: Config) -> Config:
     """`new` with the settings a running daemon cannot change taken from `running`."""
-    return dataclasses.replace(new, workers=running.workers, state_dir=running.state_dir,
-                               log=dataclasses.replace(new.log, path=running.log.path))
+    return dataclasses.replace(
+        new,
+        workers=running.workers,
+        state_dir=running.state_dir,
+        log=dataclasses.replace(new.log, path=running.log.path),
+    )
 
 
 def run_daemon(config_path: Path) -> int:

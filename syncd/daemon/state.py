@@ -19,7 +19,7 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -313,7 +313,7 @@ class StateDB:
         return conn
 
     def _move_aside(self, reason: str) -> None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
         aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
         for suffix in ("", "-wal", "-shm"):
             companion = Path(f"{self.path}{suffix}")

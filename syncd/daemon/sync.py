@@ -108,8 +108,7 @@ class Syncer:
         except SyncdError as exc:
             if exc.kind != "environment":
                 raise
-            self.synclog.log("error", watch=str(watch.path), source=str(path), error=one_line(exc),
-                             reason="will retry")
+            self.synclog.log("error", watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry")
             return Outcome("error", retry_in=STATE_RETRY_SECONDS)
 
     def _process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
@@ -228,8 +227,12 @@ class Syncer:
                 self._future.clear()
             self._future[key] = time.monotonic()
             if watch is not None:
-                self.synclog.log("warning", watch=str(watch.path), source=str(path),
-                                 reason=f"modification time {-age:.0f} s in the future; treated as now")
+                self.synclog.log(
+                    "warning",
+                    watch=str(watch.path),
+                    source=str(path),
+                    reason=f"modification time {-age:.0f} s in the future; treated as now",
+                )
         return time.monotonic() - self._future[key]
 
     # -- converting
@@ -271,12 +274,21 @@ class Syncer:
                     hash_name=self.hash_name,
                 )
             )
-        except Exception as exc:  # noqa: BLE001 - every failure becomes one log line; the daemon goes on
+        except Exception as exc:
             return self._failed_or_later(path, version, exc, base, started, finished)
         return self._converted(path, version, dest, result, base, started, updated=replace_if is not None)
 
-    def _converted(self, path: Path, version: FileVersion, dest: Path, result: ConvertResult, base: dict,
-                   started: float, *, updated: bool) -> Outcome:
+    def _converted(
+        self,
+        path: Path,
+        version: FileVersion,
+        dest: Path,
+        result: ConvertResult,
+        base: dict,
+        started: float,
+        *,
+        updated: bool,
+    ) -> Outcome:
         if result.status == "in_sync":
             status = "in_sync"
         else:
@@ -294,8 +306,9 @@ class Syncer:
         )
         return Outcome(status)
 
-    def _failed_or_later(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float,
-                         finished: bool) -> Outcome:
+    def _failed_or_later(
+        self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float, finished: bool
+    ) -> Outcome:
         if isinstance(exc, SyncdError) and exc.kind == "busy":
             # changed, replaced or removed while we read it: never published; looked at again once quiet
             log.info("%s", one_line(exc))
@@ -406,8 +419,10 @@ class Syncer:
             if suggestion:
                 fields["reason"] = "module map that would settle it:\n" + suggestion
             elif isinstance(exc, IncompleteFileError):
-                fields["reason"] = (f"shorter than its header says and unchanged for "
-                                    f"{INCOMPLETE_GRACE_SECONDS:.0f} s: truncated, not still being written")
+                fields["reason"] = (
+                    f"shorter than its header says and unchanged for "
+                    f"{INCOMPLETE_GRACE_SECONDS:.0f} s: truncated, not still being written"
+                )
             elif transient:
                 fields["reason"] = "will retry"
             self.synclog.log(status, **fields)
@@ -543,8 +558,9 @@ def _make_mirror_dirs(watch: Watch, directory: Path) -> None:
     current = watch.mirror
     if not os.path.isdir(watch.mirror):
         # never created by us: a missing mirror may be an unmounted file system; retried until it is back
-        raise SyncdError(f"the mirror directory {watch.mirror} is missing", str(directory), kind="environment",
-                         transient=True)
+        raise SyncdError(
+            f"the mirror directory {watch.mirror} is missing", str(directory), kind="environment", transient=True
+        )
     for part in directory.relative_to(watch.mirror).parts:
         current = current / part
         try:

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +58,14 @@ FIELD_ORDER = (
 
 def utc_timestamp(moment: datetime | None = None) -> str:
     """ISO 8601 UTC with milliseconds, e.g. 2025-01-31T12:00:00.123Z."""
-    moment = (moment or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    moment = (moment or datetime.now(UTC)).astimezone(UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def parse_timestamp(text: str) -> datetime:
     """The inverse of utc_timestamp; accepts any ISO 8601 time with an offset (naive means UTC)."""
     moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def _jsonable(value: Any) -> Any:
@@ -124,8 +124,12 @@ class SyncLog:
                 self._append_locked(line)
             except OSError as exc:
                 self._close_quietly()
-                log.error("cannot write the sync log %s (%s); the line was: %s", self.path, exc.strerror or exc,
-                          line.decode("ascii").rstrip())
+                log.error(
+                    "cannot write the sync log %s (%s); the line was: %s",
+                    self.path,
+                    exc.strerror or exc,
+                    line.decode("ascii").rstrip(),
+                )
 
     def _append_locked(self, line: bytes) -> None:
         fd = self._current_fd()

@@ -184,8 +184,9 @@ class Watcher:
         self.observers.clear()
 
 
-def walk_files(root: Path, recursive: bool, max_depth: int = MAX_DEPTH,
-               on_limit: Callable[[Path, str], None] | None = None) -> Iterator[Path]:
+def walk_files(
+    root: Path, recursive: bool, max_depth: int = MAX_DEPTH, on_limit: Callable[[Path, str], None] | None = None
+) -> Iterator[Path]:
     """Every entry below `root` that is not a directory (symlinks, FIFOs and the like included, so the
     caller can report them), iteratively (deep trees cannot exhaust the stack), never following a symlink,
     never descending past `max_depth` levels (reported through `on_limit`)."""

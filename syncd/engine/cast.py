@@ -73,8 +73,16 @@ class CastCopy:
     """One tensor cast into the output (and transposed, for a Linear weight going between layouts), strip by
     strip; `verify` re-reads what was written and compares it with the cast done again from the source."""
 
-    def __init__(self, reader: Any, name: str, from_dtype: str, to_dtype: str, transpose: bool,
-                 rows: tuple[int, int] | None = None, at: int = 0) -> None:
+    def __init__(
+        self,
+        reader: Any,
+        name: str,
+        from_dtype: str,
+        to_dtype: str,
+        transpose: bool,
+        rows: tuple[int, int] | None = None,
+        at: int = 0,
+    ) -> None:
         self.reader = reader
         self.name = name
         self.from_dtype = from_dtype

@@ -81,7 +81,6 @@ if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a pla
 # The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
 
 
-
 @dataclass
 class ConvertRequest:
     source: Path
@@ -276,8 +275,13 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carry.store_facts(
         c.metadata, _carried_shards(c), store.renames, cast, next(iter(store.casts.values()), None), carried
     )
-    carry.stamp(c.metadata, adapted.target_layout, os.path.basename(source.path),
-                hashing.SOURCE_HASH_KEYS[request.hash_name], hashing.placeholder(request.hash_name))
+    carry.stamp(
+        c.metadata,
+        adapted.target_layout,
+        os.path.basename(source.path),
+        hashing.SOURCE_HASH_KEYS[request.hash_name],
+        hashing.placeholder(request.hash_name),
+    )
     carry.record_kinds(c.metadata, adapted.target_layout, adapted.kinds)
     c.shards = _output_shards(c, explicit_dest=request.dest is not None)
     c.directory = dest if dest.is_dir() else dest.parent
@@ -397,8 +401,11 @@ def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
     for piece in entry.pieces:  # a join's parts end to end, each cast (precision.py casts a packed module whole)
         info = c.source.tensor(piece.source)
         to_dtype = c.store.casts[piece.source]
-        copies.append(CastCopy(c.source.reader_of(piece.source), piece.source, info.dtype, to_dtype,
-                               piece.transpose, piece.rows, at))
+        copies.append(
+            CastCopy(
+                c.source.reader_of(piece.source), piece.source, info.dtype, to_dtype, piece.transpose, piece.rows, at
+            )
+        )
         at += _cast_nbytes(_piece_nbytes(info.nbytes, info.shape, piece.rows), info.dtype, to_dtype)
     copy = copies[0] if len(copies) == 1 else JoinedCast(copies)
     c.casts[entry.target] = copy
@@ -426,9 +433,17 @@ def _write_one_pass(c: Conversion) -> PublishResult:
     with open_scratch(c.dest, mode) as scratch:
         try:
             header, c.output_size, starts = c.target.lay_out(c)
-            written = write_planned(scratch.fd, str(scratch.path), header, c.output_size,
-                                    list(zip(c.specs, starts, strict=True)), c.source.readers, c.request.hash_name,
-                                    progress=c.request.progress, prefix=c.source.hash_prefix())
+            written = write_planned(
+                scratch.fd,
+                str(scratch.path),
+                header,
+                c.output_size,
+                list(zip(c.specs, starts, strict=True)),
+                c.source.readers,
+                c.request.hash_name,
+                progress=c.request.progress,
+                prefix=c.source.hash_prefix(),
+            )
         except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
             raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
         verify_one_pass(c, scratch.path, scratch.fd, written, c.specs, c.output_size)
@@ -436,8 +451,9 @@ def _write_one_pass(c: Conversion) -> PublishResult:
         return _publish(scratch, c)
 
 
-def verify_one_pass(c: Conversion, written_path: Path, fd: int, written: Written, specs: list[TensorSpec],
-                    size: int) -> None:
+def verify_one_pass(
+    c: Conversion, written_path: Path, fd: int, written: Written, specs: list[TensorSpec], size: int
+) -> None:
     """Re-read the written header and table (a fresh reader validates them as any reader would): the table
     must be the plan's, and the ledger of writes must tile it exactly. The data is not read back (it would
     come from the page cache just written); transposed blocks were checked in cache as they were written.
@@ -484,11 +500,18 @@ def _write_set(c: Conversion) -> PublishResult:
     return PublishResult(status, c.dest)  # type: ignore[arg-type]
 
 
-def _write_shard(c: Conversion, scratch: Scratch, header: bytes, size: int, placed: list[tuple[TensorSpec, int]],
-                 progress: _SetProgress) -> None:
+def _write_shard(
+    c: Conversion,
+    scratch: Scratch,
+    header: bytes,
+    size: int,
+    placed: list[tuple[TensorSpec, int]],
+    progress: _SetProgress,
+) -> None:
     try:
-        written = write_planned(scratch.fd, str(scratch.path), header, size, placed, c.source.readers,
-                                progress=progress.shard(), part=True)
+        written = write_planned(
+            scratch.fd, str(scratch.path), header, size, placed, c.source.readers, progress=progress.shard(), part=True
+        )
     except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
         raise SyncdError.from_os_error("cannot write the output", str(scratch.dest), exc) from exc
     verify_one_pass(c, scratch.path, scratch.fd, written, [spec for spec, _ in placed], size)

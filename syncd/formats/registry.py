@@ -68,4 +68,3 @@ DIRECTIONS: dict[str, frozenset[str]] = {
 def format_for_path(path: str | os.PathLike[str]) -> Format | None:
     """The format a file name announces, or None."""
     return BY_EXTENSION.get(os.path.splitext(os.fspath(path))[1].lower())
-

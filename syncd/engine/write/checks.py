@@ -37,8 +37,9 @@ FULL_CHECK_ELEMENTS = 1 << 16  # blocks up to this many elements are compared wh
 SAMPLES_PER_TILE = 4
 
 
-def check_transposed(src: np.ndarray, out: np.ndarray, first_col: int = 0,
-                     rng: np.random.Generator | None = None) -> bool:
+def check_transposed(
+    src: np.ndarray, out: np.ndarray, first_col: int = 0, rng: np.random.Generator | None = None
+) -> bool:
     """True if out[:, first_col:first_col+rows] holds src.T.
 
     Small blocks are compared whole. Larger ones at SAMPLES_PER_TILE elements of every TILE x TILE tile, each
@@ -101,8 +102,7 @@ class WriteLedger:
         for name, (offset, nbytes) in self.windows.items():
             if table.get(name) != (offset, nbytes):
                 raise VerificationError(
-                    f"tensor '{name}' was written at {offset} ({nbytes} bytes) but the header says "
-                    f"{table.get(name)}",
+                    f"tensor '{name}' was written at {offset} ({nbytes} bytes) but the header says {table.get(name)}",
                     path,
                 )
             if not _tiles(self.entries.get(name, []), nbytes):

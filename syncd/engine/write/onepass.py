@@ -374,8 +374,9 @@ class OnePass:
                 out = slot.out(count * n * item)
                 kernels.transpose_band(src, out, n, cols, item, c0, count)
                 if not kernels.band_matches(src, out, n, cols, item, c0, count, _SEEDS.getrandbits(64)):
-                    raise VerificationError(f"tensor '{move.name}': a transposed block does not match its source",
-                                            self.out_path)
+                    raise VerificationError(
+                        f"tensor '{move.name}': a transposed block does not match its source", self.out_path
+                    )
                 if n == rows:
                     self._write(move, out, c0 * rows * item)
                 else:
@@ -394,10 +395,20 @@ class OnePass:
         segment = len(out) // count
         stride = rows * move.itemsize
         first = c0 * stride + r0 * move.itemsize
-        written = min(self._pwrite(out[k * segment : (k + 1) * segment], move.dst_offset + first + k * stride)
-                      for k in range(count))
-        self.ledger.record(move.name, Entry(move.piece_at + first, written if written == segment else -1,
-                                            count=count, stride=stride, digest=block_digest(out)))
+        written = min(
+            self._pwrite(out[k * segment : (k + 1) * segment], move.dst_offset + first + k * stride)
+            for k in range(count)
+        )
+        self.ledger.record(
+            move.name,
+            Entry(
+                move.piece_at + first,
+                written if written == segment else -1,
+                count=count,
+                stride=stride,
+                digest=block_digest(out),
+            ),
+        )
 
     def _pwrite(self, data: Any, offset: int) -> int:
         """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""

@@ -92,10 +92,19 @@ class Written:
     ledger: WriteLedger
 
 
-def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Sequence[tuple[TensorSpec, int]],
-                  readers: Sequence[TensorFileReader], hash_name: str = DEFAULT_HASH, workers: int | None = None,
-                  progress: Callable[[int, int], None] | None = None, prefix: bytes = b"",
-                  part: bool = False) -> Written:
+def write_planned(
+    fd: int,
+    path: str,
+    header: bytes,
+    file_size: int,
+    placed: Sequence[tuple[TensorSpec, int]],
+    readers: Sequence[TensorFileReader],
+    hash_name: str = DEFAULT_HASH,
+    workers: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    prefix: bytes = b"",
+    part: bool = False,
+) -> Written:
     """Write a whole output: `header` at 0, each (spec, absolute start) of `placed`, zeros in between.
     `FromSource` tensors may come from several files (the shards of a set, `readers` in the set's order): one
     pass over each in turn, every one of them feeding one hash, after `prefix` (a set's index). `part`: the
@@ -112,9 +121,20 @@ def write_planned(fd: int, path: str, header: bytes, file_size: int, placed: Seq
         source_moves = moves.pop(source.path, [])
         if part and not source_moves:
             continue
-        OnePass(source.fd, source.file_size, source.path, fd, path, source_moves, hash_name,
-                workers or default_workers(), ledger=ledger, progress=counted.add if counted else None,
-                hasher=hasher, window=_span(source_moves) if part else None).run()
+        OnePass(
+            source.fd,
+            source.file_size,
+            source.path,
+            fd,
+            path,
+            source_moves,
+            hash_name,
+            workers or default_workers(),
+            ledger=ledger,
+            progress=counted.add if counted else None,
+            hasher=hasher,
+            window=_span(source_moves) if part else None,
+        ).run()
     if moves:
         raise FormatError(f"tensors come from {sorted(moves)[0]}, not a file of the source", path)
     return Written("" if part else hasher.hexdigest(), ledger)
@@ -125,8 +145,14 @@ def _span(moves: Sequence[Move]) -> tuple[int, int]:
     return min(m.src_offset for m in moves), max(m.src_offset + m.nbytes for m in moves)
 
 
-def _place(fd: int, placed: Sequence[tuple[TensorSpec, int]], cursor: int, file_size: int, ledger: WriteLedger,
-           counted: _Progress | None) -> dict[str, list[Move]]:
+def _place(
+    fd: int,
+    placed: Sequence[tuple[TensorSpec, int]],
+    cursor: int,
+    file_size: int,
+    ledger: WriteLedger,
+    counted: _Progress | None,
+) -> dict[str, list[Move]]:
     """Write the zero padding and the tensors that come from elsewhere; the moves of the rest, per source file."""
     moves: dict[str, list[Move]] = {}
     for spec, start in sorted(placed, key=lambda p: p[1]):
@@ -166,8 +192,7 @@ def _move(spec: TensorSpec, start: int, fill: FromSource, at: int, joined: bool)
     """The move of one piece landing `at` bytes into `spec`'s window (0 and not `joined`: the whole tensor)."""
     offset, nbytes, shape = fill.window()
     if (at + nbytes > spec.nbytes) if joined else (nbytes != spec.nbytes):
-        raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {nbytes}",
-                          fill.reader.path)
+        raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {nbytes}", fill.reader.path)
     dtype = fill.reader.tensor(fill.name).dtype
     piece = {"piece_at": at, "tensor_nbytes": spec.nbytes} if joined else {}
     check = bool_checker(spec.dtype, spec.name)
@@ -176,8 +201,10 @@ def _move(spec: TensorSpec, start: int, fill: FromSource, at: int, joined: bool)
     expected = tuple(reversed(shape))
     fits = expected[1:] == tuple(spec.shape[1:]) if joined else expected == tuple(spec.shape)
     if len(shape) != 2 or not fits or dtype not in ITEMSIZE:
-        raise FormatError(f"tensor '{fill.name}' ({dtype} {list(shape)}) cannot be written transposed as "
-                          f"{list(spec.shape)}", fill.reader.path)
+        raise FormatError(
+            f"tensor '{fill.name}' ({dtype} {list(shape)}) cannot be written transposed as {list(spec.shape)}",
+            fill.reader.path,
+        )
     return Move(spec.name, offset, nbytes, start + at, ITEMSIZE[dtype], (shape[0], shape[1]), check, **piece)
 
 
@@ -204,8 +231,7 @@ def check_written(ledger: WriteLedger, output: TensorFileReader, file_size: int,
     ledger.check(table, file_size, os.fstat(fd).st_size, output.path)
 
 
-def verify_full(pieces: Sequence[tuple[FromSource, str, int]], output: TensorFileReader,
-                block: int = 4 << 20) -> None:
+def verify_full(pieces: Sequence[tuple[FromSource, str, int]], output: TensorFileReader, block: int = 4 << 20) -> None:
     """The audit: re-read every (source piece, target name, byte offset within the target) from the output
     and compare it with its source, independently of the writer's code and checks."""
     for fill, out_name, at in pieces:
@@ -215,11 +241,13 @@ def verify_full(pieces: Sequence[tuple[FromSource, str, int]], output: TensorFil
         expected = tuple(reversed(shape)) if fill.transpose else shape
         whole = at == 0 and nbytes == out.nbytes
         if at + nbytes > out.nbytes or (whole and tuple(out.shape) != tuple(expected)):
-            raise VerificationError(f"tensor '{out_name}' has shape {list(out.shape)}, expected {list(expected)}",
-                                    output.path)
+            raise VerificationError(
+                f"tensor '{out_name}' has shape {list(out.shape)}, expected {list(expected)}", output.path
+            )
         window = _Window(fill.reader, fill.name, src_at, output, out_name, at)
-        same = _same_transposed(window, shape, block) if fill.transpose and nbytes else _same_bytes(window, nbytes,
-                                                                                                     block)
+        same = (
+            _same_transposed(window, shape, block) if fill.transpose and nbytes else _same_bytes(window, nbytes, block)
+        )
         if not same:
             raise VerificationError(f"tensor '{out_name}' differs from its source '{fill.name}'", output.path)
 
@@ -232,8 +260,10 @@ def check_digests(ledger: WriteLedger, output: TensorFileReader) -> None:
             continue
         base = ledger.windows[name][0]
         for entry in entries:
-            pieces = [os.pread(output.fd, entry.length, base + entry.start + k * entry.stride)
-                      for k in range(max(1, entry.count))]
+            pieces = [
+                os.pread(output.fd, entry.length, base + entry.start + k * entry.stride)
+                for k in range(max(1, entry.count))
+            ]
             if block_digest(b"".join(pieces)) != entry.digest:
                 raise VerificationError(f"tensor '{name}' reads back different from what was written", output.path)
 
@@ -276,8 +306,9 @@ def _same_transposed(w: _Window, shape: tuple[int, ...], block: int) -> bool:
         got = np.empty((cols, n), dtype=dtype)
         view = memoryview(got).cast("B")
         for c in range(cols):
-            w.output.readinto(w.out_name, w.out_at + (c * rows + r0) * itemsize,
-                              view[c * n * itemsize : (c + 1) * n * itemsize])
+            w.output.readinto(
+                w.out_name, w.out_at + (c * rows + r0) * itemsize, view[c * n * itemsize : (c + 1) * n * itemsize]
+            )
         if not np.array_equal(got.T, src):
             return False
     return True

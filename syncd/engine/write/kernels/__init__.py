@@ -48,8 +48,10 @@ def _views(src: Any, out: Any, rows: int, cols: int, itemsize: int, count: int) 
 
     dtype = np.dtype(f"u{itemsize}")
     # frombuffer refuses buffers too small for the geometry (ValueError)
-    return (np.frombuffer(src, dtype, rows * cols).reshape(rows, cols),
-            np.frombuffer(out, dtype, count * rows).reshape(count, rows))
+    return (
+        np.frombuffer(src, dtype, rows * cols).reshape(rows, cols),
+        np.frombuffer(out, dtype, count * rows).reshape(count, rows),
+    )
 
 
 def band_numpy(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int) -> None:
@@ -59,8 +61,9 @@ def band_numpy(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: i
     transpose_numpy(block[:, first : first + count], band, 0)
 
 
-def band_check_numpy(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int,
-                     seed: int) -> bool:
+def band_check_numpy(
+    src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int, seed: int
+) -> bool:
     import numpy as np
 
     block, band = _views(src, out, rows, cols, itemsize, count)
@@ -116,8 +119,9 @@ def make_band(raw: Callable[..., None]) -> BandKernel:
 def make_band_check(raw: Callable[..., bool]) -> BandCheck:
     """The extension's check as a BandCheck: blockcheck's rule (small blocks whole, larger ones sampled)."""
 
-    def check_compiled(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int,
-                       seed: int) -> bool:
+    def check_compiled(
+        src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int, seed: int
+    ) -> bool:
         samples = 0 if rows * count <= FULL_CHECK_ELEMENTS else SAMPLES_PER_TILE
         return raw(src, out, rows, count, itemsize, cols, first, rows, 0, samples, seed & (2**64 - 1))
 
