@@ -127,7 +127,7 @@ def test_cast_copy_writes_and_verifies_a_real_file(
 
     from safetensors.torch import load_file, save_file
 
-    from syncd import cast
+    from syncd.engine import cast
     from syncd.errors import VerificationError
     from syncd.formats.safetensors import SafetensorsReader, write_safetensors
     from syncd.formats.table import TensorSpec

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from syncd import publish as pub
+from syncd.engine import publish as pub
 from syncd.engine.publish import (
     Scratch,
     ensure_destination_free,

@@ -362,7 +362,7 @@ class OnePass:
         each band is transposed, checked, hashed and written while it is in cache (a transposed buffer
         larger than the cache costs three times as much to write, measured). Byte buffers throughout: with
         the compiled kernel no numpy is needed (syncd.engine.write.kernels)."""
-        from syncd import kernels
+        from syncd.engine.write import kernels
 
         try:
             rows, cols = move.matrix  # type: ignore[misc]
