@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import pwd
-import re
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -68,18 +68,51 @@ def _save_as(user: pwd.struct_passwd, path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+# POSIX ACLs as the kernel stores them in the xattrs system.posix_acl_access / system.posix_acl_default
+# (linux/posix_acl_xattr.h): a little-endian u32 version 2, then entries of (u16 tag, u16 perm, u32 id),
+# sorted by tag and then id; only ACL_USER and ACL_GROUP entries carry an id.
+ACL_XATTR_VERSION = 2
+ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_GROUP, ACL_MASK, ACL_OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+ACL_UNDEFINED_ID = 0xFFFFFFFF
+ACL_ENTRY = struct.Struct("<HHI")
+R, W, X = 4, 2, 1
+
+
+def acl_xattr(entries: list[tuple[int, int, int]]) -> bytes:
+    """The xattr value of an ACL given as (tag, perm, id) entries."""
+    return struct.pack("<I", ACL_XATTR_VERSION) + b"".join(ACL_ENTRY.pack(*entry) for entry in sorted(entries))
+
+
+def acl_entries(value: bytes) -> list[tuple[int, int, int]]:
+    """The (tag, perm, id) entries of an ACL xattr value."""
+    assert struct.unpack_from("<I", value)[0] == ACL_XATTR_VERSION and (len(value) - 4) % ACL_ENTRY.size == 0
+    return [ACL_ENTRY.unpack_from(value, offset) for offset in range(4, len(value), ACL_ENTRY.size)]
+
+
 def test_save_file_writes_0600_and_a_default_acl_cannot_open_it_to_a_group(shared_root: Path) -> None:
     shared = shared_root / "shared"
-    shared.mkdir()
+    shared.mkdir(mode=0o755)
     group = OTHER.pw_gid  # the group the ACL names (as `syncd` would be)
-    for spec in (f"d:g:{group}:rX", f"g:{group}:rX", "d:o::-", "o::-"):
-        subprocess.run(["setfacl", "-m", spec, str(shared)], check=True, timeout=60)
+    # what `setfacl -m d:g:GROUP:rX,g:GROUP:rX,d:o::-,o::-` sets on a 0755 directory, with its mask
+    acl = acl_xattr(
+        [
+            (ACL_USER_OBJ, R | W | X, ACL_UNDEFINED_ID),
+            (ACL_GROUP_OBJ, R | X, ACL_UNDEFINED_ID),
+            (ACL_GROUP, R | X, group),
+            (ACL_MASK, R | X, ACL_UNDEFINED_ID),
+            (ACL_OTHER, 0, ACL_UNDEFINED_ID),
+        ]
+    )
+    os.setxattr(shared, "system.posix_acl_access", acl)
+    os.setxattr(shared, "system.posix_acl_default", acl)
+    assert acl_entries(os.getxattr(shared, "system.posix_acl_default")) == acl_entries(acl)
 
     checkpoint = shared / "model.safetensors"
     _save_as(pwd.getpwuid(0), checkpoint)
     assert stat.S_IMODE(os.stat(checkpoint).st_mode) == 0o600
-    acl = subprocess.run(["getfacl", "-n", str(checkpoint)], capture_output=True, text=True, check=True).stdout
-    assert re.search(rf"^group:{group}:r-[x-]\t#effective:---$", acl, re.M) and "mask::---" in acl
+    inherited = acl_entries(os.getxattr(checkpoint, "system.posix_acl_access"))
+    assert (ACL_GROUP, R | X, group) in inherited  # the entry is there, but the 0600 creation mode ...
+    assert (ACL_MASK, 0, ACL_UNDEFINED_ID) in inherited  # ... leaves a mask that makes it ineffective
     denied = _as(OTHER, "cat", checkpoint)
     assert denied.returncode != 0 and "Permission denied" in denied.stderr
 
@@ -87,6 +120,7 @@ def test_save_file_writes_0600_and_a_default_acl_cannot_open_it_to_a_group(share
     fd = os.open(shared / "group.bin", os.O_WRONLY | os.O_CREAT, 0o640)
     os.write(fd, b"weights")
     os.close(fd)
+    assert (ACL_MASK, R, ACL_UNDEFINED_ID) in acl_entries(os.getxattr(shared / "group.bin", "system.posix_acl_access"))
     assert _as(OTHER, "cat", shared / "group.bin").stdout == "weights"
 
 
