@@ -1,4 +1,4 @@
-"""How many cores the benchmark ran on, and running a command on fewer (issue 15).
+"""How many cores the benchmark ran on, and running a command on fewer.
 
 `syncd convert` uses one writer thread per core it may run on (os.sched_getaffinity), so the benchmark
 records the machine's cores and the cores it was allowed, and can run the conversions again pinned to the

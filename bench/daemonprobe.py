@@ -1,5 +1,5 @@
 """The daemon probe: `syncd run` on a fresh watched directory, and the latency from a checkpoint's close to
-its published output (see README.md, "Daemon latency")."""
+its published output (see bench/README.md, "Daemon latency")."""
 
 from __future__ import annotations
 

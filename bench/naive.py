@@ -10,7 +10,7 @@ steps with torch tensors. (Importing torch costs the torch row about 1-2 s and ~
 the table reports that honestly, since it is what the obvious BF16 pipeline pays.)
 
 `--torch` runs the same three steps with `safetensors.torch` and `w.t().contiguous()` for every dtype: the
-five-line script a PyTorch user writes, the peer syncd must beat on Linear-heavy models (issue 15).
+five-line script a PyTorch user writes, the peer syncd must beat on Linear-heavy models.
 
 Which tensors are transposed: every 2-D `*.weight` with a 1-D `*.bias` sibling (a Linear with bias), which
 is exactly the set `syncd convert` transposes for the synthetic models of gen.py. The output is a

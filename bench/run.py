@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/run.py            # full run (< 15 min on 2 cores): results in bench/results/
     .venv/bin/python bench/run.py --quick    # small files, one timed run (< 1 min): results-quick.*
-    add --snapshot to measure syncd as committed at HEAD instead of the working tree (see README.md)
+    add --snapshot to measure syncd as committed at HEAD instead of the working tree (see docs/performance.md)
 
 For every synthetic checkpoint (see gen.py) it measures, each as a subprocess:
 

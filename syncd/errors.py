@@ -1,6 +1,6 @@
 """The errors a user can see. Each renders as one line that names the file and what is wrong.
 
-Every error declares, where it is raised, what kind of failure it is (issue 11):
+Every error declares, where it is raised, what kind of failure it is:
 
 * `kind`: "input" (the file itself is wrong or unsupported: fixing it needs a new version of the file),
   "config" (a setting decides it: a module map or layout would settle it, so a reload looks again),

@@ -1,4 +1,4 @@
-"""Input generators and checks for the fuzz tests (issue 7): hostile-but-structured checkpoints, byte-level
+"""Input generators and checks for the fuzz tests: hostile-but-structured checkpoints, byte-level
 mutations of real files, and the one property every input must satisfy.
 
 Files are built as raw bytes with encoders written here (a small CBOR and JSON emitter over a syntax tree

@@ -55,7 +55,7 @@ def burnpack_table(path: Path) -> list[TensorRef]:
 
 
 def _burn_dtype(raw: object) -> str:
-    if isinstance(raw, dict):  # {"Bool": "U8"} and the like (burn-compat.md §1.4)
+    if isinstance(raw, dict):  # {"Bool": "U8"} and the like (docs/burn-format.md#dtypes)
         ((variant, store),) = raw.items()
         return f"{variant}({store})"
     return str(raw)

@@ -1,4 +1,4 @@
-"""Hand-made bad checkpoints (issue 2): each gives its own FormatError naming the file (and the tensor, where
+"""Hand-made bad checkpoints: each gives its own FormatError naming the file (and the tensor, where
 there is one), quickly and without allocating what the file claims.
 
 Every file is built here from a recipe (nothing is stored) and opened with `open_checkpoint` in a forked child

@@ -1,4 +1,4 @@
-"""Burnpack reader and writer (issue 2): Burn's own files, exact round trips, Burn's CBOR bytes, writer refusals."""
+"""Burnpack reader and writer: Burn's own files, exact round trips, Burn's CBOR bytes, writer refusals."""
 
 from __future__ import annotations
 

@@ -275,7 +275,7 @@ def test_modules_from_a_file(tmp_path: Path, runs: Path) -> None:
 
 def test_modules_read_as_convert_reads_them(tmp_path: Path, runs: Path) -> None:
     """One parser for `--modules`, the config and check-config: the spellings `--modules` accepts are
-    accepted inline and in a file, and a module-map file's `layout:` is kept (issue 11)."""
+    accepted inline and in a file, and a module-map file's `layout:` is kept."""
     text = "watches:\n  - path: runs\n    modules: {fc: linear, bn: BatchNorm2d}\n"
     inline = load_config(write_config(tmp_path, text))
     assert inline.watches[0].modules == {"fc": "Linear", "bn": "BatchNorm"}

@@ -1,4 +1,4 @@
-"""Acceptance tests for issue 3: `syncd convert` between Burn `.bpk` and PyTorch `.safetensors`.
+"""Acceptance tests for `syncd convert` between Burn `.bpk` and PyTorch `.safetensors`.
 
 Real files (the shared fixtures, files written by PyTorch here, burnpacks built with Burn's byte layout), the
 real CLI in a subprocess where exit codes and messages matter, `syncd.engine.convert.convert` otherwise. Outputs are
@@ -783,7 +783,7 @@ def test_directory_as_source_exits_1(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
-# issue 15: the recorded source hash, and the full read-back kept for audits
+# the recorded source hash, and the full read-back kept for audits
 
 
 def test_hash_sha256_records_the_sha256_of_the_source(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Issue 3 on the real-world corpus: every file converts and comes back unchanged, or is refused for a stated reason.
+"""`syncd convert` on the real-world corpus: every file converts and comes back unchanged, or is refused for a stated
+reason.
 
 The corpus (tests/data/corpus, see its MANIFEST.md) was written by Burn, PyTorch and numpy, never by syncd. Each file
 is copied into a temporary directory first (the corpus is read-only). The table below is the expected outcome per

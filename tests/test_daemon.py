@@ -1,4 +1,4 @@
-"""Acceptance tests for `syncd run` (issue 5): the real daemon in a subprocess, real inotify, real signals,
+"""Acceptance tests for `syncd run`: the real daemon in a subprocess, real inotify, real signals,
 a real sd_notify socket, real checkpoint files. See daemonutil.py for the harness."""
 
 from __future__ import annotations
@@ -481,7 +481,7 @@ def test_mirror_output(make_daemon: Callable[..., DaemonRun]) -> None:
 
 def test_a_module_map_files_layout_settles_what_the_tensors_cannot(make_daemon: Callable[..., DaemonRun]) -> None:
     """A square Linear with bias does not show its layout; the watch's module-map file says `layout: pytorch`,
-    and the daemon must honour it as `syncd convert --modules` does (issue 11)."""
+    and the daemon must honour it as `syncd convert --modules` does."""
     run = make_daemon([{"path": "runs", "direction": "safetensors->bpk", "modules": "model.yaml"}])
     module_map = run.root / "model.yaml"
     module_map.write_text("layout: pytorch\nmodules:\n  fc: Linear\n")

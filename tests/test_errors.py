@@ -1,4 +1,4 @@
-"""Error kinds are declared where errors are raised (issue 11): the daemon's classification reads them."""
+"""Error kinds are declared where errors are raised: the daemon's classification reads them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fuzzing both readers and the whole `syncd convert` path (issue 7).
+"""Fuzzing both readers and the whole `syncd convert` path.
 
 Every input -- a structured file with hostile values (fuzz_gen.burnpack_files / safetensors_files), a real
 file with byte-level edits (fuzz_gen.mutations) or with edits of its decoded header (fuzz_gen.tree_mutations,

@@ -1,4 +1,4 @@
-"""The source identity hash (issue 15): XXH3-128 by default, sha256 by choice, old sha256 records still read."""
+"""The source identity hash: XXH3-128 by default, sha256 by choice, old sha256 records still read."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The transpose kernels (issue 15): the compiled one and the numpy fallback give identical, bit-exact bytes.
+"""The transpose kernels: the compiled one and the numpy fallback give identical, bit-exact bytes.
 
 The compiled kernel is built here from the shipped C source with the project's own setup.py (into a temporary
 directory), so this test covers it whether or not the checkout was installed with a compiler present.

@@ -1,4 +1,4 @@
-"""Issue 13: real architectures convert with no configuration, tensor by tensor right, and come back bit-exact.
+"""Real architectures convert with no configuration, tensor by tensor right, and come back bit-exact.
 
 Every model is built from a small config with random weights (no downloads). Each test saves it as its users
 do (`save_pretrained`, which writes config.json and `format: pt`; or a bare `save_file(state_dict)`), converts
@@ -244,7 +244,7 @@ def _move_running_stats(model: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# what Burn expects, from the module types (burn-compat.md §3.5)
+# what Burn expects, from the module types (docs/burn-adapters.md#module-kinds)
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.RMSNorm)
 
@@ -287,7 +287,7 @@ def expected_burn(
         elif isinstance(module, nn.PReLU):
             burn_name = f"{path}.alpha"
         elif leaf == "num_batches_tracked":
-            continue  # no Burn slot: carried in metadata (burn-compat.md §4)
+            continue  # no Burn slot: carried in metadata (docs/burn-adapters.md#keys-without-a-counterpart)
         # Embedding, Conv*, transformers' Conv1D ([in, out] is Burn's Linear layout) and anything else: as stored
         expected[burn_name] = (shape, data)
     return expected
@@ -501,7 +501,7 @@ def test_layer_scale_gamma_is_left_as_it_is_in_both_directions() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# PyTorch's packed tensors (burn-compat.md §3.5): MHA in_proj and RNN gates split into Burn's Linears
+# PyTorch's packed tensors (docs/burn-adapters.md#packed-modules): MHA in_proj and RNN gates split into Burn's Linears
 
 
 class _Attention(nn.Module):
@@ -525,7 +525,7 @@ PACKED_MODELS: dict[str, Callable[[], nn.Module]] = {
     "lstm-no-bias": lambda: nn.LSTM(4, 3, bias=False),
 }
 
-# PyTorch's chunk order -> Burn's fields (burn-compat.md §3.5), written out here independently of syncd
+# PyTorch's chunk order -> Burn's fields (docs/burn-adapters.md#packed-modules), written out here independently of syncd
 _GATES = {
     "LSTM": ("input_gate", "forget_gate", "cell_gate", "output_gate"),
     "GRU": ("reset_gate", "update_gate", "new_gate"),
@@ -576,8 +576,8 @@ def _torch_bytes(value: torch.Tensor) -> tuple[tuple[int, ...], bytes]:
 
 
 def assert_packed_burn_layout(model: nn.Module, source: Path, bpk: Path) -> None:
-    """Every .bpk tensor as Burn's modules hold it: packed modules split per burn-compat.md §3.5, the rest
-    as their module types say."""
+    """Every .bpk tensor as Burn's modules hold it: packed modules split per docs/burn-adapters.md#packed-modules, the
+    rest as their module types say."""
     packed, replaced = _packed_burn(model)
     expected = {
         name: value for name, value in expected_burn(model, read_safetensors(source)).items() if name not in replaced
@@ -714,7 +714,8 @@ def test_an_unusable_config_json_is_noted_and_names_and_shapes_decide(
 
 
 def _burn_attention_table(prefix: str = "blocks.0.attn") -> list[TensorRef]:
-    """A Burn MultiHeadAttention's tensors (burn-compat.md §3.5), beside a LayerNorm that shows burn layout."""
+    """A Burn MultiHeadAttention's tensors (docs/burn-adapters.md#packed-modules), beside a LayerNorm that shows burn
+    layout."""
     table = [
         TensorRef(f"{prefix}.{field}.{leaf}", "F32", (8, 8) if leaf == "weight" else (8,))
         for field in ("query", "key", "value", "output")
@@ -786,9 +787,9 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
 def test_a_packed_module_is_cast_piece_by_piece_and_joined_back(
     tmp_path: Path, name: str, precision: str, dtype: torch.dtype
 ) -> None:
-    """Burn's HalfPrecisionAdapter casts the Linears a packed module is split into (burn-compat.md §3.4, §3.5):
-    every split piece is the cast of its rows, and `--precision f32` joins the cast pieces back into the
-    packed tensors, each value the original rounded once."""
+    """Burn's HalfPrecisionAdapter casts the Linears a packed module is split into
+    (docs/burn-adapters.md#half-precision): every split piece is the cast of its rows, and `--precision f32` joins the
+    cast pieces back into the packed tensors, each value the original rounded once."""
     source = tmp_path / "packed.safetensors"
     model = save_bare(PACKED_MODELS[name], source, seed=4)
     done = run_cli("convert", source, "--precision", precision)
@@ -950,9 +951,9 @@ def test_a_burn_file_comes_back_with_its_order_and_param_ids_after_a_join_and_a_
     assert again.param_ids() == first.param_ids()
 
 
-# Remap rules from nn.TransformerEncoder's names to Burn's TransformerEncoder fields (burn-compat.md §3.5:
-# self_attn -> mha, linear1/linear2 -> pwff.linear_inner/linear_outer, norms by norm_first), as the README
-# gives them.
+# Remap rules from nn.TransformerEncoder's names to Burn's TransformerEncoder fields
+# (docs/burn-adapters.md#transformer-norms: self_attn -> mha, linear1/linear2 -> pwff.linear_inner/linear_outer, norms
+# by norm_first), as docs/store-options.md gives them.
 ENCODER_RULES = (r"\.self_attn\.=.mha.", r"\.linear1\.=.pwff.linear_inner.", r"\.linear2\.=.pwff.linear_outer.")
 NORM_RULES = {
     False: (r"\.norm1\.=.norm_1.", r"\.norm2\.=.norm_2."),  # post-norm: norm_k <-> normk
@@ -961,7 +962,8 @@ NORM_RULES = {
 
 
 def _burn_encoder_names(layers: int) -> set[str]:
-    """The record of Burn's TransformerEncoder (burn-compat.md §3.5), written out from its fields."""
+    """The record of Burn's TransformerEncoder (docs/burn-adapters.md#transformer-norms), written out from its
+    fields."""
     fields = [f"mha.{p}.{leaf}" for p in ("query", "key", "value", "output") for leaf in ("weight", "bias")]
     fields += [f"pwff.{p}.{leaf}" for p in ("linear_inner", "linear_outer") for leaf in ("weight", "bias")]
     fields += [f"{n}.{leaf}" for n in ("norm_1", "norm_2") for leaf in ("gamma", "beta")]

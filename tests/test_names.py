@@ -30,7 +30,7 @@ ROOT = Path("/srv/runs")
         (".~lock.model.bpk", False),
         ("model.part", False),
         (".model.bpk.syncd-12-0.tmp", False),  # syncd's own scratch file
-        ("model.bpk.12-0.tmp", False),  # Burn's scratch file (burn-compat.md §2.2)
+        ("model.bpk.12-0.tmp", False),  # Burn's scratch file (docs/burn-adapters.md#publishing)
     ],
 )
 def test_default_candidates(name: str, expected: bool) -> None:

@@ -1,4 +1,4 @@
-"""One pass over the source (issue 15): exact output with any number of writers and any buffer size, and
+"""One pass over the source: exact output with any number of writers and any buffer size, and
 every fault class the old full read-back caught is still caught without it: a wrong offset, a wrong
 transpose, a torn source, a short write."""
 
@@ -382,8 +382,8 @@ def test_pieces_of_tensors_split_and_joined_arrive_exact_and_tile_their_windows(
     tmp_path: Path, slot_bytes: int, workers: int
 ) -> None:
     """A packed source's row ranges as tensors of their own, and three tensors joined into one, transposed,
-    in whole blocks and in strips: the ledger keeps one window per output tensor (issue 13, burn-compat.md
-    §3.5 packed MHA/RNN tensors)."""
+    in whole blocks and in strips: the ledger keeps one window per output tensor (packed MHA/RNN tensors,
+    docs/burn-adapters.md#packed-modules)."""
     rng = np.random.default_rng(5)
     parts = {name: rng.standard_normal((40, 24)).astype(np.float32) for name in ("q", "k", "v")}
     packed = rng.standard_normal((60, 24)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Atomic, no-replace publishing (issue 4): real files, real processes, real signals; no mocked file system."""
+"""Atomic, no-replace publishing: real files, real processes, real signals; no mocked file system."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Safetensors reader and writer (issue 2): byte-identical to the `safetensors` library, readable by PyTorch."""
+"""Safetensors reader and writer: byte-identical to the `safetensors` library, readable by PyTorch."""
 
 from __future__ import annotations
 

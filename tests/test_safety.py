@@ -1,4 +1,4 @@
-"""Path and resource safety of the running daemon (issue 7): symlinks, FIFOs, odd names, permission bits,
+"""Path and resource safety of the running daemon: symlinks, FIFOs, odd names, permission bits,
 deep and large trees. Everything runs the real daemon on real files."""
 
 from __future__ import annotations

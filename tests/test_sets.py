@@ -1,4 +1,4 @@
-"""Sharded checkpoints, key remapping, filters and precision end to end (issue 16): real save_pretrained sets,
+"""Sharded checkpoints, key remapping, filters and precision end to end: real save_pretrained sets,
 the real CLI and the real daemon, from_pretrained on what comes back."""
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def test_contiguous_indices_on_the_cli(tmp_path: Path) -> None:
 
 
 def test_memory_stays_flat_over_a_set_of_shards(tmp_path: Path) -> None:
-    """Six shards of 64 MiB (8 MiB tensors) convert, and come back, within the bound the README states for
+    """Six shards of 64 MiB (8 MiB tensors) convert, and come back, within the bound docs/performance.md states for
     single files: the shards are read one tensor at a time."""
     from safetensors.numpy import save_file
 

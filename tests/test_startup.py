@@ -1,4 +1,4 @@
-"""Start-up cost (issue 15): each CLI command imports only what it needs."""
+"""Start-up cost: each CLI command imports only what it needs."""
 
 from __future__ import annotations
 

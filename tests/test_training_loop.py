@@ -1,4 +1,4 @@
-"""The daemon under a real training loop (issue 12): re-saves, in-place rewrites, swaps, hangs, reloads,
+"""The daemon under a real training loop: re-saves, in-place rewrites, swaps, hangs, reloads,
 faults that heal. Every test runs the real daemon (tests/daemonutil.py) on real files with real signals."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Layout adapters: pure functions over tensor tables (names, dtypes, shapes; never bytes, never files).
 
-Burn and PyTorch store the same model with different names and shapes (burn-compat.md §3.2, §3.5): a Burn
+Burn and PyTorch store the same model with different names and shapes (docs/burn-adapters.md#module-kinds): a Burn
 Linear weight is [in, out] where PyTorch has [out, in]; Burn norms call their parameters gamma/beta where
 PyTorch says weight/bias; Burn PRelu says alpha; PyTorch BatchNorm carries num_batches_tracked, which Burn has
-no slot for (§4). This package decides, from a file's tensor table, what the converter must do:
+no slot for (docs/burn-adapters.md#keys-without-a-counterpart). This package decides, from a file's tensor table, what
+the converter must do:
 
     plan = plan_conversion(tensors, to_layout="burn")      # tensors: list[TensorRef] in data order
     for entry in plan.entries:                              # PlanEntry(source, target, transpose, shape)
@@ -35,15 +36,16 @@ Errors (syncd.errors):
   one-line message; ``.suggestion`` the module-map YAML that would settle it; ``.details`` the per-module
   reasons followed by that YAML; ``.undecided`` the module paths concerned.
 * UnsupportedError for what the target cannot take: PyTorch packed tensors Burn has no slot for (MHA
-  bias_k/bias_v or kdim/vdim projections, RNN layers l1+ or proj_size; burn-compat.md §4), transposing a QFloat
-  or sub-byte tensor, norm parameters that are not 1-D.
+  bias_k/bias_v or kdim/vdim projections, RNN layers l1+ or proj_size;
+  docs/burn-adapters.md#keys-without-a-counterpart), transposing a QFloat or sub-byte tensor, norm parameters that are
+  not 1-D.
 * ConfigError for a bad module map, or one whose kind does not fit the tensors it matches (exact paths;
   a glob that sweeps over a module holding no adaptable tensors leaves it alone).
 * SyncdError for duplicate source or output names; UsageError for an unknown layout name.
 
 Rules, in order
 ---------------
-0. Packed modules (packed.py, burn-compat.md §3.5, §3.6 item 6) are found first and their tensors taken out of
+0. Packed modules (packed.py, docs/burn-adapters.md#packed-modules) are found first and their tensors taken out of
    the rules below: PyTorch's by their names (`in_proj_weight`, `weight_ih_l0`... -> MultiHeadAttention, and
    Lstm / Gru / Rnn by weight_hh_l0's rows over its columns); Burn's split ones by a module map or the file's
    `syncd.kinds` (query/key/value/output Linears) or by Burn's own gate names (`input_gate.input_transform`...).
@@ -52,7 +54,7 @@ Rules, in order
 1. ``to_layout="keep"``: identity, nothing renamed, transposed or dropped.
 2. Module = name minus its last segment. Leaves weight, bias, gamma, beta, alpha, running_mean, running_var,
    num_batches_tracked are adapted; tensors with other leaves always pass through unchanged.
-3. Kind, strongest evidence first (issue 13), each decision line saying where it came from:
+3. Kind, strongest evidence first, each decision line saying where it came from:
    a. the module map (exact path, else first matching glob);
    b. the kinds a syncd-made file recorded (`syncd.kinds`);
    c. config.json's `model_type` / `architectures` matched in `architectures.yaml` (one module map per

@@ -1,6 +1,6 @@
 """Evidence beyond a module's own tensors: the known-architectures table and naming conventions.
 
-Issue 13 sets the order, strongest first: a module map or --layout; the decisions a syncd-made file records;
+The order, strongest first: a module map or --layout; the decisions a syncd-made file records;
 the `config.json` beside the checkpoint matched against `architectures.yaml`; the `format: pt` metadata key;
 naming conventions shared across model families; then the shapes. This module holds the table and the
 conventions; `infer.py` and `plan.py` apply them in that order.
@@ -19,7 +19,7 @@ from syncd.adapters.modulemap import ModuleMap
 
 TABLE_FILE = "architectures.yaml"
 
-# Naming conventions shared across families (issue 13), matched case-insensitively against a module's last
+# Naming conventions shared across families, matched case-insensitively against a module's last
 # path segment. They settle only what the tensors leave open (a bias-free 2-D weight, a lone 1-D weight or
 # gamma); a module whose tensors contradict its name keeps what its tensors say.
 LINEAR_NAMES = ("*_proj", "proj", "qkv", "lm_head", "fc*", "dense", "query", "key", "value")

@@ -46,7 +46,7 @@ PYTORCH_AFFINE = frozenset({"weight", "bias"})
 BURN_AFFINE = frozenset({"gamma", "beta"})
 ADAPTABLE_LEAVES = PYTORCH_AFFINE | BURN_AFFINE | RUNNING_STATS | {"alpha"}
 
-# Which leaves each mapped kind may hold (either side's names), burn-compat.md §3.5.
+# Which leaves each mapped kind may hold (either side's names), docs/burn-adapters.md#module-kinds.
 _ALLOWED_LEAVES: dict[str, frozenset[str]] = {
     LINEAR: PYTORCH_AFFINE,
     LINEAR_IN_OUT: PYTORCH_AFFINE,
@@ -55,7 +55,8 @@ _ALLOWED_LEAVES: dict[str, frozenset[str]] = {
     BATCH_NORM: PYTORCH_AFFINE | BURN_AFFINE | RUNNING_STATS,
     LAYER_NORM: PYTORCH_AFFINE | BURN_AFFINE,
     "GroupNorm": PYTORCH_AFFINE | BURN_AFFINE,
-    # PyTorch InstanceNorm with track_running_stats also has running stats (no Burn slot, §4)
+    # PyTorch InstanceNorm with track_running_stats also has running stats (no Burn slot,
+    # docs/burn-adapters.md#keys-without-a-counterpart)
     INSTANCE_NORM: PYTORCH_AFFINE | BURN_AFFINE | RUNNING_STATS,
     RMS_NORM: frozenset({"weight", "gamma"}),
     PRELU: frozenset({"weight", "alpha"}),
@@ -131,7 +132,7 @@ def group_modules(tensors: Iterable[TensorRef]) -> list[Module]:
 
 def kind_of(module: Module, sources: KindSources) -> ModuleKind:
     """The strongest statement wins: an explicit module map, then the file's record, then config.json's
-    architecture, then the module's names and shapes (issue 13's order)."""
+    architecture, then the module's names and shapes (the evidence order)."""
     module_map = sources.module_map
     rule = module_map.lookup(module.path) if module_map is not None else None
     if rule is not None:
@@ -173,7 +174,7 @@ def _table_kind(module: Module, architecture: Architecture) -> ModuleKind | None
 
 
 # ---------------------------------------------------------------------------------------------------------
-# inference from names, shapes and siblings (burn-compat.md §3.6 lists what cannot be decided this way)
+# inference from names, shapes and siblings (docs/burn-adapters.md#ambiguous-cases lists what cannot be decided so)
 
 
 def infer_kind(module: Module) -> ModuleKind:
@@ -194,7 +195,7 @@ def infer_kind(module: Module) -> ModuleKind:
 
 
 def _infer_batch_norm(module: Module) -> ModuleKind:
-    # running_mean/running_var siblings identify BatchNorm (burn-compat.md §3.6 item 4)
+    # running_mean/running_var siblings identify BatchNorm (docs/burn-adapters.md#ambiguous-cases item 4)
     affine = set(module.params) - RUNNING_STATS
     consistent = (affine <= PYTORCH_AFFINE or affine <= BURN_AFFINE) and _all_rank(module, affine | _stats(module), 1)
     if not consistent:
@@ -219,8 +220,8 @@ def _infer_burn_norm(module: Module) -> ModuleKind:
 
 def _lone_vector(module: Module, leaf: str) -> ModuleKind:
     """A lone 1-D weight or gamma: a norm without bias (RmsNorm), PRelu (weight only) or a custom multiplier
-    such as timm's LayerScale `gamma` (burn-compat.md §3.6 item 4). Its module's name decides; else a 1-element
-    weight is a PRelu (a norm over one feature normalises nothing); else the file's layout may (see
+    such as timm's LayerScale `gamma` (docs/burn-adapters.md#ambiguous-cases item 4). Its module's name decides; else a
+    1-element weight is a PRelu (a norm over one feature normalises nothing); else the file's layout may (see
     resolve_with_layout); else it is undecided."""
     shape = list(module.shape(leaf))
     named = vector_name_kind(module.path, leaf)
@@ -257,7 +258,8 @@ def _infer_from_weight(module: Module) -> ModuleKind:
 
 def _infer_matrix(module: Module, weight: tuple[int, ...], bias: tuple[int, ...] | None) -> ModuleKind:
     if bias is None:
-        # burn-compat.md §3.6 item 1: bias-free Linear (transpose) vs Embedding (don't); the name may say
+        # docs/burn-adapters.md#ambiguous-cases item 1: bias-free Linear (transpose) vs Embedding (don't); the name may
+        # say
         named = matrix_name_kind(module.path)
         if named is not None:
             kind, pattern = named
@@ -286,7 +288,7 @@ def _linear_reason(weight: tuple[int, ...], bias: tuple[int, ...]) -> str:
     rows, cols = weight
     if rows == cols:
         return f"square weight {list(weight)} with bias: layout from the rest of the file"
-    # burn-compat.md §3.5: PyTorch weight [out, in], Burn weight [in, out]; bias is [out] on both sides
+    # docs/burn-adapters.md#linear: PyTorch weight [out, in], Burn weight [in, out]; bias is [out] on both sides
     dim, layout = (0, PYTORCH) if bias[0] == rows else (1, BURN)
     return f"bias {list(bias)} matches dim {dim} -> {layout} layout"
 
@@ -345,7 +347,7 @@ def _check_mapped_shapes(module: Module, rule: ModuleRule, source: str) -> None:
         return
     vectors = set(module.params) - {"num_batches_tracked"}
     if not _all_rank(module, vectors, 1):
-        # Burn's norms and PRelu hold 1-D parameters only (burn-compat.md §3.5, §4: multi-dim LayerNorm)
+        # Burn's norms and PRelu hold 1-D parameters only (docs/burn-adapters.md#norms)
         raise UnsupportedError(
             f"{module.label}: {kind} tensors {_shapes(module)} are not 1-D; Burn's {kind} holds 1-D parameters only"
         )
@@ -365,7 +367,7 @@ def _require(module: Module, ok: bool, rule: ModuleRule, source: str, what: str)
 
 
 def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
-    """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it (issue 13)."""
+    """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it."""
     found: dict[tuple[str, bool], list[str]] = {}
     if kind.kind == LINEAR:
         _linear_evidence(module, found)
@@ -375,7 +377,8 @@ def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
 
 
 def _linear_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -> None:
-    # Only a non-square weight with a bias shows which dimension is [out] (burn-compat.md §3.6 item 2).
+    # Only a non-square weight with a bias shows which dimension is [out] (docs/burn-adapters.md#ambiguous-cases item
+    # 2).
     if "bias" not in module.params:
         return
     weight, bias = module.shape("weight"), module.shape("bias")
@@ -385,8 +388,8 @@ def _linear_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -
 
 
 def _name_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -> None:
-    # Norm and PRelu parameter names differ by side (burn-compat.md §3.2, §3.5); num_batches_tracked is
-    # PyTorch-only (§4).
+    # Norm and PRelu parameter names differ by side (docs/burn-adapters.md#norms); num_batches_tracked is
+    # PyTorch-only.
     pytorch_names = [leaf for leaf in ("weight", "bias", "num_batches_tracked") if leaf in module.params]
     burn_names = [leaf for leaf in ("gamma", "beta", "alpha") if leaf in module.params]
     if pytorch_names:
@@ -401,7 +404,7 @@ def resolve_with_layout(
     """Kinds the file's layout settles, once it is known.
 
     * A shape-inferred Linear whose bias matches dim 1 in a pytorch-layout file cannot be a torch Linear
-      (that stores [out, in]): it is a LinearInOut, transformers' Conv1D, kept as it is (issue 13).
+      (that stores [out, in]): it is a LinearInOut, transformers' Conv1D, kept as it is.
     * A lone gamma in a pytorch-layout file is no PyTorch norm (they say weight): a custom parameter such as
       a layer scale, left unchanged; a lone 1-D weight in a burn-layout file likewise (Burn says gamma/alpha).
     * In a file holding LinearInOut modules (`in_out`: their last path segments; None for a first pass),

@@ -1,5 +1,5 @@
 """Tensor names (keys): Burn's KeyRemapper rules, its contiguous-index option, PathFilter-style filters, and the
-inverse of a remapping. Pure functions over names (burn-compat.md §5, store/keyremapper.rs, store/filter.rs).
+inverse of a remapping. Pure functions over names (docs/burn-adapters.md#store-options).
 
 KeyRemapper: an ordered list of (regex, replacement). For each name, every rule whose pattern matches replaces
 all of its matches in the name *as the rules before it left it*. Replacements use Rust's syntax: `$1`,

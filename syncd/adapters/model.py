@@ -23,10 +23,10 @@ SOURCE_LAYOUTS = (AUTO, PYTORCH, BURN)
 # what `--layout` and a watch's `layout:` accept: a source layout, or keep (convert the container only)
 LAYOUT_CHOICES = (AUTO, PYTORCH, BURN, KEEP)
 
-# Module kinds a module map may name (burn-compat.md §3.5 lists their parameters on both sides).
+# Module kinds a module map may name (docs/burn-adapters.md#module-kinds lists their parameters on both sides).
 LINEAR = "Linear"
 # A Linear whose PyTorch weight is stored [in, out] (transformers' Conv1D, GPT-2 family): Burn's Linear is
-# [in, out] too (burn-compat.md §3.5), so its weight is never transposed, in either direction.
+# [in, out] too (docs/burn-adapters.md#linear), so its weight is never transposed, in either direction.
 LINEAR_IN_OUT = "LinearInOut"
 EMBEDDING = "Embedding"
 BATCH_NORM = "BatchNorm"
@@ -36,8 +36,8 @@ INSTANCE_NORM = "InstanceNorm"
 RMS_NORM = "RmsNorm"
 PRELU = "PRelu"
 OTHER = "Other"
-# Modules whose PyTorch form packs several Burn parameters into one tensor (burn-compat.md §3.5 rows
-# MultiHeadAttention, Lstm, Gru, Rnn, BiLstm/BiGru; §3.6 item 6): split going to Burn, joined coming back.
+# Modules whose PyTorch form packs several Burn parameters into one tensor (docs/burn-adapters.md#packed-modules;
+# docs/burn-adapters.md#ambiguous-cases item 6): split going to Burn, joined coming back.
 MULTI_HEAD_ATTENTION = "MultiHeadAttention"
 LSTM = "Lstm"
 GRU = "Gru"
@@ -68,7 +68,7 @@ NORM_KINDS = frozenset({NORM, BATCH_NORM, LAYER_NORM, GROUP_NORM, INSTANCE_NORM,
 # Kinds a syncd-made file may record in its `syncd.kinds` metadata (what it was converted with).
 RECORDED_KINDS = frozenset({*MAP_KINDS, NORM, CONV})
 
-# Where a module's kind came from, strongest first (issue 13: evidence in a stated order).
+# Where a module's kind came from, strongest first (evidence in a stated order).
 BY_MAP = "module map"
 BY_RECORD = "recorded in the file"
 BY_CONFIG = "config.json"
@@ -105,7 +105,7 @@ class FileContext:
 class PlanEntry:
     """How one output tensor is made: from one source tensor, or from rows `rows` of it (a piece of a
     PyTorch packed tensor going to Burn), or from `parts` laid end to end (Burn's pieces joined back into
-    the packed tensor, burn-compat.md §3.5)."""
+    the packed tensor, docs/burn-adapters.md#packed-modules)."""
 
     source: str  # source tensor name (a joined entry: its first part's)
     target: str  # output tensor name

@@ -13,8 +13,8 @@ module `fc1`). Globs work segment by segment: `*` and `?` never cross a `.`, `[a
 classes, and a whole `**` segment matches zero or more segments (`**.norm` matches `norm` and `a.b.norm`).
 
 Which rule wins: a pattern without wildcards that equals the module path wins over every glob; otherwise the
-first matching glob in the map's order wins. Burn itself decides by module type, never by name (burn-compat.md
-§3.1); this map is how a user hands us the types a file does not store.
+first matching glob in the map's order wins. Burn itself decides by module type, never by name
+(docs/burn-adapters.md#how-burn-knows-a-module); this map is how a user hands us the types a file does not store.
 """
 
 from __future__ import annotations

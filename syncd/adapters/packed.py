@@ -1,6 +1,6 @@
 """PyTorch's packed tensors and Burn's separate ones: nn.MultiheadAttention's in_proj and the gate matrices
-of nn.LSTM / nn.GRU / nn.RNN (burn-compat.md §3.5 rows MultiHeadAttention, Lstm, BiLstm/BiGru, Gru, Rnn,
-GateController; §3.6 item 6; §4).
+of nn.LSTM / nn.GRU / nn.RNN (docs/burn-adapters.md#packed-modules; what Burn has no slot for: its
+#keys-without-a-counterpart).
 
 PyTorch packs the query/key/value projections of an attention into one `in_proj_weight` [3E, E] (rows q, k,
 v) and the gates of a recurrent layer into `weight_ih_l0` [kH, in] / `weight_hh_l0` [kH, H] (k = 4 for LSTM in
@@ -43,7 +43,8 @@ from syncd.adapters.model import (
 from syncd.errors import ConfigError, UnsupportedError
 from syncd.formats.dtypes import ITEMSIZE
 
-# Burn's fields in PyTorch's chunk order (burn-compat.md §3.5): LSTM i, f, g, o; GRU r, z, n; RNN one gate.
+# Burn's fields in PyTorch's chunk order (docs/burn-adapters.md#packed-modules):
+# LSTM i, f, g, o; GRU r, z, n; RNN one gate.
 GATES = {
     LSTM: ("input_gate", "forget_gate", "cell_gate", "output_gate"),
     GRU: ("reset_gate", "update_gate", "new_gate"),
@@ -52,12 +53,12 @@ GATES = {
 _KIND_BY_CHUNKS = {len(gates): kind for kind, gates in GATES.items()}
 _ALL_GATES = frozenset(gate for gates in GATES.values() for gate in gates)
 _TRANSFORMS = {"ih": "input_transform", "hh": "hidden_transform"}  # PyTorch's ih/hh -> GateController's Linears
-# PyTorch tensors that pack several Burn parameters into one (MHA in_proj, RNN gates, burn-compat.md §3.5,
-# §3.6 item 6, §4): their names exist only on the PyTorch side.
+# PyTorch tensors that pack several Burn parameters into one (MHA in_proj, RNN gates,
+# docs/burn-adapters.md#packed-modules): their names exist only on the PyTorch side.
 PACKED_PYTORCH_LEAF = re.compile(
     r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]|(?:weight|bias)_(?:ih|hh|hr)_l\d+(?:_reverse)?"
 )
-QKV = ("query", "key", "value")  # rows of in_proj, in order (burn-compat.md §3.5)
+QKV = ("query", "key", "value")  # rows of in_proj, in order (docs/burn-adapters.md#packed-modules)
 _MHA_LEAF = re.compile(r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]")
 _MHA_SPLIT = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
 _RNN_LAYER_0 = re.compile(r"(weight|bias)_(ih|hh)_l0(_reverse)?")
@@ -192,14 +193,14 @@ def _refuse(name: str, why: str) -> UnsupportedError:
 
 
 def _split_mha(module: PackedModule) -> list[PlanEntry]:
-    """burn-compat.md §3.5: in_proj rows q, k, v -> query, key, value (each a Linear, transposed); out_proj ->
-    output. §4: bias_k/bias_v and the separate q/k/v_proj_weight (kdim/vdim) have no Burn slot."""
+    """docs/burn-adapters.md#packed-modules: in_proj rows q, k, v -> query, key, value (each a Linear, transposed);
+    out_proj -> output. bias_k/bias_v and the separate q/k/v_proj_weight (kdim/vdim) have no Burn slot."""
     for rel, tensor in module.tensors.items():
         if rel not in _MHA_SPLIT:
             raise _refuse(
                 tensor.name,
                 "Burn's MultiHeadAttention has no slot for it (no bias_k/bias_v, no "
-                "separate q/k/v projections for kdim/vdim; burn-compat.md §4)",
+                "separate q/k/v projections for kdim/vdim)",
             )
     weight = module.tensors.get("in_proj_weight")
     out_weight = module.tensors.get("out_proj.weight")
@@ -220,9 +221,9 @@ def _split_mha(module: PackedModule) -> list[PlanEntry]:
 
 
 def _split_rnn(module: PackedModule) -> list[PlanEntry]:
-    """burn-compat.md §3.5: each chunk of rows of weight_ih_l0 / weight_hh_l0 (and their biases) is one gate's
-    input_transform / hidden_transform Linear, transposed; `_l0_reverse` is BiLstm/BiGru's `reverse`. §4:
-    layers l1+ and proj_size's weight_hr_l* have no Burn slot."""
+    """docs/burn-adapters.md#packed-modules: each chunk of rows of weight_ih_l0 / weight_hh_l0 (and their biases) is one
+    gate's input_transform / hidden_transform Linear, transposed; `_l0_reverse` is BiLstm/BiGru's `reverse`. Layers l1+
+    and proj_size's weight_hr_l* have no Burn slot."""
     for rel, tensor in module.tensors.items():
         if not _RNN_LAYER_0.fullmatch(rel):
             raise _refuse(tensor.name, _no_rnn_slot(rel))
@@ -249,9 +250,9 @@ def _split_rnn(module: PackedModule) -> list[PlanEntry]:
 
 def _no_rnn_slot(rel: str) -> str:
     if "_hr_" in rel:
-        return "a projection (proj_size) has no slot in Burn's Lstm (burn-compat.md §4)"
+        return "a projection (proj_size) has no slot in Burn's Lstm"
     if re.search(r"_l\d+", rel):
-        return "Burn's Lstm/Gru/Rnn is one layer: layers l1+ need separate Burn modules (burn-compat.md §4)"
+        return "Burn's Lstm/Gru/Rnn is one layer: layers l1+ need separate Burn modules"
     return "not a parameter of a one-layer LSTM/GRU/RNN"
 
 
@@ -415,7 +416,8 @@ def _present(
 
 
 def _joined(module: PackedModule, tensors: list[TensorRef], target: str, *, transpose: bool) -> PlanEntry:
-    """One PyTorch tensor from Burn's pieces, end to end along the first dimension (burn-compat.md §3.5)."""
+    """One PyTorch tensor from Burn's pieces, end to end along the first dimension
+    (docs/burn-adapters.md#packed-modules)."""
     shapes = {t.shape for t in tensors}
     dtypes = {t.dtype for t in tensors}
     rank = 2 if transpose else 1

@@ -46,12 +46,12 @@ from syncd.adapters.packed import PackedModule, find_packed, packed_entries
 from syncd.errors import SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import ITEMSIZE
 
-# Leaf renames PyTorch -> Burn (burn-compat.md §3.2 for the norms; §3.5 for PRelu, which Burn's own adapter
+# Leaf renames PyTorch -> Burn (docs/burn-adapters.md#norms: Burn renames the norms; not PRelu, which Burn's own adapter
 # leaves alone, and InstanceNorm, which it skips: we rename both).
 _NORM_TO_BURN = {"weight": "gamma", "bias": "beta"}
 _PRELU_TO_BURN = {"weight": "alpha"}
-# PyTorch tensors with no Burn slot, per kind (burn-compat.md §4): Burn's load_file rejects unused tensors
-# (§2.3), so they are dropped going to Burn and reported for the converter to carry in metadata.
+# PyTorch tensors with no Burn slot, per kind (docs/burn-adapters.md#keys-without-a-counterpart): Burn's load_file
+# rejects unused tensors, so they are dropped going to Burn and reported for the converter to carry in metadata.
 _NO_BURN_SLOT = {
     BATCH_NORM: ("num_batches_tracked",),
     INSTANCE_NORM: ("running_mean", "running_var", "num_batches_tracked"),
@@ -124,7 +124,7 @@ def plan_conversion(
 
 
 def _packed_steps(packed: list[PackedModule], converting: bool, decisions: list[str]) -> list[PlanEntry]:
-    """The split or joined entries of PyTorch's packed modules (burn-compat.md §3.5, §3.6 item 6), with a
+    """The split or joined entries of PyTorch's packed modules (docs/burn-adapters.md#packed-modules), with a
     decision line each; none when the layout does not change (their tensors are copied as they are)."""
     entries = []
     for module in packed:
@@ -181,7 +181,7 @@ def _decide_layout(
 ) -> tuple[str | None, str]:
     """(layout or None when nothing shows it, a note for the decisions). A file is in one layout.
 
-    Strongest first (issue 13): --layout, the map's `layout:`, the file's own syncd record; then the
+    Strongest first: --layout, the map's `layout:`, the file's own syncd record; then the
     `format: pt` metadata and parameter names (strong evidence, which must agree); then the shapes (a bias
     matching one dimension), which the stronger evidence outranks. A shape-inferred Linear that contradicts
     a pytorch layout is a LinearInOut (transformers' Conv1D), not a contradiction.
@@ -300,7 +300,7 @@ def _fewest_odd(evidence: list[Evidence], kinds: dict[str, ModuleKind]) -> list[
 
 
 # ---------------------------------------------------------------------------------------------------------
-# refusing what the evidence does not decide (burn-compat.md §3.6: never guess silently)
+# refusing what the evidence does not decide (docs/burn-adapters.md#ambiguous-cases: never guess silently)
 
 
 def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str | None, target: str) -> None:
@@ -447,7 +447,7 @@ def _module_steps(module: Module, kind: ModuleKind, target: str) -> tuple[dict[s
     if kind.kind == LINEAR:
         return _linear_steps(module)
     if kind.kind == LINEAR_IN_OUT:
-        # burn-compat.md §3.5: Burn's Linear weight is [in, out], which is how Conv1D stores it already
+        # docs/burn-adapters.md#linear: Burn's Linear weight is [in, out], which is how Conv1D stores it already
         return {}, "unchanged: weight stays [in, out] (Burn's Linear layout)"
     if kind.kind in NORM_KINDS or kind.kind == PRELU:
         return _rename_steps(module, kind.kind, target)
@@ -455,7 +455,7 @@ def _module_steps(module: Module, kind: ModuleKind, target: str) -> tuple[dict[s
 
 
 def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
-    # burn-compat.md §3.2: Linear weight, rank 2 -> transpose [a, b] -> [b, a]; the bias is untouched.
+    # docs/burn-adapters.md#linear: Linear weight, rank 2 -> transpose [a, b] -> [b, a]; the bias is untouched.
     weight = module.params["weight"]
     if weight.dtype not in ITEMSIZE:
         raise UnsupportedError(
@@ -476,7 +476,7 @@ def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _St
         dropped = [leaf for leaf in _NO_BURN_SLOT.get(kind, ()) if leaf in module.params]
         steps.update({module.params[leaf].name: _Step(None) for leaf in dropped})
         if dropped:
-            notes.append(f"drop {', '.join(dropped)} (no Burn slot; burn-compat.md §4)")
+            notes.append(f"drop {', '.join(dropped)} (no Burn slot)")
     elif kind == BATCH_NORM:
         # The converter re-adds the counter from metadata when it recorded one; we never invent it. PyTorch
         # does not need it: BatchNorm fills in 0 for a state dict without version metadata (load_file's), so

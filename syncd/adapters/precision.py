@@ -1,11 +1,11 @@
 """Precision: which tensors Burn's HalfPrecisionAdapter would cast, and the casts themselves.
 
-HalfPrecisionAdapter (burn-compat.md §3.4) converts float tensors of Linear, Embedding, Conv*/ConvTranspose*,
-DeformConv2d, LayerNorm, GroupNorm, InstanceNorm, RmsNorm and PRelu modules, and leaves BatchNorm alone
-("running_var underflows in F16") along with every other module. Like it, only F32 tensors are cast going down
-(`f16`, or `bf16` as FloatCastAdapter would) and only F16/BF16 ones going up (`f32`). Casting down is lossy,
-so it is opt-in; a value too large for the target is refused (naming the tensor) rather than turned into inf.
-The byte-level casts are in syncd/engine/cast.py.
+HalfPrecisionAdapter (docs/burn-adapters.md#half-precision) converts float tensors of Linear, Embedding,
+Conv*/ConvTranspose*, DeformConv2d, LayerNorm, GroupNorm, InstanceNorm, RmsNorm and PRelu modules, and leaves BatchNorm
+alone ("running_var underflows in F16") along with every other module. Like it, only F32 tensors are cast going down
+(`f16`, or `bf16` as FloatCastAdapter would) and only F16/BF16 ones going up (`f32`). Casting down is lossy, so it is
+opt-in; a value too large for the target is refused (naming the tensor) rather than turned into inf. The byte-level
+casts are in syncd/engine/cast.py.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def plan_casts(
     tensors: Sequence[TensorRef], kinds: Mapping[str, str], precision: str, packed: Collection[str] = ()
 ) -> dict[str, str]:
     """Source tensor name -> dtype to cast it to, for the tensors `precision` converts (possibly none).
-    `packed`: the tensors of packed MHA/RNN modules, which Burn holds as Linears (burn-compat.md §3.5), so the
-    HalfPrecisionAdapter casts them all (§3.4)."""
+    `packed`: the tensors of packed MHA/RNN modules, which Burn holds as Linears, so the
+    HalfPrecisionAdapter casts them all (docs/burn-adapters.md#half-precision)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     target = TARGET_DTYPE[precision]

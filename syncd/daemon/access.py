@@ -60,7 +60,8 @@ def _describe(config_path: Path, watch: Watch, user: str, found: _Findings) -> l
         example = found.unreadable[0]
         lines.append(
             f"{where} cannot read {len(found.unreadable)} checkpoint(s), e.g. {example}{_owner_and_mode(example)}; "
-            "for files only their writer may read, run syncd@WRITER.service (README: reading trainers' checkpoints)"
+            "for files only their writer may read, run syncd@WRITER.service "
+            "(docs/install.md#checkpoints-only-their-writer-may-read)"
         )
     if found.unwritable:
         lines.append(f"{where} cannot write {len(found.unwritable)} output director(ies), e.g. {found.unwritable[0]}")

@@ -15,7 +15,7 @@ Decisions worth knowing:
   its own outputs apart through the state database, not through the config.
 - A watch's module map (inline, or a module-map file as `syncd convert --modules` reads it, `layout:` included)
   is read by the adapters' one parser, `parse_module_map`; this module only puts line numbers on its problems.
-- Burn's store vocabulary per watch (issue 16): `remap:` ordered [pattern, replacement] rules (KeyRemapper),
+- Burn's store vocabulary per watch: `remap:` ordered [pattern, replacement] rules (KeyRemapper),
   `map_indices_contiguous:`, `tensors: {include, exclude}` (regexes, as PathFilter), `precision:` and
   `shard_size:`. Rules and patterns are compiled here, so a bad one is reported with its line.
 """
@@ -110,7 +110,7 @@ class Watch:
     module_map: ModuleMap | None = field(default=None, compare=False)
     modules_file: Path | None = None  # where the module map came from when given as a file path
     poll: bool = False
-    # Burn's store vocabulary (issue 16); see syncd/adapters/keys.py and precision.py for the semantics
+    # Burn's store vocabulary; see syncd/adapters/keys.py and precision.py for the semantics
     remap: tuple[tuple[str, str], ...] = ()  # ordered (pattern, replacement) rules, Rust replacement syntax
     map_indices_contiguous: bool = False
     tensor_include: tuple[str, ...] = ()  # regexes searched in tensor names; none: every tensor

@@ -9,7 +9,7 @@ name that one of them skips is skipped by all three. A candidate:
   configuration says;
 * does not match the watch's `ignore` globs: names that are temporary by convention. By default dotfiles
   (a writer's `.tmp-1.safetensors`, renamed into place when complete), `*.tmp*` (a writer's
-  `model.tmp.safetensors`; Burn's own scratch `<name>.<pid>-<n>.tmp`, burn-compat.md §2.2), `*.part` and
+  `model.tmp.safetensors`; Burn's own scratch `<name>.<pid>-<n>.tmp`, docs/burn-adapters.md#publishing), `*.part` and
   `.~*`. They match the file name only, never a directory on the way, so a tree below a hidden directory is
   still served;
 * matches the watch's `include` patterns and none of its `exclude` patterns (each tried on the name and on

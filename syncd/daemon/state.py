@@ -60,7 +60,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX sources_by_dest ON sources (dest)",
     ),
     (
-        # ctime: the kernel changes it on every write, even when mtime is set back (issue 12)
+        # ctime: the kernel changes it on every write, even when mtime is set back
         "ALTER TABLE sources ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE sources ADD COLUMN dest_ctime_ns INTEGER",
         # the declared kind of a failure (syncd/errors.py): config failures are looked at again after a reload

@@ -31,7 +31,7 @@ from syncd.errors import SyncdError
 log = logging.getLogger("syncd")
 
 STATUS_FILE = "status.json"
-STATUS_MODE = 0o640  # the service's group (operators added to it) may read it; see the README
+STATUS_MODE = 0o640  # the service's group (operators added to it) may read it; see docs/install.md
 CONVERTING_AFTER = 5.0  # seconds before a running conversion gets a journal line
 CONVERTING_EVERY = 60.0  # and then how often
 RECENT_FAILURES = 10

@@ -59,7 +59,8 @@ log = logging.getLogger("syncd.sync")
 INCOMPLETE_GRACE_SECONDS = 60.0
 BUSY_RETRY_SECONDS = 1.0  # how soon a file still being written is looked at again (its close comes sooner)
 # Without a lease (no CAP_LEASE and not the file's owner, or a file system without leases) a file whose close
-# was not seen must be this long without any change before it is taken as complete (README: Reliability).
+# was not seen must be this long without any change before it is taken as complete
+# (docs/daemon.md#when-a-checkpoint-is-complete).
 UNLEASED_SETTLE_SECONDS = 10.0
 FUTURE_SLACK_SECONDS = 2.0  # clock skew tolerated before a modification time counts as "in the future"
 MAX_BACKOFF_SECONDS = 60.0

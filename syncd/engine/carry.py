@@ -1,4 +1,4 @@
-"""What one format cannot hold, carried in the other's metadata under a `syncd.` prefix (issue 3).
+"""What one format cannot hold, carried in the other's metadata under a `syncd.` prefix.
 
 burnpack has param_ids, Burn-only dtypes, a data order, a metadata map and scalars; safetensors has a
 string-to-string `__metadata__` and PyTorch-only tensors (BatchNorm `num_batches_tracked`) that a Burn model
@@ -38,13 +38,13 @@ BURN_LAYOUT = "syncd.burnpack_layout"
 SCALARS = "syncd.scalars"
 DROPPED = "syncd.dropped"
 SAFETENSORS_METADATA = "syncd.safetensors_metadata"
-KINDS = "syncd.kinds"  # module path -> the kind it was converted as (issue 13: the way back needs no map)
-# issue 16: a sharded set's layout, the names remap rules changed (final -> before), and a precision cast
+KINDS = "syncd.kinds"  # module path -> the kind it was converted as (the way back needs no map)
+# a sharded set's layout, the names remap rules changed (final -> before), and a precision cast
 SHARDS = "syncd.shards"
 RENAMES = "syncd.renames"
 PRECISION = "syncd.precision"
 
-# Burn dtypes whose safetensors form loses what they are (burn-compat.md §2.4): restored from DTYPES.
+# Burn dtypes whose safetensors form loses what they are (docs/burn-format.md#dtypes): restored from DTYPES.
 LOSSY_IN_SAFETENSORS = frozenset(["Flex32", "Bool", "Bool(U8)", "Bool(U32)"])
 MAX_DROPPED_BYTES = 1 << 16  # carried tensors are counters and flags, never weights
 
@@ -174,7 +174,7 @@ def store_facts(
     cast_dtype: str | None,
     carried: Carried,
 ) -> None:
-    """Carry what the way back needs to undo (issue 16): the layout of the sharded set a .bpk came from, the
+    """Carry what the way back needs to undo: the layout of the sharded set a .bpk came from, the
     names remapping changed, and which tensors were cast down (the record passes on until they are cast
     back to F32)."""
     if shards is not None:
@@ -245,7 +245,7 @@ def _parse_into(c: Carried, md: dict[str, str]) -> None:
 
 def record_kinds(metadata: dict[str, str], layout: str, kinds: dict[str, str]) -> None:
     """The module kinds a conversion between layouts decided (undecided modules are left out: nothing was
-    decided for them), so that the way back needs no module map (issue 13)."""
+    decided for them), so that the way back needs no module map."""
     decided = {path: kind for path, kind in kinds.items() if kind != "Unknown"}
     if layout in CARRIED_LAYOUTS and decided:
         metadata[KINDS] = dumps(decided)

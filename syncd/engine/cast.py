@@ -1,6 +1,6 @@
 """Casting tensor bytes between F32 and F16/BF16 (the precision option; syncd/adapters/precision.py decides
-which tensors). Round to nearest even, as the `half` crate Burn uses (burn-compat.md §3.4, §6) and numpy for
-F16; a finite value too large for the target is refused, naming the tensor, never turned into inf.
+which tensors). Round to nearest even, as the `half` crate Burn uses (docs/burn-adapters.md#half-precision) and numpy
+for F16; a finite value too large for the target is refused, naming the tensor, never turned into inf.
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ class CastCopy:
 
 class JoinedCast:
     """A PyTorch packed tensor joined from Burn's cast pieces: each piece's CastCopy writes at its own offset
-    within the output tensor (burn-compat.md §3.4: the HalfPrecisionAdapter casts the Linears a packed module
-    is split into, §3.5)."""
+    within the output tensor (docs/burn-adapters.md#half-precision: the HalfPrecisionAdapter casts the Linears a packed
+    module is split into)."""
 
     def __init__(self, pieces: list[CastCopy]) -> None:
         self.pieces = pieces

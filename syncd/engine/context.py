@@ -1,8 +1,8 @@
 """What a checkpoint's surroundings say about its modules: gathered here, handed to the pure adapters.
 
-The adapters do no I/O (README, "Layers"); the convert layer reads the `config.json` a Hugging Face
+The adapters do no I/O (README, "How it is built"); the convert layer reads the `config.json` a Hugging Face
 `save_pretrained` writes beside the weights, and passes its parsed contents with the file's own metadata and
-syncd record as one `FileContext` (issue 13's evidence order is applied in `syncd.adapters`).
+syncd record as one `FileContext` (the evidence order is applied in `syncd.adapters`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ type (targets.py) turns the plan into specs and metadata (what it cannot hold tr
 see carry.py). This module moves the bytes in one pass over the source (passwrite.py), checks what was written,
 and only then publishes.
 
-Issue 16: the source may be a sharded safetensors set (its index; formats/shards.py), read in the same one
+The source may be a sharded safetensors set (its index; formats/shards.py), read in the same one
 pass, shard after shard, into one output; the store options
 (stores.py: tensor filter, remap rules, contiguous indices, precision casts through cast.py) apply to the plan;
 a safetensors output may be written as a set (setout.py), shards first and the index last, each shard
@@ -94,7 +94,7 @@ class ConvertRequest:
     # replace the destination only if it is still exactly this file (syncd's own earlier output of this source)
     replace_if: FileIdentity | None = None
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
-    store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision (issue 16)
+    store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
     one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
     hash_name: str = hashing.DEFAULT_HASH  # the source hash recorded: xxh3_128 | sha256
@@ -309,7 +309,7 @@ def _adapt(
     layout = request.layout
     to_layout = KEEP if layout == KEEP else target.format.native_layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
-    # our own record of what we wrote, the file's metadata and the config.json beside it (issue 13)
+    # our own record of what we wrote, the file's metadata and the config.json beside it
     context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds)
     try:
         # renames a syncd output carried are undone first: context, maps and inference see the original names

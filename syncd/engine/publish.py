@@ -1,6 +1,6 @@
-"""Publishing an output file atomically, without replacing anyone's file unless asked (issue 4).
+"""Publishing an output file atomically, without replacing anyone's file unless asked.
 
-Copies Burn's atomic write (burn-compat.md §2.2) and its v0.22.0 no-replace publish (§8): the output is
+Copies Burn's atomic write and its v0.22.0 no-replace publish (docs/burn-adapters.md#publishing): the output is
 built in a scratch file beside the destination and only then put in place, so a reader never sees a
 partial file and a failed or interrupted write never damages the previous destination.
 

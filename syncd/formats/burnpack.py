@@ -1,9 +1,9 @@
 """Burn's burnpack (`.bpk`) container: a byte-exact reader and writer. Knows nothing of modules.
 
-Layout (burn-compat.md §1.1): 10-byte header (magic u32 LE, version u16 LE, metadata size u32 LE), CBOR
+Layout (docs/burn-format.md#container): 10-byte header (magic u32 LE, version u16 LE, metadata size u32 LE), CBOR
 metadata, zero padding up to the data section, then each tensor's raw little-endian bytes at
 `data_start + data_offsets[0]`. Burn >= 0.20 aligns the data section and every tensor to 256 bytes;
-Burn 0.19 packs tensors right after the metadata with the same version number (§1.9).
+Burn 0.19 packs tensors right after the metadata with the same version number (docs/burn-format.md#alignment).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ MAGIC = 0x4255524E
 FORMAT_VERSION = 1
 HEADER_SIZE = 10
 TENSOR_ALIGNMENT = 256
-# Burn's reader limits (burn-compat.md §1.8); our writer enforces them too (§1.7, §6).
+# Burn's reader limits (docs/burn-format.md#reader-limits); our writer enforces them too (#writer-checks).
 MAX_METADATA_SIZE = 104_857_600
 MAX_TENSOR_SIZE = 10_737_418_240
 MAX_TENSOR_COUNT = 100_000
@@ -56,7 +56,7 @@ LAYOUT_PACKED = "packed"  # Burn 0.19
 
 @dataclass(frozen=True)
 class Scalar:
-    """A burnpack scalar (§1.6): kind is Int, UInt, Float or Bool."""
+    """A burnpack scalar (docs/burn-format.md#scalars): kind is Int, UInt, Float or Bool."""
 
     kind: str
     value: int | float | bool
@@ -128,7 +128,8 @@ class BurnpackReader(TensorFileReader):
         )
 
     def _detect_layout(self, meta_size: int, descriptors: list[_Descriptor]) -> tuple[str, int]:
-        """Aligned (Burn >= 0.20) or packed (Burn 0.19) data section, told apart by file size (§1.9)."""
+        """Aligned (Burn >= 0.20) or packed (Burn 0.19) data section, told apart by file size
+        (docs/burn-format.md#alignment)."""
         unaligned = HEADER_SIZE + meta_size
         aligned = align_up(unaligned)
         max_end = max((d.end for d in descriptors), default=0)
@@ -275,7 +276,7 @@ def _is_int(value: Any) -> bool:
 
 
 def parse_dtype(raw: Any) -> str | None:
-    """Map a CBOR DType (§1.4) to our dtype name, or None if it is not one Burn defines."""
+    """Map a CBOR DType (docs/burn-format.md#dtypes) to our dtype name, or None if it is not one Burn defines."""
     if isinstance(raw, str):
         return raw if raw in UNIT_DTYPES else None
     if isinstance(raw, dict) and len(raw) == 1:
@@ -325,14 +326,15 @@ def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
 
 
 def check_name(name: str, path: str | None) -> None:
-    """Burn splits names on '.' into path segments (§6): an empty name or segment has no module path."""
+    """Burn splits names on '.' into path segments (docs/burn-format.md#metadata): an empty name or segment has no
+    module path."""
     if name == "" or "" in name.split("."):
         raise FormatError(f"tensor name {name!r} has an empty path segment", path)
 
 
 def check_ranges(descriptors: Sequence[_Descriptor], path: str) -> None:
-    """Refuse overlapping data ranges; Burn does not check this (§1.8), but two tensors sharing bytes
-    are never what a writer meant."""
+    """Refuse overlapping data ranges; Burn does not check this (docs/burn-format.md#reader-limits), but two tensors
+    sharing bytes are never what a writer meant."""
     ordered = sorted((d for d in descriptors if d.end > d.start), key=lambda d: d.start)
     for before, after in zip(ordered, ordered[1:], strict=False):
         if after.start < before.end:
@@ -362,7 +364,7 @@ def encode_dtype(dtype: str, raw_dtype: Any = None) -> Any:
 
 class _ShortestFloat:
     """A Scalar::Float on its way into CBOR: cbor2 always widens floats to f64, ciborium writes the
-    shortest width that round-trips (§1.3), so these are encoded by `_encode_special`."""
+    shortest width that round-trips (docs/burn-format.md#cbor-encoding), so these are encoded by `_encode_special`."""
 
     __slots__ = ("value",)
 
@@ -377,8 +379,9 @@ def _encode_special(encoder: Any, value: Any) -> None:
 
 
 def cbor_encode(document: Any) -> bytes:
-    """CBOR as ciborium writes it (§1.3): definite lengths, minimal ints, dicts in insertion order (cbor2's
-    non-canonical mode does all that), and floats wrapped in _ShortestFloat at their shortest exact width."""
+    """CBOR as ciborium writes it (docs/burn-format.md#cbor-encoding): definite lengths, minimal ints, dicts in
+    insertion order (cbor2's non-canonical mode does all that), and floats wrapped in _ShortestFloat at their shortest
+    exact width."""
     try:
         return cbor2.dumps(document, default=_encode_special)
     except (OverflowError, ValueError, cbor2.CBOREncodeError) as exc:
@@ -411,7 +414,7 @@ def encode_scalar(scalar: Scalar) -> dict:
 
 @dataclass
 class BurnpackPlan:
-    """Everything about the output decided before a byte is written (§2.2 step 1)."""
+    """Everything about the output decided before a byte is written (docs/burn-adapters.md#publishing, step 1)."""
 
     header: bytes
     data_start: int
@@ -425,7 +428,7 @@ def plan_burnpack(
     scalars: dict[str, Scalar] | None = None,
     layout: str = LAYOUT_ALIGNED,
 ) -> BurnpackPlan:
-    """Assign offsets in the given (data) order and encode the metadata as Burn does (§1.1-§1.3, §6)."""
+    """Assign offsets in the given (data) order and encode the metadata as Burn does (docs/burn-format.md#container)."""
     validate_specs(specs)
     starts, cursor = [], 0
     for spec in specs:
@@ -470,7 +473,7 @@ def _check_text_map(metadata: dict[str, str]) -> None:
 
 
 def validate_specs(specs: Sequence[TensorSpec]) -> None:
-    """Refuse anything Burn's reader would refuse (§1.7, §1.8, §6)."""
+    """Refuse anything Burn's reader would refuse (docs/burn-format.md#reader-limits)."""
     if len(specs) > MAX_TENSOR_COUNT:
         raise FormatError(f"{len(specs)} tensors exceed Burn's maximum of {MAX_TENSOR_COUNT}")
     seen: set[str] = set()

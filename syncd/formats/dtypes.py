@@ -1,6 +1,6 @@
 """Element types of both formats and how they map onto each other.
 
-Names follow Burn's DType spelling (burn-compat.md §1.4). Bool has four spellings in burnpack: the legacy
+Names follow Burn's DType spelling (docs/burn-format.md#dtypes). Bool has four spellings in burnpack: the legacy
 unit variant `"Bool"` (Burn <= 0.20) and `Bool(Native|U8|U32)` (Burn >= 0.21). QFloat payloads are opaque.
 Types only safetensors knows (F8_*, F4, F6_*, C64) keep their safetensors names.
 """
@@ -83,7 +83,7 @@ SAFETENSORS_TO_DTYPE: dict[str, str] = {
     "C64": "C64",
 }
 
-# our name -> the safetensors dtype that holds the same bytes (burn-compat.md §2.4: Flex32 is stored as F32,
+# our name -> the safetensors dtype that holds the same bytes (docs/burn-format.md#dtypes: Flex32 is stored as F32,
 # Bool(U8)/Bool(U32) as U8/U32; the bool-ness is carried in syncd metadata by the converter).
 DTYPE_TO_SAFETENSORS: dict[str, str] = {
     **{v: k for k, v in SAFETENSORS_TO_DTYPE.items()},

@@ -237,7 +237,7 @@ class TensorFileReader:
 
 
 def bool_checker(dtype: str, name: str) -> Any:
-    """Bool bytes must be exactly 0 or 1 (§6): a writer must not emit 0xFF for true."""
+    """Bool bytes must be exactly 0 or 1 (docs/burn-format.md#dtypes): a writer must not emit 0xFF for true."""
     if dtype not in BOOL_DTYPES:
         return None
     import numpy as np  # here: reading a table (`syncd inspect`) does not need numpy

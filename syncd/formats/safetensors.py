@@ -1,10 +1,10 @@
 """The safetensors container: a reader and a streaming writer with the same interface as burnpack's.
 
-Layout (burn-compat.md §2.4): u64 LE header length, JSON header (`__metadata__` first, padded with spaces
-to a multiple of 8), then the tensors back to back with no alignment. We parse the header ourselves, with
-the checks of the `safetensors` library (whose output our writer reproduces byte for byte), because the
-converter needs each tensor's offsets and must move raw bytes: BF16 and the F8 types have no numpy dtype, and
-a streaming writer cannot hand the library a whole model in memory.
+Layout (docs/burn-format.md#safetensors-for-comparison): u64 LE header length, JSON header (`__metadata__` first, padded
+with spaces to a multiple of 8), then the tensors back to back with no alignment. We parse the header ourselves, with
+the checks of the `safetensors` library (whose output our writer reproduces byte for byte), because the converter needs
+each tensor's offsets and must move raw bytes: BF16 and the F8 types have no numpy dtype, and a streaming writer cannot
+hand the library a whole model in memory.
 """
 
 from __future__ import annotations

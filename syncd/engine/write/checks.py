@@ -1,4 +1,4 @@
-"""Checks that prove a written file corresponds to its source without reading it back (issue 15).
+"""Checks that prove a written file corresponds to its source without reading it back.
 
 A full read-back of the output cannot reach the disk (it reads the page cache syncd just wrote), so it
 proves only what checks taken while writing prove too, at a second pass over every byte. Instead:

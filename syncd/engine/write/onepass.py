@@ -1,4 +1,4 @@
-"""One pass over the source's bytes (issue 15): each byte is read once into a cache-sized buffer, and that
+"""One pass over the source's bytes: each byte is read once into a cache-sized buffer, and that
 read feeds both the identity hash (which takes the bytes in file order) and the conversion. The source is cut
 into jobs in file order; worker threads, one per core, read, hash (in turn), transform, check and write them
 in parallel.
@@ -32,7 +32,7 @@ from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.fileio import pwrite_all
 from syncd.formats.table import Buffer
 
-BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
+BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured to keep pread/pwrite cheap
 SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of this size
 BAND_BYTES = 1 << 20  # transposed output produced and written this much at a time, in cache
 WRITEBACK_BYTES = 32 << 20  # start the disk writes of the output every this many bytes written

@@ -1,4 +1,4 @@
-"""Writing a planned output in one pass over its source, and checking it (issue 15).
+"""Writing a planned output in one pass over its source, and checking it.
 
 A converter plans the output (header bytes, where each tensor goes) as usual; tensors that come from the
 source are given a `FromSource` fill. `write_planned` writes the header, the zero padding and the small
@@ -11,8 +11,9 @@ audit (`--verify full`): every tensor of the output re-read and compared with it
 
 A fill may also name a row range of its source (`FromSource.rows`: a piece of a PyTorch packed tensor going to
 Burn) or be `Joined`: an output tensor made of pieces, each (its byte offset within the output tensor, a source
-tensor, transposed or not), Burn's separate Linears going back into PyTorch's packed tensor (burn-compat.md
-§3.5). Each piece is one Move; the ledger keeps one window per output tensor, which its pieces' writes tile.
+tensor, transposed or not), Burn's separate Linears going back into PyTorch's packed tensor
+(docs/burn-adapters.md#packed-modules). Each piece is one Move; the ledger keeps one window per output tensor, which its
+pieces' writes tile.
 """
 
 from __future__ import annotations
