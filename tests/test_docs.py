@@ -72,6 +72,33 @@ def test_every_relative_link_of_the_docs_resolves_inside_the_repository() -> Non
     assert {doc: links for doc, links in broken.items() if links} == {}
 
 
+CITED = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
+
+
+def cited_in_code(repo: Path) -> dict[str, list[str]]:
+    """Every `docs/FILE.md#anchor` the code, tests and benchmark cite, by the file citing it."""
+    cited: dict[str, list[str]] = {}
+    for path in sorted(repo.glob("syncd/**/*")) + sorted(repo.glob("tests/**/*.py")) + sorted(repo.glob("bench/*")):
+        if path.suffix in (".py", ".yaml", ".md", ".c") and path.is_file() and path.name != "test_docs.py":
+            found = [match.group(0) for match in CITED.finditer(path.read_text(errors="replace"))]
+            if found:
+                cited[str(path.relative_to(repo))] = found
+    return cited
+
+
+def test_every_docs_section_the_code_cites_exists() -> None:
+    cited = cited_in_code(REPO)
+    assert len(cited) > 20  # the formats, adapters, engine and daemon cite Burn's notes and the install page
+    missing = {}
+    for source, references in cited.items():
+        for reference in references:
+            name, _, anchor = reference.removeprefix("docs/").partition("#")
+            doc = REPO / "docs" / name
+            if not doc.exists() or (anchor and anchor not in anchors(doc)):
+                missing.setdefault(source, []).append(reference)
+    assert missing == {}
+
+
 def test_the_link_check_finds_a_missing_file_a_missing_heading_and_a_link_out_of_the_repository(
     tmp_path: Path,
 ) -> None:
