@@ -38,7 +38,7 @@ from syncd.engine import carry, hashing
 from syncd.engine.context import gather_context
 from syncd.engine.options import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import FileIdentity, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
+from syncd.engine.publish import PublishResult, Scratch, ensure_destination_free, open_scratch, publish
 from syncd.engine.sets import set_paths, write_set
 from syncd.engine.targets import TARGETS, Target
 from syncd.engine.write.planned import (
@@ -54,19 +54,17 @@ from syncd.engine.write.planned import (
 )
 from syncd.errors import (
     FormatError,
-    SourceChangedError,
     SyncdError,
     UsageError,
     VerificationError,
     one_line,
 )
 from syncd.formats import SAFETENSORS, open_checkpoint
-from syncd.formats.fileio import TensorFileReader, open_regular_file, pwrite_all
+from syncd.formats.fileio import FileStamp, TensorFileReader, open_regular_file, pwrite_all
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
     INDEX_SUFFIX,
     ShardedReader,
-    ShardIndex,
     ShardLayout,
     find_index,
     is_index_name,
@@ -92,7 +90,7 @@ class ConvertRequest:
     fail_early_if_exists: bool = True  # the daemon turns this off to tell "already in sync" from a conflict
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
     # replace the destination only if it is still exactly this file (syncd's own earlier output of this source)
-    replace_if: FileIdentity | None = None
+    replace_if: FileStamp | None = None
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision (issue 16)
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
@@ -210,9 +208,9 @@ class Source:
     def check_unchanged(self) -> None:
         """Every file read is the same, unchanged file it was when opened (a set: every shard and the index)."""
         for reader in self.readers:
-            check_source_unchanged(reader)
+            reader.check_unchanged()
         if self.sharded is not None:
-            check_index_unchanged(self.sharded.index)
+            self.sharded.index.check_unchanged()
 
     def close(self) -> None:
         for reader in self.readers:
@@ -580,43 +578,6 @@ def _publish(scratch: Scratch, c: Conversion) -> PublishResult:
         source=Path(c.source.path),
         before_placing=c.source.check_unchanged,
     )
-
-
-def check_source_unchanged(reader: TensorFileReader) -> None:
-    """Raise SourceChangedError unless the source is the same, unchanged file from the first byte read to now.
-
-    Compared with the fstat taken before the header was read: identity (dev, ino), size, mtime and ctime.
-    The kernel sets ctime on every write, truncate and utime call, so a same-size rewrite whose mtime was
-    set back still shows (Linux >= 6.13 gives a fine-grained ctime to any change after a stat, so a write in
-    the same clock tick as our open is not lost). The path must still name that file: a source replaced or
-    removed meanwhile is not published either (the new file, if any, gets its own conversion).
-    """
-    before, now = reader.stat_at_open, os.fstat(reader.fd)
-    unpublished = "while it was being converted; nothing was published"
-    if _stamp(now) != _stamp(before):
-        raise SourceChangedError(f"changed {unpublished}", reader.path)
-    try:
-        at_path = os.lstat(reader.path)
-    except FileNotFoundError:
-        raise SourceChangedError(f"was removed {unpublished}", reader.path) from None
-    if (at_path.st_dev, at_path.st_ino) != (now.st_dev, now.st_ino):
-        raise SourceChangedError(f"was replaced {unpublished}", reader.path)
-
-
-def check_index_unchanged(index: ShardIndex) -> None:
-    """As check_source_unchanged, for a set's index: read whole when the set was opened (its bytes begin the
-    set's hash), it must still be that file, unchanged, at its path."""
-    unpublished = "while it was being converted; nothing was published"
-    try:
-        now = os.stat(index.path)
-    except FileNotFoundError:
-        raise SourceChangedError(f"was removed {unpublished}", index.path) from None
-    if index.opened is not None and _stamp(now) != _stamp(index.opened):
-        raise SourceChangedError(f"changed {unpublished}", index.path)
-
-
-def _stamp(info: os.stat_result) -> tuple[int, ...]:
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def source_digest(source: Path, within: Path, hash_name: str) -> str | None:

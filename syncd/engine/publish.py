@@ -50,9 +50,9 @@ from types import TracebackType
 from typing import Literal
 
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
+from syncd.formats.fileio import FileStamp
 
 __all__ = [
-    "FileIdentity",
     "PublishResult",
     "Scratch",
     "ensure_destination_free",
@@ -82,21 +82,6 @@ _counter = itertools.count()
 # Scratch files this process has open, so a stopping daemon can remove those it abandons.
 _open_scratches: set[Path] = set()
 _open_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """One version of one file as the kernel describes it: any write, truncate, chmod or utime changes ctime."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, info: os.stat_result) -> FileIdentity:
-        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -201,7 +186,7 @@ def publish(
     scratch: Scratch,
     *,
     replace: bool = False,
-    replace_if: FileIdentity | None = None,
+    replace_if: FileStamp | None = None,
     source: Path | None = None,
     before_placing: Callable[[], None] | None = None,
 ) -> PublishResult:
@@ -302,7 +287,7 @@ def _publish_replacing(scratch: Scratch) -> PublishResult:
     return PublishResult("replaced" if existed else "published", scratch.dest)
 
 
-def _publish_replacing_ours(scratch: Scratch, expected: FileIdentity, source: Path | None) -> PublishResult:
+def _publish_replacing_ours(scratch: Scratch, expected: FileStamp, source: Path | None) -> PublishResult:
     """Replace the destination only while it is still the file we published (`expected`); else as new.
 
     The identity is checked as late as possible, right before the rename. A writer that changes the file in
@@ -313,7 +298,7 @@ def _publish_replacing_ours(scratch: Scratch, expected: FileIdentity, source: Pa
         theirs = os.lstat(scratch.dest)
     except FileNotFoundError:
         return _publish_new(scratch, source)  # gone meanwhile: publish without replacing anything
-    if not stat.S_ISREG(theirs.st_mode) or FileIdentity.of(theirs) != expected:
+    if not stat.S_ISREG(theirs.st_mode) or expected.changed(FileStamp.of(theirs)):
         raise ConflictError(
             "changed since syncd published it (someone else's file now); nothing was replaced", str(scratch.dest)
         )

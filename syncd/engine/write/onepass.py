@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
-from syncd.engine.write.checks import Entry, SourceStamp, WriteLedger
-from syncd.errors import FormatError, SourceChangedError, VerificationError
-from syncd.formats.fileio import pwrite_all
+from syncd.engine.write.checks import Entry, WriteLedger
+from syncd.errors import FormatError, VerificationError
+from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
@@ -182,11 +182,11 @@ class OnePass:
 
     def run(self) -> str:
         """Convert; the source hash of the bytes converted. The source must not change meanwhile."""
-        stamp = SourceStamp.of(self.src_fd)
+        stamp = FileStamp.of_fd(self.src_fd)
         if stamp.size != self.src_size:
-            raise SourceChangedError("changed while it was being converted; nothing was published", self.src_path)
+            raise source_changed(self.src_path)
         digest = self._run()
-        stamp.check_unchanged(self.src_fd, self.src_path)
+        stamp.check_unchanged(FileStamp.of_fd(self.src_fd), self.src_path)
         return digest
 
     def _run(self) -> str:
