@@ -53,6 +53,7 @@ from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
 from syncd.formats.fileio import FileStamp
 
 __all__ = [
+    "Published",
     "PublishResult",
     "Scratch",
     "ensure_destination_free",
@@ -84,11 +85,15 @@ _open_scratches: set[Path] = set()
 _open_lock = threading.Lock()
 
 
+# What publish did. "in_sync": the destination already held exactly these bytes; nothing changed.
+Published = Literal["published", "in_sync", "replaced"]
+
+
 @dataclass(frozen=True)
 class PublishResult:
-    """What publish did. "in_sync": the destination already held exactly these bytes; nothing changed."""
+    """What publish did, and where."""
 
-    status: Literal["published", "in_sync", "replaced"]
+    status: Published
     path: Path
 
 
