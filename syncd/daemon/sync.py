@@ -27,6 +27,7 @@ from syncd.daemon.state import StateDB
 from syncd.daemon.synclog import SyncLog
 from syncd.engine import carry, hashing
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
 from syncd.errors import (
@@ -134,7 +135,7 @@ class Syncer:
         if wait > 0:
             return Outcome(None, retry_in=wait)
         version = FileStamp.of(info)
-        dest = destination_for(watch, path, BY_NAME[from_format.converts_to])
+        dest = destination_for(watch, path, converts_to(from_format))
         if from_format.name == BURNPACK:
             dest = _set_destination(watch, path) or dest
         if self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version):
@@ -242,7 +243,7 @@ class Syncer:
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
         open for writing); otherwise a file that does not read may be one still being written."""
-        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
         base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         started = time.monotonic()
         try:
@@ -261,7 +262,7 @@ class Syncer:
                 ConvertRequest(
                     source=path,
                     dest=dest,
-                    to_format=from_format.converts_to,
+                    to_format=converts_to(from_format).name,
                     layout=watch.layout,
                     module_map=watch.module_map,
                     overwrite=overwrite,

@@ -17,12 +17,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncd.adapters import BURN, PYTORCH
 from syncd.errors import FormatError
 from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.burnpack import LAYOUT_ALIGNED, LAYOUT_PACKED, Scalar
 from syncd.formats.dtypes import ITEMSIZE, byte_length
-from syncd.formats.registry import BURN_LAYOUT as BURN
-from syncd.formats.registry import PYTORCH_LAYOUT as PYTORCH
 from syncd.formats.shards import ShardLayout
 from syncd.formats.table import CheckpointHeader, TensorInfo
 

@@ -34,6 +34,7 @@ from syncd.adapters import (
 )
 from syncd.engine import carry, hashing
 from syncd.engine.context import gather_context
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.engine.progress import ProgressCallback
 from syncd.engine.publish import Published, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
@@ -138,7 +139,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
     if request.verify not in VERIFY_CHOICES:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_CHOICES)}, got {request.verify!r}")
     with open_source(source_path, request.within) as source:
-        to_format = request.to_format or BY_NAME[source.header.format].converts_to
+        to_format = request.to_format or converts_to(BY_NAME[source.header.format]).name
         dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
         conversion = plan(source, request, TARGETS[to_format](), dest)
         for path in conversion.output_paths():
@@ -255,7 +256,7 @@ def _adapt(
     """The layout adapter over the original names (renames a syncd output carried are undone first), then
     the store options: tensor filter, remap rules, contiguous indices, casts (see options.py)."""
     layout = request.layout
-    to_layout = KEEP if layout == KEEP else target.format.native_layout
+    to_layout = KEEP if layout == KEEP else target.layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
     # our own record of what we wrote, the file's metadata and the config.json beside it
     context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds)

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from syncd.adapters import AdapterPlan, PlanEntry
+from syncd.adapters import BURN, PYTORCH, AdapterPlan, PlanEntry
 from syncd.engine import carry
 from syncd.engine.source import Source
 from syncd.errors import FormatError, UnsupportedError, VerificationError
@@ -21,7 +21,7 @@ from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.burnpack import LAYOUT_ALIGNED, plan_burnpack
 from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS, byte_length
 from syncd.formats.fileio import TensorFileReader
-from syncd.formats.registry import BY_NAME, PYTORCH_LAYOUT, Format
+from syncd.formats.registry import BY_NAME, Format
 from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.table import TensorInfo, TensorSpec
 
@@ -32,6 +32,7 @@ class Target(ABC):
     """The per-format half of a conversion. Subclasses set `format` and override what differs."""
 
     format: Format
+    layout: str  # the tensor layout a file of this format is converted into (adapters: PYTORCH, BURN)
     missing_dtype = "has no form"  # "<format> has no form for <dtype>"
 
     def check_dtypes(self, tensors: list[TensorInfo], path: str) -> None:
@@ -84,6 +85,7 @@ class Target(ABC):
 
 class BurnpackTarget(Target):
     format = BY_NAME[BURNPACK]
+    layout = BURN
     missing_dtype = "Burn has no dtype"
 
     def order(self, entries: list[PlanEntry], carried: carry.Carried) -> list[PlanEntry]:
@@ -126,11 +128,12 @@ class BurnpackTarget(Target):
 
 class SafetensorsTarget(Target):
     format = BY_NAME[SAFETENSORS]
+    layout = PYTORCH
     missing_dtype = "safetensors has no form"
 
     def extra_specs(self, source: Source, carried: carry.Carried, layout: str, taken: set[str]) -> list[TensorSpec]:
         """PyTorch-only tensors dropped on the way to Burn (BatchNorm counters) come back on the way out."""
-        if layout != PYTORCH_LAYOUT:
+        if layout != PYTORCH:
             return []
         specs = []
         for name, (dtype, shape, data) in carried.dropped.items():
