@@ -125,7 +125,7 @@ class PlanEntry:
 
     @property
     def is_piecewise(self) -> bool:
-        """Made of a row range or of several tensors (the one-pass writer handles these; see passwrite)."""
+        """Made of a row range or of several tensors (the engine's one-pass writer handles these)."""
         return self.rows is not None or bool(self.parts)
 
 

@@ -27,7 +27,6 @@ from syncd.formats.table import CheckpointHeader, TensorInfo
 
 PREFIX = "syncd."
 SOURCE = "syncd.source"
-SOURCE_SHA256 = "syncd.source_sha256"
 LAYOUT = "syncd.layout"
 PARAM_IDS = "syncd.param_ids"
 DTYPES = "syncd.dtypes"

@@ -77,8 +77,6 @@ if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a pla
 
     Cast = CastCopy | JoinedCast
 
-# The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
-
 
 @dataclass
 class ConvertRequest:

@@ -29,10 +29,6 @@ class StoreOptions:
     tensors: TensorFilter = field(default_factory=TensorFilter)
     precision: str | None = None  # f16 | bf16 | f32
 
-    @property
-    def renames_names(self) -> bool:
-        return bool(self.remap) or self.map_indices_contiguous
-
 
 @dataclass
 class StorePlan:

@@ -11,7 +11,7 @@ arrays land, cost three times as much) and at most SLOT_BYTES, under the last-le
 What is moved is a list of `Move`s: a source window, a target window, and for transposed tensors the source
 matrix shape. Untransformed tensors go in BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes
 whole, a larger one in strips of source rows whose transposes land as segments of every output row. Every
-write lands in a WriteLedger (blockcheck.py), every transposed block is checked in cache.
+write lands in a WriteLedger (checks.py), every transposed block is checked in cache.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ BAND_BYTES = 1 << 20  # transposed output produced and written this much at a ti
 WRITEBACK_BYTES = 32 << 20  # start the disk writes of the output every this many bytes written
 INLINE_BYTES = 16 << 20  # sources up to this size are converted on the calling thread alone
 RING_BYTES = 128 << 20  # all slots together: the conversion's buffer memory, whatever the model
-ALIGN = 64
 # seeds of the sample positions of the in-cache checks: a private generator, seeded from the OS, so that
 # neither a caller's random.seed() nor its use of the module's generator makes the positions predictable
 _SEEDS = random.Random()
@@ -56,15 +55,15 @@ class Move:
     itemsize: int = 1
     matrix: tuple[int, int] | None = None
     check: Callable[[Buffer], None] | None = None  # e.g. bool values must be 0 or 1
-    # a piece of a target tensor made of several (passwrite.Joined): where it starts in the tensor and the
+    # a piece of a target tensor made of several (planned.Joined): where it starts in the tensor and the
     # tensor's whole size; the ledger keeps one window per tensor, the pieces' writes tiling it together
     piece_at: int = 0
     tensor_nbytes: int | None = None
 
 
 def aligned(size: int) -> memoryview:
-    """An uninitialised buffer of `size` bytes whose address is a multiple of ALIGN: an anonymous mapping,
-    page-aligned, whose pages count towards memory only once touched. (Not numpy: a conversion without
+    """An uninitialised, page-aligned buffer of `size` bytes: an anonymous mapping, whose pages count towards
+    memory only once touched. (Not numpy: a conversion without
     transposes never imports it, which saves a tenth of a second of start-up.)"""
     return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))[:size]
 
