@@ -81,16 +81,14 @@ def dumps(value: Any) -> str:
 
 
 def encode_scalars(scalars: dict[str, Scalar]) -> str:
-    # floats as hex: exact, including -0.0, inf and nan payload-free values
-    return dumps(
-        {
-            k: [
-                s.kind,
-                s.value.hex() if s.kind == "Float" else str(s.value).lower() if s.kind == "Bool" else str(s.value),
-            ]
-            for k, s in scalars.items()
-        }
-    )
+    return dumps({k: [s.kind, _scalar_text(s)] for k, s in scalars.items()})
+
+
+def _scalar_text(scalar: Scalar) -> str:
+    """Floats as hex: exact, including -0.0, inf and nan payload-free values; bools as true/false."""
+    if scalar.kind == "Float":
+        return float(scalar.value).hex()
+    return str(scalar.value).lower() if scalar.kind == "Bool" else str(scalar.value)
 
 
 def encode_dropped(dropped: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:

@@ -19,6 +19,7 @@ from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 
 READ_CHUNK = 8 << 20
+StrOrBytesPath = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class FileStamp:
         return cls.of(os.fstat(fd))
 
     @classmethod
-    def of_path(cls, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileStamp:
+    def of_path(cls, path: StrOrBytesPath, *, follow_symlinks: bool = True) -> FileStamp:
         return cls.of(os.stat(path, follow_symlinks=follow_symlinks))
 
     def same_file(self, other: FileStamp) -> bool:

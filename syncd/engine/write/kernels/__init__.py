@@ -16,6 +16,7 @@ both run on numpy views of the same buffers.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -73,11 +74,10 @@ def band_check_numpy(
 def _compiled() -> Any:
     if os.environ.get("SYNCD_KERNEL") == "numpy":  # for measuring and testing the fallback
         return None
-    try:
-        from syncd.engine.write.kernels import _transpose
+    try:  # the compiled extension (setup.py); a module without type stubs, hence imported by name
+        return importlib.import_module("syncd.engine.write.kernels._transpose")
     except ImportError:
         return None
-    return _transpose
 
 
 def make_compiled(raw: Callable[..., None]) -> Kernel:
