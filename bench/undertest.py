@@ -40,13 +40,8 @@ class SyncdUnderTest:
         return [PYTHON, "-c", "import syncd.cli, syncd.engine.convert"]
 
     def kernel_name(self) -> str:
-        """Which transpose kernel this syncd uses: compiled or numpy (syncd/engine/write/kernels; syncd/kernels in
-        versions before the engine was a package)."""
-        code = (
-            "import importlib, importlib.util as u; "
-            "where = 'syncd.engine.write.kernels' if u.find_spec('syncd.engine') else 'syncd.kernels'; "
-            "print(importlib.import_module(where).KERNEL_NAME)"
-        )
+        """Which transpose kernel this syncd uses: compiled or numpy (syncd/kernels)."""
+        code = "from syncd.engine.write import kernels; print(kernels.KERNEL_NAME)"
         if self.snapshot is not None:
             unhook = "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]"
             argv = [PYTHON, "-c", f"import sys; {unhook}; sys.path.insert(0, {str(self.snapshot)!r}); {code}"]
