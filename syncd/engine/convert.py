@@ -254,7 +254,7 @@ def _adapt(
     """The layout adapter over the original names (renames a syncd output carried are undone first), then
     the store options: tensor filter, remap rules, contiguous indices, casts (see options.py)."""
     layout = request.layout
-    to_layout = KEEP if layout == KEEP else target.layout
+    to_layout = KEEP if layout == KEEP else target.native_layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
     # our own record of what we wrote, the file's metadata and the config.json beside it
     context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds)

@@ -32,7 +32,7 @@ class Target(ABC):
     """The per-format half of a conversion. Subclasses set `format` and override what differs."""
 
     format: Format
-    layout: str  # the tensor layout a file of this format is converted into (adapters: PYTORCH, BURN)
+    native_layout: str  # the tensor layout a file of this format is converted into (adapters: PYTORCH, BURN)
     missing_dtype = "has no form"  # "<format> has no form for <dtype>"
 
     def check_dtypes(self, tensors: list[TensorInfo], path: str) -> None:
@@ -50,9 +50,11 @@ class Target(ABC):
         info = source.tensor(entry.source)
         return TensorSpec(entry.target, info.dtype, entry.shape, _nbytes(entry, info), fill)
 
-    def extra_specs(self, source: Source, carried: carry.Carried, layout: str, taken: set[str]) -> list[TensorSpec]:
+    def extra_specs(
+        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str]
+    ) -> list[TensorSpec]:
         """Carried tensors written back besides the planned ones (`taken`: their names), for an output in
-        `layout` (default: none)."""
+        `target_layout` (default: none)."""
         return []
 
     @abstractmethod
@@ -85,7 +87,7 @@ class Target(ABC):
 
 class BurnpackTarget(Target):
     format = BY_NAME[BURNPACK]
-    layout = BURN
+    native_layout = BURN
     missing_dtype = "Burn has no dtype"
 
     def order(self, entries: list[PlanEntry], carried: carry.Carried) -> list[PlanEntry]:
@@ -128,12 +130,14 @@ class BurnpackTarget(Target):
 
 class SafetensorsTarget(Target):
     format = BY_NAME[SAFETENSORS]
-    layout = PYTORCH
+    native_layout = PYTORCH
     missing_dtype = "safetensors has no form"
 
-    def extra_specs(self, source: Source, carried: carry.Carried, layout: str, taken: set[str]) -> list[TensorSpec]:
+    def extra_specs(
+        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str]
+    ) -> list[TensorSpec]:
         """PyTorch-only tensors dropped on the way to Burn (BatchNorm counters) come back on the way out."""
-        if layout != PYTORCH:
+        if target_layout != PYTORCH:
             return []
         specs = []
         for name, (dtype, shape, data) in carried.dropped.items():
