@@ -26,9 +26,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from syncd.engine.directions import DIRECTIONS
 from syncd.engine.publish import is_scratch_name
 from syncd.formats import format_for_path
-from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import INDEX_SUFFIX, is_index_name
 
 if TYPE_CHECKING:

@@ -23,13 +23,13 @@ from pathlib import Path
 from syncd.adapters.keys import TensorFilter, compile_rule
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
-from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.state import StateDB
 from syncd.daemon.synclog import SyncLog
 from syncd.engine import carry, hashing
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import FileIdentity
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
@@ -43,6 +43,7 @@ from syncd.errors import (
     one_line,
 )
 from syncd.formats import BURNPACK, SAFETENSORS, Format, format_for_path, open_checkpoint
+from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
     INDEX_SUFFIX,
@@ -134,8 +135,8 @@ class Syncer:
         wait = self._settle_wait(watch, path, info, closed)
         if wait > 0:
             return Outcome(None, retry_in=wait)
-        version = FileVersion.from_stat(info)
-        dest = destination_for(watch, path, BY_NAME[from_format.converts_to])
+        version = FileStamp.of(info)
+        dest = destination_for(watch, path, converts_to(from_format))
         if from_format.name == BURNPACK:
             dest = _set_destination(watch, path) or dest
         if self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version):
@@ -168,7 +169,7 @@ class Syncer:
             return Outcome(None)
         if not stat.S_ISREG(info.st_mode):
             return self._not_regular(watch, index, info)
-        if self.state.is_own_output(index, FileVersion.from_stat(info)):
+        if self.state.is_own_output(index, FileStamp.of(info)):
             return Outcome(None)
         try:
             members = [Path(p) for p in member_files(index)]
@@ -179,7 +180,7 @@ class Syncer:
             try:
                 stats.append(os.lstat(member))
             except FileNotFoundError:
-                if _recently_changed(FileVersion.from_stat(info)):
+                if _recently_changed(FileStamp.of(info)):
                     return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
         wait = max(self._settle_wait(watch, index, st, closed and st is info) for st in stats)
         if wait > 0:
@@ -195,7 +196,7 @@ class Syncer:
     def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-        version = FileVersion.from_stat(info)
+        version = FileStamp.of(info)
         if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
             self.synclog.log("skipped", watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
         return Outcome("skipped")
@@ -239,11 +240,11 @@ class Syncer:
     # -- converting
 
     def _convert(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: Format, *, finished: bool
+        self, watch: Watch, path: Path, version: FileStamp, dest: Path, from_format: Format, *, finished: bool
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
         open for writing); otherwise a file that does not read may be one still being written."""
-        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
         base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         started = time.monotonic()
         try:
@@ -262,7 +263,7 @@ class Syncer:
                 ConvertRequest(
                     source=path,
                     dest=dest,
-                    to_format=from_format.converts_to,
+                    to_format=converts_to(from_format).name,
                     layout=watch.layout,
                     module_map=watch.module_map,
                     overwrite=overwrite,
@@ -282,7 +283,7 @@ class Syncer:
     def _converted(
         self,
         path: Path,
-        version: FileVersion,
+        version: FileStamp,
         dest: Path,
         result: ConvertResult,
         base: dict,
@@ -308,7 +309,7 @@ class Syncer:
         return Outcome(status)
 
     def _failed_or_later(
-        self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float, finished: bool
+        self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float, finished: bool
     ) -> Outcome:
         if isinstance(exc, SyncdError) and exc.kind == "busy":
             # changed, replaced or removed while we read it: never published; looked at again once quiet
@@ -358,8 +359,8 @@ class Syncer:
         return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
 
     def _existing_destination(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, base: dict
-    ) -> Outcome | tuple[FileIdentity | None, bool]:
+        self, watch: Watch, path: Path, version: FileStamp, dest: Path, base: dict
+    ) -> Outcome | tuple[FileStamp | None, bool]:
         """What to do about a destination that exists: an Outcome (done), or (replace_if, overwrite).
 
         syncd's own earlier output of this source is replaced (`updated`) whatever `on_exists` says; a file
@@ -388,7 +389,7 @@ class Syncer:
             )
         return None, watch.on_exists == "overwrite"
 
-    def _own_earlier_output(self, path: Path, dest: Path, root: Path) -> FileIdentity | None:
+    def _own_earlier_output(self, path: Path, dest: Path, root: Path) -> FileStamp | None:
         """The identity of `dest` if it provably is the output syncd published from `path` and nobody changed
         it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
         of `path`, and its `syncd.source` names `path`."""
@@ -401,15 +402,15 @@ class Syncer:
             info = os.lstat(dest)
         except FileNotFoundError:
             return None
-        if not stat.S_ISREG(info.st_mode) or not state.dest_version.same_as(FileVersion.from_stat(info)):
+        if not stat.S_ISREG(info.st_mode) or state.dest_version.changed(FileStamp.of(info)):
             return None
         if not state.dest_version.ctime_ns:
             return None  # recorded before ctimes were: not proof enough to replace it
         if _source_named_in(dest, root) != carry.file_label(path.name):
             return None
-        return FileIdentity.of(info)
+        return FileStamp.of(info)
 
-    def _failed(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float) -> Outcome:
+    def _failed(self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float) -> Outcome:
         status, transient = classify(exc)
         text = one_line(exc)
         kind = exc.kind if isinstance(exc, SyncdError) else "environment" if isinstance(exc, OSError) else None
@@ -446,10 +447,11 @@ class Syncer:
         )
 
 
-def _set_version(stats: list[os.stat_result]) -> FileVersion:
+def _set_version(stats: list[os.stat_result]) -> FileStamp:
     """One version for a whole set: the index's identity, the total size, the latest change of any file."""
     index = stats[0]
-    return FileVersion(index.st_dev, index.st_ino, sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats))
+    total, latest = sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats)
+    return FileStamp(index.st_dev, index.st_ino, total, latest, ctime_ns=0)  # 0: ctimes not compared
 
 
 def _set_destination(watch: Watch, path: Path) -> Path | None:
@@ -541,7 +543,7 @@ def open_for_writing(path: Path) -> bool | None:
         os.close(fd)
 
 
-def _recently_changed(version: FileVersion) -> bool:
+def _recently_changed(version: FileStamp) -> bool:
     return time.time() - version.mtime_ns / 1e9 < INCOMPLETE_GRACE_SECONDS
 
 
