@@ -1,0 +1,158 @@
+"""Whose file is a destination? Where an output goes, and what may happen to a file already there.
+
+syncd replaces only what it can prove is its own: the output it published from this very source, unchanged
+since (the state database recorded its identity, and its `syncd.source` metadata names the source). A file
+that already holds this source's conversion (its recorded source hash matches) is in sync. Anything else is
+someone else's file, which the watch's `on_exists` decides about. Every file is opened confined, without
+following symlinks and without blocking (a FIFO or a symlink to a device renamed onto any of the names must
+not hang a worker).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from syncd.daemon.config import Watch
+from syncd.daemon.names import is_candidate
+from syncd.daemon.state import FileVersion, StateDB
+from syncd.engine import carry, hashing
+from syncd.engine.convert import source_digest
+from syncd.engine.publish import FileIdentity
+from syncd.errors import ConflictError, SyncdError
+from syncd.formats import BURNPACK, Format, open_checkpoint
+from syncd.formats.registry import BY_NAME
+from syncd.formats.shards import INDEX_SUFFIX
+
+
+def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
+    """Where the conversion of `source` (a single file) is published. A .bpk that carries a sharded set's
+    layout goes back to that set's index, unless the watch sets its own `shard_size`."""
+    if from_format.name == BURNPACK:
+        index = _set_destination(watch, source)
+        if index is not None:
+            return index
+    return watch.output_dir_for(source) / (source.stem + BY_NAME[from_format.converts_to].extension)
+
+
+def set_destination(watch: Watch, index: Path) -> Path:
+    """Where the conversion of the sharded set behind `index` is published: one .bpk named after the set."""
+    return watch.output_dir_for(index) / (index.name.removesuffix(INDEX_SUFFIX) + BY_NAME[BURNPACK].extension)
+
+
+class Action(StrEnum):
+    """What the conversion may do about its destination."""
+
+    CREATE = "create"  # publish only where nothing is (a file appearing meanwhile is a conflict)
+    REPLACE = "replace"  # replace syncd's own earlier output, provided it is still exactly `replace_if`
+    OVERWRITE = "overwrite"  # replace someone else's file (on_exists: overwrite)
+    IN_SYNC = "in_sync"  # the destination already holds this source's conversion: nothing to write
+    SKIP = "skip"  # someone else's file, left alone (on_exists: skip)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    replace_if: FileIdentity | None = None  # for REPLACE: the identity of our output being replaced
+
+
+def decide(state: StateDB, watch: Watch, source: Path, dest: Path) -> Decision:
+    """What to do about `dest` before converting `source` into it.
+
+    syncd's own earlier output of this source is replaced (`updated`) whatever `on_exists` says; a file
+    that already holds this source's conversion is in sync; anything else is someone else's file, which
+    `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but never a
+    file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap two
+    users' files; that raises ConflictError).
+    """
+    if not os.path.lexists(dest):
+        return Decision(Action.CREATE)
+    root = watch.mirror or watch.path
+    ours = own_earlier_output(state, source, dest, root)
+    if ours is not None:
+        return Decision(Action.REPLACE, ours)
+    if carries_source(dest, source, root, watch.path):
+        return Decision(Action.IN_SYNC)
+    if watch.on_exists == "skip":
+        return Decision(Action.SKIP)
+    if watch.on_exists == "overwrite":
+        if is_candidate(watch, dest):
+            raise ConflictError(
+                "exists and is itself a checkpoint this watch converts (someone's file, not syncd's output); "
+                "on_exists: overwrite replaces only files that are not sources",
+                str(dest),
+            )
+        return Decision(Action.OVERWRITE)
+    return Decision(Action.CREATE)  # on_exists: error; the publish reports the conflict
+
+
+def is_own_output_converted_back(watch: Watch, source: Path, dest: Path) -> bool:
+    """An output of ours names its source in metadata; converting it back would chase our own tail. Only
+    while that source is there: an output copied alone into a tree is a checkpoint like any other."""
+    try:
+        with open_checkpoint(source, watch.path) as reader:
+            source_name = reader.header.metadata.get(carry.SOURCE)
+    except SyncdError:
+        return False  # a broken file is reported by the conversion itself
+    return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
+
+
+def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileIdentity | None:
+    """The identity of `dest` if it provably is the output syncd published from `source` and nobody changed
+    it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
+    of `source`, and its `syncd.source` names `source`."""
+    row = state.get(source)
+    if row is None or row.dest is None or row.dest_version is None:
+        return None  # (a failed row keeps the output last published: a failed save does not disown it)
+    if os.fsencode(row.dest) != os.fsencode(dest):
+        return None
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or not row.dest_version.same_as(FileVersion.from_stat(info)):
+        return None
+    if not row.dest_version.ctime_ns:
+        return None  # recorded before ctimes were: not proof enough to replace it
+    if _source_named_in(dest, root) != carry.file_label(source.name):
+        return None
+    return FileIdentity.of(info)
+
+
+def carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path) -> bool:
+    """True if `dest` is a syncd output of exactly this `source` content (name and recorded hash match: XXH3-128,
+    or sha256 in outputs of older versions and with `hash: sha256`; of a sharded set, the hash covers the
+    index and every shard, as the conversion records it)."""
+    try:
+        with open_checkpoint(dest, dest_root) as reader:
+            metadata = reader.header.metadata
+    except SyncdError:
+        return False
+    recorded = hashing.recorded_source_hash(metadata)
+    if metadata.get(carry.SOURCE) != carry.file_label(source.name) or recorded is None:
+        return False
+    return recorded.hexdigest == source_digest(source, source_root, recorded.name)
+
+
+def _source_named_in(dest: Path, root: Path) -> str | None:
+    """The `syncd.source` metadata of `dest`."""
+    try:
+        with open_checkpoint(dest, root) as reader:
+            return reader.header.metadata.get(carry.SOURCE)
+    except SyncdError:
+        return None
+
+
+def _set_destination(watch: Watch, path: Path) -> Path | None:
+    """Where a .bpk that carries a sharded set's layout goes back to: that set's index (None otherwise)."""
+    try:
+        with open_checkpoint(path, watch.path) as reader:
+            shards = carry.parse(reader.header.metadata, str(path)).shards
+    except SyncdError:
+        return None  # the conversion reports what is wrong with the file
+    if shards is None or not shards.with_index or watch.shard_size is not None:
+        return None
+    return watch.output_dir_for(path) / shards.index_name
