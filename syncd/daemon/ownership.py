@@ -1,11 +1,14 @@
 """Whose file is a destination? Where an output goes, and what may happen to a file already there.
 
 syncd replaces only what it can prove is its own: the output it published from this very source, unchanged
-since (the state database recorded its identity, and its `syncd.source` metadata names the source). A file
-that already holds this source's conversion (its recorded source hash matches) is in sync. Anything else is
-someone else's file, which the watch's `on_exists` decides about. Every file is opened confined, without
-following symlinks and without blocking (a FIFO or a symlink to a device renamed onto any of the names must
-not hang a worker).
+since (a record syncd made says so: the state database recorded its identity -- device, inode, size, mtime
+and ctime, which every write, truncate, chmod or utime changes -- and its `syncd.source` names the source).
+A file's own metadata is a hint, never proof: a user who loads syncd's output, edits it and saves it with the
+metadata kept owns that file. Without a record (state lost), a destination is in sync only if its bytes are
+exactly the conversion of the current source: the conversion is run and the publish compares bytes
+(`Action.VERIFY`), a file that differs being someone else's, which the watch's `on_exists` decides about.
+Every file is opened confined, without following symlinks and without blocking (a FIFO or a symlink to a
+device renamed onto any of the names must not hang a worker).
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ from pathlib import Path
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
 from syncd.daemon.state import FileVersion, StateDB
-from syncd.engine import carry, hashing
-from syncd.engine.convert import source_digest
+from syncd.engine import carry
 from syncd.engine.publish import FileIdentity
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint
@@ -50,6 +52,9 @@ class Action(StrEnum):
     REPLACE = "replace"  # replace syncd's own earlier output, provided it is still exactly `replace_if`
     OVERWRITE = "overwrite"  # replace someone else's file (on_exists: overwrite)
     IN_SYNC = "in_sync"  # the destination already holds this source's conversion: nothing to write
+    # no record, but the file names this source: convert, and publish nothing -- the destination is in sync
+    # if it holds exactly the bytes converted, else it is someone else's file (`on_exists` decides)
+    VERIFY = "verify"
     SKIP = "skip"  # someone else's file, left alone (on_exists: skip)
 
 
@@ -62,11 +67,12 @@ class Decision:
 def decide(state: StateDB, watch: Watch, source: Path, dest: Path) -> Decision:
     """What to do about `dest` before converting `source` into it.
 
-    syncd's own earlier output of this source is replaced (`updated`) whatever `on_exists` says; a file
-    that already holds this source's conversion is in sync; anything else is someone else's file, which
-    `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but never a
-    file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap two
-    users' files; that raises ConflictError).
+    syncd's own earlier output of this source (proven by the state's record) is replaced (`updated`)
+    whatever `on_exists` says; a file whose metadata names this source is verified against the conversion
+    (in sync only if it holds exactly those bytes); anything else is someone else's file, which `on_exists`
+    decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but never a file that is
+    itself a checkpoint this watch converts: in a `direction: both` tree that would swap two users' files;
+    that raises ConflictError).
     """
     if not os.path.lexists(dest):
         return Decision(Action.CREATE)
@@ -74,8 +80,13 @@ def decide(state: StateDB, watch: Watch, source: Path, dest: Path) -> Decision:
     ours = own_earlier_output(state, source, dest, root)
     if ours is not None:
         return Decision(Action.REPLACE, ours)
-    if carries_source(dest, source, root, watch.path):
-        return Decision(Action.IN_SYNC)
+    if names_source(dest, source, root):
+        return Decision(Action.VERIFY)
+    return someone_elses(watch, dest)
+
+
+def someone_elses(watch: Watch, dest: Path) -> Decision:
+    """What `on_exists` says about a file at `dest` that is not syncd's output of the source."""
     if watch.on_exists == "skip":
         return Decision(Action.SKIP)
     if watch.on_exists == "overwrite":
@@ -122,19 +133,10 @@ def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> 
     return FileIdentity.of(info)
 
 
-def carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path) -> bool:
-    """True if `dest` is a syncd output of exactly this `source` content (name and recorded hash match: XXH3-128,
-    or sha256 in outputs of older versions and with `hash: sha256`; of a sharded set, the hash covers the
-    index and every shard, as the conversion records it)."""
-    try:
-        with open_checkpoint(dest, dest_root) as reader:
-            metadata = reader.header.metadata
-    except SyncdError:
-        return False
-    recorded = hashing.recorded_source_hash(metadata)
-    if metadata.get(carry.SOURCE) != carry.file_label(source.name) or recorded is None:
-        return False
-    return recorded.hexdigest == source_digest(source, source_root, recorded.name)
+def names_source(dest: Path, source: Path, root: Path) -> bool:
+    """A hint, never proof: `dest`'s `syncd.source` metadata names `source` (a user's edit that kept the
+    metadata names it too, so this only says the file is worth comparing with the conversion)."""
+    return _source_named_in(dest, root) == carry.file_label(source.name)
 
 
 def _source_named_in(dest: Path, root: Path) -> str | None:

@@ -36,6 +36,7 @@ from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
     AmbiguousLayoutError,
+    ConflictError,
     FormatError,
     IncompleteFileError,
     SyncdError,
@@ -193,13 +194,40 @@ class Syncer:
                 self.synclog.log("in_sync", **base, reason="destination already holds this source's conversion")
                 return Outcome("in_sync")
             if decision.action is Action.SKIP:
-                if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
-                    self.synclog.log("skipped", **base, reason="destination exists (on_exists: skip)")
-                return Outcome("skipped")
-            result = self._run_engine(watch, path, dest, from_format, decision)
+                return self._skipped(path, version, base, "destination exists (on_exists: skip)")
+            if decision.action is Action.VERIFY:
+                result, decision = self._verify(watch, path, dest, from_format)
+                if result is None:
+                    reason = "destination exists and is not this source's conversion (on_exists: skip)"
+                    return self._skipped(path, version, base, reason)
+            else:
+                result = self._run_engine(watch, path, dest, from_format, decision)
         except Exception as exc:
             return self._failed_or_later(path, version, exc, base, started, finished)
         return self._converted(path, version, dest, result, base, started, updated=decision.action is Action.REPLACE)
+
+    def _skipped(self, path: Path, version: FileVersion, base: dict, reason: str) -> Outcome:
+        if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
+            self.synclog.log("skipped", **base, reason=reason)
+        return Outcome("skipped")
+
+    def _verify(
+        self, watch: Watch, path: Path, dest: Path, from_format: Format
+    ) -> tuple[ConvertResult | None, ownership.Decision]:
+        """A destination that names this source but has no record of ours: converted without replacing
+        anything, the publish compares bytes -- the same bytes are in sync (and from now on ours); other bytes
+        make it someone else's file, which `on_exists` decides about (None: skip it). Returns the result and
+        the decision it was published under."""
+        create = ownership.Decision(Action.CREATE)
+        try:
+            return self._run_engine(watch, path, dest, from_format, create), create
+        except ConflictError:
+            decision = ownership.someone_elses(watch, dest)
+            if decision.action is Action.SKIP:
+                return None, decision
+            if decision.action is not Action.OVERWRITE:
+                raise
+        return self._run_engine(watch, path, dest, from_format, decision), decision
 
     def _run_engine(
         self, watch: Watch, path: Path, dest: Path, from_format: Format, decision: ownership.Decision
