@@ -24,19 +24,12 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from syncd.daemon.config.schema import Watch
 from syncd.engine.publish import is_scratch_name
 from syncd.formats import format_for_path
 from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import INDEX_SUFFIX, is_index_name
-
-if TYPE_CHECKING:
-    from syncd.daemon.config import Watch
-
-# File-name globs ignored when neither the watch nor the config sets `ignore:` (`.~*` is inside `.*`, and is
-# named for when a configuration keeps it but lets other dotfiles through).
-DEFAULT_IGNORE = (".*", "*.tmp*", "*.part", ".~*")
 
 
 def is_candidate(watch: Watch, path: Path) -> bool:

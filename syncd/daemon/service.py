@@ -10,7 +10,6 @@ the scratch files of any it abandons, and exits 0.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -218,7 +217,7 @@ class Daemon:
             notify.ready(self._status())
             return
         pending = self.config.restart_settings_changed(new)
-        new = _keeping(new, self.config)
+        new = new.keeping_restart_settings(self.config)
         try:
             self._apply(new)
         except Exception as exc:
@@ -310,16 +309,6 @@ def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
     else:
         print(f"{len(marked)} failed file(s) marked for another look; no daemon runs: its next start looks")
     return 0
-
-
-def _keeping(new: Config, running: Config) -> Config:
-    """`new` with the settings a running daemon cannot change taken from `running`."""
-    return dataclasses.replace(
-        new,
-        workers=running.workers,
-        state_dir=running.state_dir,
-        log=dataclasses.replace(new.log, path=running.log.path),
-    )
 
 
 def run_daemon(config_path: Path) -> int:

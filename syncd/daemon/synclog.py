@@ -39,6 +39,9 @@ STATUSES = (
     "reloaded",
 )
 
+DEFAULT_MAX_BYTES = 10 * 1024 * 1024  # rotate before a line would take the file past this (0: never)
+DEFAULT_BACKUPS = 5  # rotated files kept: path.1 .. path.5
+
 # the order fields appear in on a line; others follow in the order given
 FIELD_ORDER = (
     "time",
@@ -97,7 +100,9 @@ class SyncLog:
     someone else moved or removed (logrotate) is noticed and reopened at the next write.
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 10 * 1024 * 1024, backups: int = 5) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.backups = backups
