@@ -17,6 +17,7 @@ import pytest
 from daemonutil import DaemonRun, scratch_files, wait_until
 from safetensors.numpy import safe_open, save, save_file
 
+from syncd.daemon.state import StateDB
 from syncd.engine.convert import ConvertRequest, convert
 
 
@@ -174,4 +175,59 @@ def test_an_unedited_output_is_in_sync_after_a_restart_without_state_and_then_up
     write_file(source, burnpack(2, tmp_path / "work"))
     assert next_line_for(run, source, seen) == "updated", run.log_text()
     assert output.read_bytes() != published
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ on a shared filesystem
+
+SHARED = {"cluster": {"shared": True, "poll_interval": 0.5}}
+
+
+@pytest.mark.parametrize("then", [after_a_rescan, after_a_restart_without_state], ids=lambda f: f.__name__)
+def test_on_a_shared_tree_the_publishers_record_does_not_make_an_edited_output_syncds(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path, then: Callable[[DaemonRun], None]
+) -> None:
+    """The claim file beside the output records the publish; a user's edit with the metadata kept is not
+    the file recorded (its inode, size, mtime or ctime differ), so the record proves nothing about it."""
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}], **SHARED)
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    assert (runs / ".model.safetensors.syncd-claim").stat().st_size > 0  # the record of the publish
+    seen = len(lines_for(run, source))
+    users = edit_keeping_metadata(output)
+    then(run)
+    assert next_line_for(run, source, seen) == "skipped", run.log_text()
+    write_file(source, burnpack(2, tmp_path / "work"))
+    assert next_line_for(run, source, seen + 1) == "skipped", run.log_text()
+    assert output.read_bytes() == users
+    stop_cleanly(run)
+
+
+def test_on_a_shared_tree_an_untouched_output_is_adopted_from_its_record_then_updated(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """Without its state, a node takes its own (or another node's) output from the record beside it: quietly,
+    without converting again, and it stays syncd's to update."""
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}], **SHARED)
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    published = os.stat(output)
+    after_a_restart_without_state(run)
+
+    def adopted() -> bool:
+        with StateDB(run.state_dir) as state:
+            row = state.get(source)
+        return row is not None and row.status == "in_sync"
+
+    wait_until(adopted, 30, "the output adopted from its record")
+    assert lines_for(run, source) == ["converted"], run.log_text()  # no second conversion, nothing said
+    assert os.stat(output).st_ino == published.st_ino
+    write_file(source, burnpack(2, tmp_path / "work"))
+    assert next_line_for(run, source, 1) == "updated", run.log_text()
     stop_cleanly(run)

@@ -7,6 +7,9 @@ A file's own metadata is a hint, never proof: a user who loads syncd's output, e
 metadata kept owns that file. Without a record (state lost), a destination is in sync only if its bytes are
 exactly the conversion of the current source: the conversion is run and the publish compares bytes
 (`Action.VERIFY`), a file that differs being someone else's, which the watch's `on_exists` decides about.
+On a shared filesystem the record may be another node's: the claim file beside the output holds the last
+publish (`syncd.daemon.claims.Published`), which proves the same thing by the same identity (without the
+device number, which differs between clients); an output so proven is adopted without reading the source.
 Every file is opened confined, without following symlinks and without blocking (a FIFO or a symlink to a
 device renamed onto any of the names must not hang a worker).
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from syncd.daemon.claims import Published, Stamp, stamp_of
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
 from syncd.daemon.state import FileVersion, StateDB
@@ -64,15 +68,24 @@ class Decision:
     replace_if: FileIdentity | None = None  # for REPLACE: the identity of our output being replaced
 
 
-def decide(state: StateDB, watch: Watch, source: Path, dest: Path) -> Decision:
-    """What to do about `dest` before converting `source` into it.
+def decide(
+    state: StateDB,
+    watch: Watch,
+    source: Path,
+    version: FileVersion,
+    dest: Path,
+    published: Published | None = None,
+) -> Decision:
+    """What to do about `dest` before converting `source` (at `version`) into it; `published` is the record
+    in the output's claim file, on a shared filesystem.
 
-    syncd's own earlier output of this source (proven by the state's record) is replaced (`updated`)
-    whatever `on_exists` says; a file whose metadata names this source is verified against the conversion
-    (in sync only if it holds exactly those bytes); anything else is someone else's file, which `on_exists`
-    decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but never a file that is
-    itself a checkpoint this watch converts: in a `direction: both` tree that would swap two users' files;
-    that raises ConflictError).
+    syncd's own earlier output of this source (proven by the state's record, or by the publishing node's) is
+    replaced (`updated`) whatever `on_exists` says, or adopted as it is when the record shows it is the
+    conversion of this very version of the source; a file whose metadata names this source is verified
+    against the conversion (in sync only if it holds exactly those bytes); anything else is someone else's
+    file, which `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but
+    never a file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap
+    two users' files; that raises ConflictError).
     """
     if not os.path.lexists(dest):
         return Decision(Action.CREATE)
@@ -80,9 +93,33 @@ def decide(state: StateDB, watch: Watch, source: Path, dest: Path) -> Decision:
     ours = own_earlier_output(state, source, dest, root)
     if ours is not None:
         return Decision(Action.REPLACE, ours)
+    if published is not None:
+        proven = published_by_syncd(published, source, dest)
+        if proven is not None:
+            if published.source_stamp == source_stamp(version):
+                return Decision(Action.IN_SYNC)
+            return Decision(Action.REPLACE, proven)
     if names_source(dest, source, root):
         return Decision(Action.VERIFY)
     return someone_elses(watch, dest)
+
+
+def source_stamp(version: FileVersion) -> Stamp:
+    """A source version as a record names it: without the device number, the same on every node."""
+    return (version.ino, version.size, version.mtime_ns, version.ctime_ns)
+
+
+def published_by_syncd(published: Published, source: Path, dest: Path) -> FileIdentity | None:
+    """The identity of `dest` if it still is exactly the file a node recorded publishing from `source`."""
+    if published.source != carry.file_label(source.name):
+        return None
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or stamp_of(info) != published.dest_stamp:
+        return None
+    return FileIdentity.of(info)
 
 
 def someone_elses(watch: Watch, dest: Path) -> Decision:

@@ -18,20 +18,23 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from syncd.adapters.keys import TensorFilter, compile_rule
-from syncd.daemon import ownership
+from syncd.daemon import claims, ownership
 from syncd.daemon.config import Watch
+from syncd.daemon.config.schema import DEFAULT_CLUSTER_POLL_INTERVAL
 from syncd.daemon.names import is_candidate
 from syncd.daemon.ownership import Action
 from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS, Readiness, anyone_writing, set_version
 from syncd.daemon.state import FileVersion, StateDB
 from syncd.daemon.synclog import SyncLog
+from syncd.engine import carry
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
+from syncd.engine.publish import remove_if_stale, scratch_target
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
@@ -52,6 +55,24 @@ log = logging.getLogger("syncd.sync")
 
 MAX_BACKOFF_SECONDS = 60.0
 STATE_RETRY_SECONDS = 5.0
+CLAIM_FIRST_RETRY = 0.25  # a claim held by someone else is tried again this soon, then less and less often
+
+
+@dataclass
+class _Job:
+    """One conversion being decided: what every step of it needs."""
+
+    watch: Watch
+    path: Path
+    version: FileVersion
+    dest: Path
+    from_format: Format
+    finished: bool
+    started: float
+    base: dict = field(default_factory=dict)  # the sync log fields every line about it carries
+
+
+_HELD = object()  # the claim is someone else's
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,11 @@ class Syncer:
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
+        # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
+        self.shared: frozenset[Path] = frozenset()
+        self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
+        self._claim_waits: dict[Path, int] = {}  # output -> times its claim was found held in a row
+        self._no_locks_said: set[Path] = set()
 
     @property
     def settle_seconds(self) -> float:
@@ -181,30 +207,93 @@ class Syncer:
         self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: Format, *, finished: bool
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
-        open for writing); otherwise a file that does not read may be one still being written."""
+        open for writing); otherwise a file that does not read may be one still being written. On a shared
+        filesystem the output's claim is taken first: while another node (or worker) holds it, nothing is
+        done and the file is looked at again later."""
         direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
-        base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
-        started = time.monotonic()
+        job = _Job(watch, path, version, dest, from_format, finished, time.monotonic())
+        job.base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         try:
             if ownership.is_own_output_converted_back(watch, path, dest):
                 return SILENT
-            decision = ownership.decide(self.state, watch, path, dest)
+            claim = self._claim(job) if watch.path in self.shared else None
+        except Exception as exc:
+            return self._failed_or_later(path, version, exc, job.base, job.started, finished)
+        if claim is _HELD:
+            return later(self._claim_wait(dest))
+        if not isinstance(claim, claims.Claim):
+            return self._decide_and_convert(job, None)
+        with claim:
+            self._claim_waits.pop(dest, None)
+            self._remove_abandoned_scratch(dest)
+            return self._decide_and_convert(job, claim)
+
+    def _decide_and_convert(self, job: _Job, claim: claims.Claim | None) -> Outcome:
+        watch, path, version, dest, base = job.watch, job.path, job.version, job.dest, job.base
+        try:
+            decision = ownership.decide(
+                self.state, watch, path, version, dest, claim.published() if claim is not None else None
+            )
             if decision.action is Action.IN_SYNC:
+                # another node's output, proven by its record: adopted without reading the source, quietly
                 self.state.record(path, version, dest, status="in_sync")
-                self.synclog.log("in_sync", **base, reason="destination already holds this source's conversion")
+                log.debug("in_sync %s: %s published by another syncd, as its record shows", path, dest)
                 return Outcome("in_sync")
             if decision.action is Action.SKIP:
                 return self._skipped(path, version, base, "destination exists (on_exists: skip)")
             if decision.action is Action.VERIFY:
-                result, decision = self._verify(watch, path, dest, from_format)
+                result, decision = self._verify(watch, path, dest, job.from_format)
                 if result is None:
                     reason = "destination exists and is not this source's conversion (on_exists: skip)"
                     return self._skipped(path, version, base, reason)
             else:
-                result = self._run_engine(watch, path, dest, from_format, decision)
+                result = self._run_engine(watch, path, dest, job.from_format, decision)
         except Exception as exc:
-            return self._failed_or_later(path, version, exc, base, started, finished)
-        return self._converted(path, version, dest, result, base, started, updated=decision.action is Action.REPLACE)
+            return self._failed_or_later(path, version, exc, base, job.started, job.finished)
+        updated = decision.action is Action.REPLACE
+        return self._converted(path, version, dest, result, base, job.started, updated=updated, claim=claim)
+
+    def _claim(self, job: _Job) -> claims.Claim | object | None:
+        """The output's claim, _HELD while someone else has it, or None where the filesystem has no locks
+        (said once per watch: every node then converts for itself, which the publish keeps safe)."""
+        try:
+            claim = claims.try_claim(job.dest)
+        except claims.ClaimError as exc:
+            if job.watch.path not in self._no_locks_said:
+                self._no_locks_said.add(job.watch.path)
+                self.synclog.log(
+                    "error",
+                    watch=str(job.watch.path),
+                    dest=str(job.dest),
+                    error=f"{exc.strerror}: claims cannot be taken, so every node converts every checkpoint",
+                    reason="mount the filesystem with file locks shared by every node (Lustre: -o flock)",
+                )
+            return None
+        except OSError as exc:
+            raise SyncdError.from_os_error(
+                "cannot take the output's claim", str(claims.claim_path(job.dest)), exc
+            ) from exc
+        return _HELD if claim is None else claim
+
+    def _claim_wait(self, dest: Path) -> float:
+        """Seconds until a claim held by someone else is tried again: soon at first (a conversion on this
+        node ends any moment), backing off to the cluster's poll interval."""
+        if len(self._claim_waits) > 10_000:
+            self._claim_waits.clear()
+        tries = self._claim_waits.get(dest, 0)
+        self._claim_waits[dest] = tries + 1
+        return min(self.claim_retry_max, CLAIM_FIRST_RETRY * 2.0**tries)
+
+    def _remove_abandoned_scratch(self, dest: Path) -> None:
+        """Scratch files of `dest` no living process holds: a node that died converting it left them, and
+        whoever takes its claim next removes them (only the claim holder writes scratch for `dest`)."""
+        try:
+            entries = list(os.scandir(dest.parent))
+        except OSError:
+            return
+        for entry in entries:
+            if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path)):
+                self.synclog.log("removed", source=entry.path, reason="a scratch file of a syncd that died")
 
     def _skipped(self, path: Path, version: FileVersion, base: dict, reason: str) -> Outcome:
         if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
@@ -263,12 +352,20 @@ class Syncer:
         started: float,
         *,
         updated: bool,
+        claim: claims.Claim | None = None,
     ) -> Outcome:
         if result.status == "in_sync":
             status = "in_sync"
         else:
             status = "updated" if updated and result.status == "replaced" else "converted"
-        self.state.record(path, version, dest, status="in_sync" if status == "in_sync" else "converted")
+        published = os.lstat(dest)  # the output as published: the record every later decision proves against
+        dest_version = FileVersion.from_stat(published)
+        self.state.record(
+            path, version, dest, dest_version=dest_version, status="in_sync" if status == "in_sync" else "converted"
+        )
+        if claim is not None:
+            stamps = ownership.source_stamp(version), claims.stamp_of(published)
+            claim.record(claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node()))
         self.readiness.converted(path)
         self.synclog.log(
             status,

@@ -43,6 +43,7 @@ import platform
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ __all__ = [
     "open_scratch",
     "publish",
     "remove_stale_scratch",
+    "remove_if_stale",
+    "scratch_target",
     "abandon_open_scratches",
 ]
 
@@ -256,6 +259,29 @@ def remove_stale_scratch(directory: Path) -> list[Path]:
             if _SCRATCH_RE.fullmatch(entry.name) is not None and _remove_if_unheld(Path(entry.path)):
                 removed.append(Path(entry.path))
     return removed
+
+
+def scratch_target(name: str) -> str | None:
+    """The name of the destination a scratch file named `name` is being built for (None if it is not one;
+    a name shortened to fit NAME_MAX gives its shortened form)."""
+    match = _SCRATCH_RE.fullmatch(name)
+    return None if match is None else match.group("name")
+
+
+def remove_if_stale(path: Path, min_age: float = 0.0) -> bool:
+    """Delete the scratch file `path` if no living process holds it; True if it went. An empty one younger
+    than `min_age` seconds is kept: its writer may be between creating it and locking it (open_scratch), a
+    window worth guarding only when scratch files are looked for while daemons run (not at start-up)."""
+    if _SCRATCH_RE.fullmatch(path.name) is None:
+        return False
+    if min_age > 0:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if info.st_size == 0 and time.time() - info.st_ctime < min_age:
+            return False
+    return _remove_if_unheld(path)
 
 
 def _remove_if_unheld(path: Path) -> bool:

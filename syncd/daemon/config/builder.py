@@ -20,6 +20,8 @@ from syncd.adapters.keys import compile_filter, compile_rule
 from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.config.safety import check_file_mode
 from syncd.daemon.config.schema import (
+    CLUSTER_KEYS,
+    DEFAULT_CLUSTER_POLL_INTERVAL,
     DEFAULT_DIRECTION,
     DEFAULT_HASH_NAME,
     DEFAULT_IGNORE,
@@ -31,15 +33,18 @@ from syncd.daemon.config.schema import (
     DEFAULT_ON_EXISTS,
     DEFAULT_RESCAN_INTERVAL,
     DEFAULT_SETTLE_SECONDS,
+    DEFAULT_SHARED,
     DEFAULT_STATE_DIR,
     DEFAULT_STUCK_WORKER_SECONDS,
     DEFAULT_WORKERS,
     LOG_KEYS,
     LOG_LEVELS,
     ON_EXISTS,
+    SHARED_CHOICES,
     TENSOR_FILTER_KEYS,
     TOP_LEVEL_KEYS,
     WATCH_KEYS,
+    ClusterSettings,
     Config,
     LogSettings,
     Watch,
@@ -74,6 +79,7 @@ class ConfigBuilder:
         hash_name = top.choice("hash", DEFAULT_HASH_NAME, HASH_CHOICES)
         state_dir = top.path("state_dir", DEFAULT_STATE_DIR)
         log = self._log(top)
+        cluster = self._cluster(top)
         ignore = _ignore_list(top, DEFAULT_IGNORE)
         watches = self._watches(top, root, ignore)
         assert state_dir is not None and settle is not None and stuck is not None
@@ -88,6 +94,7 @@ class ConfigBuilder:
             rescan_interval=rescan_interval,
             stuck_worker_seconds=stuck,
             hash_name=hash_name,
+            cluster=cluster,
         )
 
     def _log(self, top: Section) -> LogSettings:
@@ -108,6 +115,20 @@ class ConfigBuilder:
             backups=section.integer("backups", DEFAULT_LOG_BACKUPS, minimum=0),
             level=section.choice("level", DEFAULT_LOG_LEVEL, LOG_LEVELS),
         )
+
+    def _cluster(self, top: Section) -> ClusterSettings:
+        node = top.node("cluster")
+        if node is None or top.raw("cluster") is None:
+            return ClusterSettings()
+        items = self.file.entries(node, "cluster")
+        if items is None:
+            return ClusterSettings()
+        self.file.unknown_keys(items, CLUSTER_KEYS, "cluster")
+        section = Section(self.file, items, "cluster")
+        shared = section.value_in("shared", DEFAULT_SHARED, SHARED_CHOICES, "auto, true or false")
+        interval = section.number("poll_interval", DEFAULT_CLUSTER_POLL_INTERVAL, minimum=0.0, strictly_positive=True)
+        assert interval is not None
+        return ClusterSettings(shared=shared, poll_interval=interval)
 
     def _watches(self, top: Section, root: yaml.Node, ignore: tuple[str, ...]) -> tuple[Watch, ...]:
         node = top.node("watches")
