@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusterutil import Cluster, bytes_read, checkpoint, open_scratch_files, run_cluster
+from clusterutil import Cluster, bytes_read, checkpoint, conversion_of, open_scratch_files, run_cluster
 from daemonutil import wait_until
 
 from syncd.daemon.state import StateDB
@@ -88,4 +88,26 @@ def test_a_claim_whose_holder_is_alive_is_never_broken(cluster: Cluster) -> None
     wait_until(adopted, 30, "the other node's record of the output as in sync")
     assert other.statuses("converted") == [] and other.statuses("in_sync") == [], other.log_text()
     assert bytes_read(other_pid) - read_before < source.stat().st_size // 10  # adopted without reading it
+    cluster.stop()
+
+
+def test_a_checkpoint_re_saved_again_and_again_on_a_shared_tree_is_converted_once_per_save_and_quietly(
+    cluster: Cluster,
+) -> None:
+    """Two nodes, one file saved over and over (as `latest.safetensors` is): each save converted once, by
+    whichever node claims it first; the other adopts that output or replaces it at the next save, and
+    neither says anything louder than the conversions."""
+    cluster.start()
+    latest, output = cluster.tree / "w0" / "latest.safetensors", cluster.tree / "w0" / "latest.bpk"
+    saves = 8
+    for epoch in range(saves):
+        with open(latest, "wb") as handle:
+            handle.write(checkpoint(epoch, width=64))
+        expected = conversion_of(latest, cluster.tree.parent / "expected")
+        wait_until(lambda e=expected: output.exists() and output.read_bytes() == e, 60, f"the output of save {epoch}")
+    for run in cluster.runs:
+        run.quiet(2 * POLL + 0.5)
+    statuses = [record["status"] for run in cluster.runs for record in run.records()]
+    assert [s for s in statuses if s not in ("started", "converted", "updated")] == [], statuses
+    assert statuses.count("converted") + statuses.count("updated") <= saves, statuses
     cluster.stop()
