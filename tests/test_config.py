@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from syncd.cli.check_config import run_check_config
 from syncd.daemon.config import (
     DEFAULT_POLL_INTERVAL,
     check_config,
     load_config,
-    run_check_config,
 )
 from syncd.errors import ConfigError
 

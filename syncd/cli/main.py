@@ -67,7 +67,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     log = commands.add_parser("log", help="show the sync log")
     if command in (None, "log"):
-        from syncd.daemon.logview import add_log_arguments
+        from syncd.cli.log import add_log_arguments
 
         add_log_arguments(log)
     completion = commands.add_parser("completion", help="print a shell completion script")
@@ -204,19 +204,19 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_daemon(args.config)
     if args.command == "status":
-        from syncd.daemon.status import run_status_command
+        from syncd.cli.status import run_status_command
 
         return run_status_command(args.config, as_json=args.json)
     if args.command == "retry":
-        from syncd.daemon.service import run_retry
+        from syncd.cli.retry import run_retry
 
         return run_retry(args.config, args.paths, all_failed=args.all_failed)
     if args.command == "check-config":
-        from syncd.daemon.config import run_check_config
+        from syncd.cli.check_config import run_check_config
 
         return run_check_config(args.config, user=args.user)
     if args.command == "log":
-        from syncd.daemon.logview import run_log_command
+        from syncd.cli.log import run_log_command
 
         return run_log_command(args)
     if args.command == "completion":

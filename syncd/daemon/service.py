@@ -22,12 +22,12 @@ from syncd.daemon.config import Config, Watch, load_config
 from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
-from syncd.daemon.state import StateDB, lock_holder, lock_state_dir
+from syncd.daemon.state import StateDB, lock_state_dir
 from syncd.daemon.status import SHOWN_WAITING, Activity
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
 from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
-from syncd.errors import SyncdError, UsageError, one_line
+from syncd.errors import SyncdError, one_line
 
 log = logging.getLogger("syncd")
 
@@ -292,23 +292,6 @@ def _file_stamp(path: Path) -> tuple[int, ...] | None:
     except OSError:
         return None
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-
-
-def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
-    """`syncd retry`: mark failures in the state database for another look, then ask the running daemon
-    (SIGUSR1) to scan; without a daemon, its next start does. One line of output."""
-    if bool(paths) == all_failed:
-        raise UsageError("syncd retry: give the PATHs to look at again, or --all-failed")
-    config = load_config(config_path, check_filesystem=False)
-    with StateDB(config.state_dir) as state:
-        marked = state.retry_failures([os.path.abspath(p) for p in paths] if paths else None)
-    holder = lock_holder(config.state_dir)
-    if holder is not None:
-        os.kill(holder, signal.SIGUSR1)
-        print(f"{len(marked)} failed file(s) marked for another look; the daemon (pid {holder}) is scanning")
-    else:
-        print(f"{len(marked)} failed file(s) marked for another look; no daemon runs: its next start looks")
-    return 0
 
 
 def run_daemon(config_path: Path) -> int:
