@@ -28,7 +28,7 @@ from syncd.daemon.logread import (
     parse_statuses,
     read_whole,
 )
-from syncd.daemon.synclog import STATUSES
+from syncd.daemon.statuses import STATUSES
 from syncd.engine.progress import human_bytes
 from syncd.errors import SyncdError, UsageError
 

@@ -17,7 +17,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from syncd.daemon.synclog import STATUSES, backup_path, parse_timestamp
+from syncd.daemon.statuses import STATUSES
+from syncd.daemon.synclog import backup_path, parse_timestamp
 from syncd.errors import UsageError
 
 _SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from syncd.daemon.statuses import FAILURES, LIFECYCLE, SUCCESSES
 from syncd.daemon.synclog import utc_timestamp
 from syncd.engine.progress import ProgressCallback, ProgressState, describe, human_bytes
 from syncd.errors import SyncdError
@@ -35,8 +36,6 @@ CONVERTING_AFTER = 5.0  # seconds before a running conversion gets a journal lin
 CONVERTING_EVERY = 60.0  # and then how often
 RECENT_FAILURES = 10
 SHOWN_WAITING = 10  # queued files listed by name, due first
-FAILURE_STATUSES = ("refused", "error", "conflict", "skipped")
-LIFECYCLE = ("started", "stopped", "reloaded")  # not work: not counted
 STALE_AFTER = 30.0  # a status older than this (the daemon rewrites it every second) means no daemon
 
 
@@ -98,7 +97,7 @@ class Activity:
             return
         with self._lock:
             self.counts[status] += 1
-            if status in FAILURE_STATUSES:
+            if status in FAILURES:
                 why = str(record.get("error") or str(record.get("reason") or "").split("\n")[0])
                 why = why.removeprefix(f"{record.get('source')}: ")  # the error names the file listed beside it
                 self.failures.append(
@@ -157,8 +156,8 @@ class Activity:
 def status_line(doc: dict[str, Any]) -> str:
     """One line for systemd's STATUS=: counts, queue, and each running conversion's progress."""
     counts = doc["counts"]
-    done = counts.get("converted", 0) + counts.get("in_sync", 0)
-    failed = sum(counts.get(status, 0) for status in ("refused", "error", "conflict"))
+    done = sum(counts.get(status, 0) for status in SUCCESSES)
+    failed = sum(counts.get(status, 0) for status in FAILURES)
     text = f"converted {done}; failed {failed}; queue {doc['queued']}"
     for item in doc["running"]:
         percent = item["percent"] or 0.0

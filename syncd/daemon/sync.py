@@ -28,6 +28,7 @@ from syncd.daemon.names import is_candidate
 from syncd.daemon.ownership import Action
 from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS, Readiness, anyone_writing, set_version
 from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.statuses import Status
 from syncd.daemon.synclog import SyncLog
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert
 from syncd.engine.options import StoreOptions
@@ -57,7 +58,7 @@ STATE_RETRY_SECONDS = 5.0
 class Outcome:
     """What happened to a candidate: `retry_in` asks the queue to look again later."""
 
-    status: str | None  # the sync log status written, or None for a silent decision
+    status: Status | None  # the sync log status written, or None for a silent decision
     retry_in: float | None = None
 
 
@@ -92,7 +93,7 @@ class Syncer:
         self.readiness.settle_seconds = value
 
     def _warn(self, watch_root: Path, path: Path, reason: str) -> None:
-        self.synclog.log("warning", watch=str(watch_root), source=str(path), reason=reason)
+        self.synclog.log(Status.WARNING, watch=str(watch_root), source=str(path), reason=reason)
 
     # -- the decision
 
@@ -103,8 +104,10 @@ class Syncer:
         except SyncdError as exc:
             if exc.kind != "environment":
                 raise
-            self.synclog.log("error", watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry")
-            return Outcome("error", retry_in=STATE_RETRY_SECONDS)
+            self.synclog.log(
+                Status.ERROR, watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry"
+            )
+            return Outcome(Status.ERROR, retry_in=STATE_RETRY_SECONDS)
 
     def _process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
         """One file: a candidate, present and regular, settled, not already done, nobody writing it."""
@@ -171,8 +174,8 @@ class Syncer:
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
         version = FileVersion.from_stat(info)
         if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
-            self.synclog.log("skipped", watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
-        return Outcome("skipped")
+            self.synclog.log(Status.SKIPPED, watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
+        return Outcome(Status.SKIPPED)
 
     # -- converting
 
@@ -190,12 +193,12 @@ class Syncer:
             decision = ownership.decide(self.state, watch, path, dest)
             if decision.action is Action.IN_SYNC:
                 self.state.record(path, version, dest, status="in_sync")
-                self.synclog.log("in_sync", **base, reason="destination already holds this source's conversion")
-                return Outcome("in_sync")
+                self.synclog.log(Status.IN_SYNC, **base, reason="destination already holds this source's conversion")
+                return Outcome(Status.IN_SYNC)
             if decision.action is Action.SKIP:
                 if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
-                    self.synclog.log("skipped", **base, reason="destination exists (on_exists: skip)")
-                return Outcome("skipped")
+                    self.synclog.log(Status.SKIPPED, **base, reason="destination exists (on_exists: skip)")
+                return Outcome(Status.SKIPPED)
             result = self._run_engine(watch, path, dest, from_format, decision)
         except Exception as exc:
             return self._failed_or_later(path, version, exc, base, started, finished)
@@ -237,10 +240,10 @@ class Syncer:
         updated: bool,
     ) -> Outcome:
         if result.status == "in_sync":
-            status = "in_sync"
+            status = Status.IN_SYNC
         else:
-            status = "updated" if updated and result.status == "replaced" else "converted"
-        self.state.record(path, version, dest, status="in_sync" if status == "in_sync" else "converted")
+            status = Status.UPDATED if updated and result.status == "replaced" else Status.CONVERTED
+        self.state.record(path, version, dest, status="in_sync" if status is Status.IN_SYNC else "converted")
         self.readiness.converted(path)
         self.synclog.log(
             status,
@@ -280,7 +283,7 @@ class Syncer:
             elif transient:
                 fields["reason"] = "will retry"
             self.synclog.log(status, **fields)
-        if status == "error" and not transient and not isinstance(exc, SyncdError | OSError):
+        if status is Status.ERROR and not transient and not isinstance(exc, SyncdError | OSError):
             # a bug of ours: the traceback goes to the journal (the sync log's line already says what failed)
             log.error("%s: %s", path, text, exc_info=True)
         if transient:
@@ -290,22 +293,22 @@ class Syncer:
         return Outcome(status)
 
 
-def classify(exc: BaseException) -> tuple[str, bool]:
+def classify(exc: BaseException) -> tuple[Status, bool]:
     """(sync log status, transient?) for a failure, read from the kind the error declared where it was raised
     (syncd/errors.py); an OSError that escaped undeclared counts as the environment's."""
     if isinstance(exc, AlreadyExistsError):
-        return "conflict", False
+        return Status.CONFLICT, False
     if isinstance(exc, OSError):
-        return "error", exc.errno in TRANSIENT_ERRNOS
+        return Status.ERROR, exc.errno in TRANSIENT_ERRNOS
     if not isinstance(exc, SyncdError):
-        return "error", False  # a bug: logged with its traceback
+        return Status.ERROR, False  # a bug: logged with its traceback
     if exc.kind == "environment":
         if isinstance(exc, FormatError) and not exc.transient:
-            return "skipped", False  # unreadable for us: reported once, not an error in the file
-        return "error", exc.transient
+            return Status.SKIPPED, False  # unreadable for us: reported once, not an error in the file
+        return Status.ERROR, exc.transient
     if isinstance(exc, FormatError | UnsupportedError | AmbiguousLayoutError | VerificationError):
-        return "refused", exc.transient
-    return "error", exc.transient
+        return Status.REFUSED, exc.transient
+    return Status.ERROR, exc.transient
 
 
 def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
