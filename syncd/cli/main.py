@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from typing import NoReturn
 
 # syncd never multiplies matrices: an idle OpenBLAS thread pool only spins on the other core. Set before
 # numpy is first imported (it is imported lazily, by the commands that need it).
@@ -25,7 +26,7 @@ SHOWN_CARRIED = 3  # carried tensors listed by name without -v
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own usage errors: one line, status 2
+    def error(self, message: str) -> NoReturn:  # argparse's own usage errors: one line, status 2
         command = self.prog.removeprefix("syncd").strip()
         hint = f" (see syncd {command} --help)" if command else " (see syncd --help)"
         raise UsageError(f"{command + ': ' if command else ''}{message}{hint}")
@@ -77,6 +78,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     from syncd.adapters import AUTO, LAYOUT_CHOICES
+    from syncd.engine.hashing import DEFAULT_HASH, HASH_CHOICES
     from syncd.formats.registry import BY_SHORT
 
     convert.add_argument("source", type=Path)
@@ -113,9 +115,9 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     convert.add_argument("--overwrite", action="store_true", help="replace the destination if it exists")
     convert.add_argument(
         "--hash",
-        choices=["xxh3_128", "sha256"],
-        default="xxh3_128",
-        help="source hash recorded in the output (default xxh3_128, near memory speed; sha256 is cryptographic)",
+        choices=HASH_CHOICES,
+        default=DEFAULT_HASH,
+        help=f"source hash recorded in the output (default {DEFAULT_HASH}, near memory speed; sha256 is cryptographic)",
     )
     convert.add_argument(
         "--verify",
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report(as_json, EXIT_BAD_INPUT, f"internal error: {type(exc).__name__}: {exc}", None, None)
 
 
-def _report(as_json: bool, code: int, message: str, path: object, details: str | None) -> int:
+def _report(as_json: bool, code: int, message: str, path: str | os.PathLike[str] | None, details: str | None) -> int:
     """An error for the user: one line on stderr (then any details), or one JSON document on stdout."""
     line = one_line(message) or "error"
     try:

@@ -232,7 +232,8 @@ class StateDB:
         Their status becomes "retry": the next look is a first look (a failure that repeats is logged again,
         which is what asking again means).
         """
-        where, params = "status = 'failed' AND transient = 0", []
+        where = "status = 'failed' AND transient = 0"
+        params: list[str | bytes] = []
         if kind is not None:
             where += " AND kind = ?"
             params.append(kind)
