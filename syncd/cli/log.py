@@ -269,12 +269,13 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncd log`, for the CLI to attach to its subcommand."""
     parser.add_argument("-c", "--config", default=None, help=f"daemon config whose log to read ({DEFAULT_CONFIG_PATH})")
     parser.add_argument("--file", default=None, help="read this sync log file instead of the config's")
-    parser.add_argument(
+    status = parser.add_argument(
         "--status",
         action="append",
         metavar="STATUS[,STATUS]",
         help=f"only these statuses (repeatable): {', '.join(STATUSES)}",
     )
+    status.completions = STATUSES  # type: ignore[attr-defined]  # what `syncd completion` offers (not choices: a,b is valid)
     parser.add_argument("--since", help="only records newer than 30s, 15m, 1h, 2d or an ISO time")
     parser.add_argument("--path", dest="path_glob", metavar="GLOB", help="only records whose source or dest match")
     parser.add_argument("--json", action="store_true", help="print the raw JSON lines")

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # syncd never multiplies matrices: an idle OpenBLAS thread pool only spins on the other core. Set before
 # numpy is first imported (it is imported lazily, by the commands that need it).
@@ -22,6 +22,12 @@ from syncd import __version__
 from syncd.errors import SyncdError, UsageError, one_line
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 1  # usage (2) and exists (3) come from the errors' exit_code
+EXIT_CODES = """exit status:
+  0    success
+  1    bad input, a refused or failed conversion; for `status`: the daemon does not run
+  2    usage or configuration error
+  3    the destination already exists (convert without --overwrite)
+  130  interrupted (Ctrl-C)"""
 SHOWN_CARRIED = 3  # carried tensors listed by name without -v
 
 
@@ -35,44 +41,57 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; with `command`, only that command's options are filled in, so a command imports
     nothing another one needs (`convert`'s choices come from the adapters, `status` and `log` from the daemon)."""
-    parser = _Parser(prog="syncd", description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.")
+    parser = _Parser(
+        prog="syncd",
+        description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"syncd {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    convert = commands.add_parser("convert", help="convert one checkpoint to the other format and layout")
+    convert = _add_command(commands, "convert", help="convert one checkpoint to the other format and layout")
     if command in (None, "convert"):
         _add_convert_arguments(convert)
 
-    inspect = commands.add_parser("inspect", help="show a checkpoint's header, metadata and tensors")
-    inspect.add_argument("file", type=Path)
+    inspect = _add_command(commands, "inspect", help="show a checkpoint's header, metadata and tensors")
+    inspect.add_argument("file", type=Path, help="a .bpk or .safetensors file, or a sharded set's index or directory")
     inspect.add_argument("--json", action="store_true", help="one JSON document")
     inspect.add_argument("--hash", action="store_true", help="add a sha256 per tensor")
 
-    run = commands.add_parser("run", help="run the daemon")
-    run.add_argument("-c", "--config", type=Path, required=True)
+    run = _add_command(commands, "run", help="run the daemon")
+    run.add_argument("-c", "--config", type=Path, required=True, help="the daemon's YAML configuration file")
 
-    status = commands.add_parser("status", help="what the running daemon does now, what waits, what failed")
+    status = _add_command(commands, "status", help="what the running daemon does now, what waits, what failed")
     if command in (None, "status"):
         from syncd.daemon.config import DEFAULT_CONFIG_PATH
 
         status.add_argument("-c", "--config", type=Path, default=Path(DEFAULT_CONFIG_PATH), help="daemon config")
         status.add_argument("--json", action="store_true", help="one JSON document")
 
-    retry = commands.add_parser("retry", help="look again at files that failed, once their cause is fixed")
-    retry.add_argument("-c", "--config", type=Path, required=True)
+    retry = _add_command(commands, "retry", help="look again at files that failed, once their cause is fixed")
+    retry.add_argument("-c", "--config", type=Path, required=True, help="the running daemon's configuration file")
     retry.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="source files to look at again")
     retry.add_argument("--all-failed", action="store_true", help="every file that failed")
 
-    check = commands.add_parser("check-config", help="validate a configuration file")
+    check = _add_command(commands, "check-config", help="validate a configuration file")
     check.add_argument("config", type=Path)
     check.add_argument("--user", help="warn about what this user (the service's) cannot read or write (needs root)")
 
-    log = commands.add_parser("log", help="show the sync log")
+    log = _add_command(commands, "log", help="show the sync log")
     if command in (None, "log"):
         from syncd.cli.log import add_log_arguments
 
         add_log_arguments(log)
-    completion = commands.add_parser("completion", help="print a shell completion script")
+    completion = _add_command(commands, "completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash"])
+    return parser
+
+
+def _add_command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with the exit statuses."""
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )
     return parser
 
 
@@ -81,7 +100,11 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     from syncd.engine.hashing import DEFAULT_HASH, HASH_CHOICES
     from syncd.formats.registry import BY_SHORT
 
-    convert.add_argument("source", type=Path)
+    convert.add_argument(
+        "source",
+        type=Path,
+        help="the checkpoint to convert: a .bpk or .safetensors file, or a sharded set's index or directory",
+    )
     convert.add_argument("-o", "--output", type=Path, help="destination (default: SOURCE with the other extension)")
     convert.add_argument(
         "--to", choices=list(BY_SHORT), help="output format (default: from -o's extension, else the other one)"
@@ -231,8 +254,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from syncd.engine.inspect import describe, print_json, print_table
+    from syncd.formats.shards import find_index
 
-    doc = describe(str(args.file), with_hash=args.hash)
+    # a directory holding a sharded set stands for its index, as with `convert DIR`
+    path = find_index(args.file) if args.file.is_dir() else str(args.file)
+    doc = describe(path, with_hash=args.hash)
     (print_json if args.json else print_table)(doc, sys.stdout)
     sys.stdout.flush()  # a closed pipe shows here, inside main's handler, not at the interpreter's exit
     return EXIT_OK
@@ -241,9 +267,16 @@ def _inspect(args: argparse.Namespace) -> int:
 def target_format(to: str | None, output: Path | None) -> str | None:
     """The output format: `--to`, else what `-o`'s extension names, else None (the other format). An
     extension naming the other format than `--to` is refused: the file's name would lie about its bytes."""
-    from syncd.formats.registry import BY_SHORT, format_for_path
+    from syncd.formats.registry import BY_SHORT, FORMATS, format_for_path
+    from syncd.formats.shards import is_index_name
 
     named = format_for_path(output) if output is not None else None
+    if output is not None and named is None and not is_index_name(output) and not output.is_dir():
+        suffixes = " or ".join(fmt.extension for fmt in FORMATS)
+        raise UsageError(
+            f"convert: -o {output}: unknown output suffix {output.suffix or '(none)'!r}; "
+            f"name the file {suffixes}, or give an existing directory"
+        )
     wanted = BY_SHORT[to] if to else None
     if wanted and named and wanted != named:
         raise UsageError(f"--to {to} contradicts the extension of the output {output} ({named.name})")

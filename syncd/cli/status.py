@@ -16,7 +16,7 @@ def render_status(doc: dict[str, Any]) -> list[str]:
     state = "running" if doc["alive"] else f"not running (last status {doc.get('updated')}, {doc.get('state')})"
     lines = [f"syncd: {state}; pid {doc.get('pid')}, started {doc.get('started')}, config {doc.get('config')}"]
     counts = doc["counts"]
-    order = ("converted", "in_sync", "refused", "conflict", "error", "skipped")
+    order = ("converted", "updated", "in_sync", "refused", "conflict", "error", "skipped")
     lines.append("since start: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in order))
     lines.append(f"queued: {doc.get('queued', 0)}")
     for item in doc.get("waiting") or []:  # absent from a status written by an older daemon
@@ -32,7 +32,7 @@ def render_status(doc: dict[str, Any]) -> list[str]:
         )
     failures = doc.get("recent_failures") or []
     lines.append(f"recent failures: {len(failures) if failures else 'none'}")
-    lines.extend(f"  {f.get('time')}  {f.get('status')}  {f.get('source')}: {f.get('error')}" for f in failures)
+    lines.extend(_failure_line(f) for f in failures)
     return [line.rstrip() for line in lines]
 
 
@@ -47,3 +47,10 @@ def run_status_command(config_path: Path, as_json: bool = False, out: TextIO | N
         out.write("\n".join(render_status(doc)) + "\n")
     out.flush()
     return 0 if doc["alive"] else 1
+
+
+def _failure_line(failure: dict[str, Any]) -> str:
+    """`  TIME  STATUS  WHAT: WHY`; WHAT left out when the record named no file (a status of an older daemon)."""
+    what = failure.get("source")
+    why = f"{what}: {failure.get('error')}" if what else str(failure.get("error"))
+    return f"  {failure.get('time')}  {failure.get('status')}  {why}"

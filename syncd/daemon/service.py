@@ -210,7 +210,11 @@ class Daemon:
         try:
             new = load_config(self.config.path)
         except Exception as exc:
-            self.synclog.log(Status.ERROR, reason=f"reload refused, keeping the running configuration: {one_line(exc)}")
+            self.synclog.log(
+                Status.ERROR,
+                config=str(self.config.path),
+                reason=f"reload refused, keeping the running configuration: {one_line(exc)}",
+            )
             notify.ready(self._status())
             return
         pending = self.config.restart_settings_changed(new)
@@ -219,7 +223,11 @@ class Daemon:
             self._apply(new)
         except Exception as exc:
             log.exception("reload failed")
-            self.synclog.log(Status.ERROR, reason=f"reload failed, keeping the running configuration: {one_line(exc)}")
+            self.synclog.log(
+                Status.ERROR,
+                config=str(self.config.path),
+                reason=f"reload failed, keeping the running configuration: {one_line(exc)}",
+            )
             self._apply(self.config)
             notify.ready(self._status())
             return

@@ -99,10 +99,10 @@ class Activity:
             self.counts[status] += 1
             if status in FAILURES:
                 why = str(record.get("error") or str(record.get("reason") or "").split("\n")[0])
-                why = why.removeprefix(f"{record.get('source')}: ")  # the error names the file listed beside it
-                self.failures.append(
-                    {"time": record.get("time"), "status": status, "source": record.get("source"), "error": why}
-                )
+                # what failed: a source, else the configuration (a refused reload) or a watched tree
+                what = record.get("source") or record.get("config") or record.get("watch")
+                why = why.removeprefix(f"{what}: ")  # the error names the file listed beside it
+                self.failures.append({"time": record.get("time"), "status": status, "source": what, "error": why})
 
     # -- the main thread, once a second
 
