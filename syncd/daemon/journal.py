@@ -26,7 +26,6 @@ LEVELS: dict[str, int] = {
     **dict.fromkeys(FAILURES - {Status.ERROR}, logging.WARNING),
     Status.ERROR: logging.ERROR,
 }
-SYNCLOG_LINE = "syncd_synclog_line"  # marks a log record that tells a sync log line
 _SYSLOG_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
@@ -89,7 +88,7 @@ class JournalingSyncLog(SyncLog):
 
     def log(self, status: str, **fields: Any) -> dict[str, Any]:
         record = super().log(status, **fields)
-        log.log(LEVELS.get(status, logging.INFO), "%s", journal_line(record), extra={SYNCLOG_LINE: True})
+        log.log(LEVELS.get(status, logging.INFO), "%s", journal_line(record))
         for observer in self.observers:
             observer(record)
         return record
@@ -105,8 +104,8 @@ class _Formatter(logging.Formatter):
         if self.journal:  # journald reads the priority from the prefix and adds its own time
             message = text.split(" ", 1)[1]
             return f"<{_SYSLOG_PRIORITY.get(record.levelno, 6)}>{message}"
-        if record.levelno < logging.WARNING or getattr(record, SYNCLOG_LINE, False):
-            return text  # a sync log line starts with its status (`error ...`): no `ERROR:` before it
+        if record.levelno < logging.WARNING or record.getMessage().lower().startswith(record.levelname.lower()):
+            return text  # `error ...` says it already: not `ERROR: error ...`
         return text.replace(" ", f" {record.levelname}: ", 1)
 
 
