@@ -24,12 +24,13 @@ from syncd.daemon.fstype import shared_filesystem
 from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
-from syncd.daemon.state import StateDB, lock_holder, lock_state_dir
+from syncd.daemon.state import StateDB, lock_state_dir
 from syncd.daemon.status import SHOWN_WAITING, Activity
+from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
 from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_if_stale, remove_stale_scratch
-from syncd.errors import SyncdError, UsageError, one_line
+from syncd.errors import SyncdError, one_line
 
 log = logging.getLogger("syncd")
 
@@ -60,8 +61,6 @@ class Daemon:
         self._rescan: set[Path] = set()
         self._rescan_lock = threading.Lock()
         self._next_safety_rescan: float | None = None
-        self.counts = {"converted": 0, "failed": 0}
-        self.lock_fd: int | None = None
         self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
 
     # -- wiring
@@ -69,10 +68,6 @@ class Daemon:
     def _work(self, watch: Watch, path: Path, closed: bool) -> float | None:
         with self.activity.working(path):
             outcome = self.syncer.process(watch, path, closed)
-        if outcome.status in ("converted", "updated", "in_sync"):
-            self.counts["converted"] += 1
-        elif outcome.status in ("refused", "error", "conflict"):
-            self.counts["failed"] += 1
         return outcome.retry_in
 
     # the watcher's listener (syncd.daemon.watcher.WatchListener), called from observer threads
@@ -87,15 +82,15 @@ class Daemon:
 
     def on_overflow(self, watch: Watch) -> None:
         self.synclog.log(
-            "error", watch=str(watch.path), reason="inotify event queue overflowed (events were lost); rescanning"
+            Status.ERROR, watch=str(watch.path), reason="inotify event queue overflowed (events were lost); rescanning"
         )
         self._request_rescan(watch.path)
 
     def on_fallback(self, watch: Watch, reason: str) -> None:
-        self.synclog.log("error", watch=str(watch.path), reason=reason)
+        self.synclog.log(Status.ERROR, watch=str(watch.path), reason=reason)
 
     def _walk_limit(self, directory: Path, reason: str) -> None:
-        self.synclog.log("skipped", source=str(directory), reason=reason)
+        self.synclog.log(Status.SKIPPED, source=str(directory), reason=reason)
 
     def _request_rescan(self, path: Path) -> None:
         with self._rescan_lock:
@@ -110,7 +105,7 @@ class Daemon:
         self.queue.start()
         queued = self._scan_all()
         self.synclog.log(
-            "started",
+            Status.STARTED,
             reason=f"watching {len(self.config.watches)} tree(s){self._how_watched()}; {queued} file(s) to check",
             config=str(self.config.path),
         )
@@ -144,7 +139,9 @@ class Daemon:
                 directories.update(p.parent for p in walk_files(root, watch.recursive) if is_scratch_name(p.name))
         for directory in directories:
             for removed in remove_stale_scratch(directory):
-                self.synclog.log("removed", source=str(removed), reason="a stale scratch file of a syncd that died")
+                self.synclog.log(
+                    Status.REMOVED, source=str(removed), reason="a stale scratch file of a syncd that died"
+                )
 
     def _scan_all(self) -> int:
         return sum(self._scan(watch, watch.path) for watch in self.config.watches)
@@ -158,7 +155,7 @@ class Daemon:
                 continue
             if not self.queue.put(watch, path, closed=False, delay=0.0):
                 self.synclog.log(
-                    "error",
+                    Status.ERROR,
                     watch=str(watch.path),
                     reason=f"work queue full at {self.queue.capacity} files; the rest waits for a rescan",
                 )
@@ -172,7 +169,7 @@ class Daemon:
         died (on this node or another) left behind, removed at the next scan rather than at its next start."""
         if is_scratch_name(path.name):
             if remove_if_stale(path, min_age=SCRATCH_GRACE_SECONDS):
-                self.synclog.log("removed", source=str(path), reason="a stale scratch file of a syncd that died")
+                self.synclog.log(Status.REMOVED, source=str(path), reason="a stale scratch file of a syncd that died")
         elif is_claim_name(path.name):
             claims.remove_if_orphaned(path)
 
@@ -208,7 +205,7 @@ class Daemon:
             if (worker, path) not in self._stuck_reported:
                 self._stuck_reported.add((worker, path))
                 self.synclog.log(
-                    "error",
+                    Status.ERROR,
                     source=str(path),
                     reason=f"{worker} busy with this file for {seconds:.0f} s (stuck_worker_seconds: "
                     f"{self.config.stuck_worker_seconds:g}); watchdog pings withheld",
@@ -250,7 +247,11 @@ class Daemon:
         try:
             new = load_config(self.config.path)
         except Exception as exc:
-            self.synclog.log("error", reason=f"reload refused, keeping the running configuration: {one_line(exc)}")
+            self.synclog.log(
+                Status.ERROR,
+                config=str(self.config.path),
+                reason=f"reload refused, keeping the running configuration: {one_line(exc)}",
+            )
             notify.ready(self._status())
             return
         pending = self.config.restart_settings_changed(new)
@@ -259,7 +260,11 @@ class Daemon:
             self._apply(new)
         except Exception as exc:
             log.exception("reload failed")
-            self.synclog.log("error", reason=f"reload failed, keeping the running configuration: {one_line(exc)}")
+            self.synclog.log(
+                Status.ERROR,
+                config=str(self.config.path),
+                reason=f"reload failed, keeping the running configuration: {one_line(exc)}",
+            )
             self._apply(self.config)
             notify.ready(self._status())
             return
@@ -269,7 +274,7 @@ class Daemon:
         reason = f"watching {len(new.watches)} tree(s){self._how_watched()}; {queued} file(s) to check"
         if pending:
             reason += f"; {', '.join(pending)} changed but take effect only after a restart"
-        self.synclog.log("reloaded", reason=reason, config=str(new.path))
+        self.synclog.log(Status.RELOADED, reason=reason, config=str(new.path))
         notify.ready(self._status())
 
     def _apply(self, new: Config) -> None:
@@ -284,7 +289,7 @@ class Daemon:
         try:
             self.state.retry_failures(kind="config")
         except SyncdError as exc:
-            self.synclog.log("error", reason=f"cannot mark refusals for another look: {one_line(exc)}")
+            self.synclog.log(Status.ERROR, reason=f"cannot mark refusals for another look: {one_line(exc)}")
 
     def _look_again(self) -> None:
         """What `syncd retry` asks for: the failures it marked are looked at again by a scan. A configuration
@@ -307,7 +312,7 @@ class Daemon:
         finished = self.queue.stop(STOP_GRACE_SECONDS)
         abandoned = [] if finished else abandon_open_scratches()
         reason = "finished in-flight work" if finished else f"abandoned {len(abandoned)} conversion(s) in flight"
-        self.synclog.log("stopped", reason=reason)
+        self.synclog.log(Status.STOPPED, reason=reason)
         self._status(state="stopped")
         self.synclog.close()
         if finished:
@@ -345,29 +350,11 @@ def shared_watches(config: Config) -> dict[Path, str]:
     return shared
 
 
-def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
-    """`syncd retry`: mark failures in the state database for another look, then ask the running daemon
-    (SIGUSR1) to scan; without a daemon, its next start does. One line of output."""
-    if bool(paths) == all_failed:
-        raise UsageError("syncd retry: give the PATHs to look at again, or --all-failed")
-    config = load_config(config_path, check_filesystem=False)
-    with StateDB(config.state_dir) as state:
-        marked = state.retry_failures([os.path.abspath(p) for p in paths] if paths else None)
-    holder = lock_holder(config.state_dir)
-    if holder is not None:
-        os.kill(holder, signal.SIGUSR1)
-        print(f"{len(marked)} failed file(s) marked for another look; the daemon (pid {holder}) is scanning")
-    else:
-        print(f"{len(marked)} failed file(s) marked for another look; no daemon runs: its next start looks")
-    return 0
-
-
 def run_daemon(config_path: Path) -> int:
     config = load_config(config_path)
     configure_logging(config.log.level)
-    lock = lock_state_dir(config.state_dir)  # held until the process ends; a second daemon stops here
+    lock_state_dir(config.state_dir)  # its descriptor stays open until the process ends; a second daemon stops here
     daemon = Daemon(config)
-    daemon.lock_fd = lock
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     signal.signal(signal.SIGHUP, daemon.request_reload)

@@ -29,6 +29,7 @@ from syncd.daemon.names import is_candidate
 from syncd.daemon.ownership import Action
 from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS, Readiness, anyone_writing, set_version
 from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.statuses import Status
 from syncd.daemon.synclog import SyncLog
 from syncd.engine import carry
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert
@@ -79,7 +80,7 @@ _HELD = object()  # the claim is someone else's
 class Outcome:
     """What happened to a candidate: `retry_in` asks the queue to look again later."""
 
-    status: str | None  # the sync log status written, or None for a silent decision
+    status: Status | None  # the sync log status written, or None for a silent decision
     retry_in: float | None = None
 
 
@@ -119,7 +120,7 @@ class Syncer:
         self.readiness.settle_seconds = value
 
     def _warn(self, watch_root: Path, path: Path, reason: str) -> None:
-        self.synclog.log("warning", watch=str(watch_root), source=str(path), reason=reason)
+        self.synclog.log(Status.WARNING, watch=str(watch_root), source=str(path), reason=reason)
 
     # -- the decision
 
@@ -130,8 +131,10 @@ class Syncer:
         except SyncdError as exc:
             if exc.kind != "environment":
                 raise
-            self.synclog.log("error", watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry")
-            return Outcome("error", retry_in=STATE_RETRY_SECONDS)
+            self.synclog.log(
+                Status.ERROR, watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry"
+            )
+            return Outcome(Status.ERROR, retry_in=STATE_RETRY_SECONDS)
 
     def _process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
         """One file: a candidate, present and regular, settled, not already done, nobody writing it."""
@@ -198,8 +201,8 @@ class Syncer:
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
         version = FileVersion.from_stat(info)
         if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
-            self.synclog.log("skipped", watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
-        return Outcome("skipped")
+            self.synclog.log(Status.SKIPPED, watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
+        return Outcome(Status.SKIPPED)
 
     # -- converting
 
@@ -238,7 +241,7 @@ class Syncer:
                 # another node's output, proven by its record: adopted without reading the source, quietly
                 self.state.record(path, version, dest, status="in_sync")
                 log.debug("in_sync %s: %s published by another syncd, as its record shows", path, dest)
-                return Outcome("in_sync")
+                return Outcome(Status.IN_SYNC)
             if decision.action is Action.SKIP:
                 return self._skipped(path, version, base, "destination exists (on_exists: skip)")
             if decision.action is Action.VERIFY:
@@ -262,7 +265,7 @@ class Syncer:
             if job.watch.path not in self._no_locks_said:
                 self._no_locks_said.add(job.watch.path)
                 self.synclog.log(
-                    "error",
+                    Status.ERROR,
                     watch=str(job.watch.path),
                     dest=str(job.dest),
                     error=f"{exc.strerror}: claims cannot be taken, so every node converts every checkpoint",
@@ -293,12 +296,12 @@ class Syncer:
             return
         for entry in entries:
             if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path)):
-                self.synclog.log("removed", source=entry.path, reason="a scratch file of a syncd that died")
+                self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
 
     def _skipped(self, path: Path, version: FileVersion, base: dict, reason: str) -> Outcome:
         if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
-            self.synclog.log("skipped", **base, reason=reason)
-        return Outcome("skipped")
+            self.synclog.log(Status.SKIPPED, **base, reason=reason)
+        return Outcome(Status.SKIPPED)
 
     def _verify(
         self, watch: Watch, path: Path, dest: Path, from_format: Format
@@ -355,14 +358,13 @@ class Syncer:
         claim: claims.Claim | None = None,
     ) -> Outcome:
         if result.status == "in_sync":
-            status = "in_sync"
+            status = Status.IN_SYNC
         else:
-            status = "updated" if updated and result.status == "replaced" else "converted"
+            status = Status.UPDATED if updated and result.status == "replaced" else Status.CONVERTED
         published = os.lstat(dest)  # the output as published: the record every later decision proves against
         dest_version = FileVersion.from_stat(published)
-        self.state.record(
-            path, version, dest, dest_version=dest_version, status="in_sync" if status == "in_sync" else "converted"
-        )
+        recorded = "in_sync" if status is Status.IN_SYNC else "converted"
+        self.state.record(path, version, dest, dest_version=dest_version, status=recorded)
         if claim is not None:
             stamps = ownership.source_stamp(version), claims.stamp_of(published)
             claim.record(claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node()))
@@ -405,7 +407,7 @@ class Syncer:
             elif transient:
                 fields["reason"] = "will retry"
             self.synclog.log(status, **fields)
-        if status == "error" and not transient and not isinstance(exc, SyncdError | OSError):
+        if status is Status.ERROR and not transient and not isinstance(exc, SyncdError | OSError):
             # a bug of ours: the traceback goes to the journal (the sync log's line already says what failed)
             log.error("%s: %s", path, text, exc_info=True)
         if transient:
@@ -415,22 +417,22 @@ class Syncer:
         return Outcome(status)
 
 
-def classify(exc: BaseException) -> tuple[str, bool]:
+def classify(exc: BaseException) -> tuple[Status, bool]:
     """(sync log status, transient?) for a failure, read from the kind the error declared where it was raised
     (syncd/errors.py); an OSError that escaped undeclared counts as the environment's."""
     if isinstance(exc, AlreadyExistsError):
-        return "conflict", False
+        return Status.CONFLICT, False
     if isinstance(exc, OSError):
-        return "error", exc.errno in TRANSIENT_ERRNOS
+        return Status.ERROR, exc.errno in TRANSIENT_ERRNOS
     if not isinstance(exc, SyncdError):
-        return "error", False  # a bug: logged with its traceback
+        return Status.ERROR, False  # a bug: logged with its traceback
     if exc.kind == "environment":
         if isinstance(exc, FormatError) and not exc.transient:
-            return "skipped", False  # unreadable for us: reported once, not an error in the file
-        return "error", exc.transient
+            return Status.SKIPPED, False  # unreadable for us: reported once, not an error in the file
+        return Status.ERROR, exc.transient
     if isinstance(exc, FormatError | UnsupportedError | AmbiguousLayoutError | VerificationError):
-        return "refused", exc.transient
-    return "error", exc.transient
+        return Status.REFUSED, exc.transient
+    return Status.ERROR, exc.transient
 
 
 def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:

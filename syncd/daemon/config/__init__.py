@@ -18,9 +18,7 @@ somewhere.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
-from typing import TextIO
 
 from syncd.daemon.config.builder import ConfigBuilder
 from syncd.daemon.config.safety import check_file_mode, check_watch_safety
@@ -51,7 +49,6 @@ __all__ = [
     "Watch",
     "check_config",
     "load_config",
-    "run_check_config",
     "validate",
 ]
 
@@ -108,21 +105,3 @@ def _validate(path: Path, *, check_filesystem: bool) -> tuple[Config | None, lis
     if config is not None:
         problems += check_watch_safety(config, str(path), builder.mirror_lines)
     return (config if not problems else None), in_reading_order(problems, str(path))
-
-
-def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, user: str | None = None) -> int:
-    """`syncd check-config FILE`: prints one line per problem; 0 when valid, 2 when not. A valid config also
-    gets a warning line for each watched tree `user` (default: the caller) cannot list, read or write."""
-    out = out or sys.stdout
-    config, problems = validate(path)
-    for problem in problems:
-        print(problem, file=out)
-    if problems or config is None:
-        return ConfigError.exit_code
-    from syncd.daemon.access import access_warnings
-
-    for warning in access_warnings(config, user):
-        print(warning, file=out)
-    count = len(config.watches)
-    print(f"{path}: valid ({count} watch{'es' if count != 1 else ''})", file=out)
-    return 0

@@ -138,10 +138,6 @@ class Watch:
         """The module map's pattern -> kind rules, in order."""
         return {rule.pattern: rule.kind for rule in self.module_map.rules} if self.module_map else {}
 
-    @property
-    def output(self) -> str:
-        return "beside" if self.mirror is None else f"mirror:{self.mirror}"
-
     def output_dir_for(self, source: Path) -> Path:
         """The directory a converted `source` (a file under this watch) is published into."""
         if self.mirror is None:
