@@ -135,7 +135,9 @@ class Figures:
 class Cluster:
     """`nodes` daemons under `root` (root/node0, root/node1...) on the one tree root/shared."""
 
-    def __init__(self, root: Path, nodes: int, rescan_interval: float, poll_interval: float) -> None:
+    def __init__(
+        self, root: Path, nodes: int, rescan_interval: float, poll_interval: float, shared: bool = True
+    ) -> None:
         self.tree = root / "shared"
         self.tree.mkdir(parents=True)
         for i in range(nodes):
@@ -145,7 +147,7 @@ class Cluster:
                 root / f"node{i}",
                 [{"path": os.fspath(self.tree), "direction": "safetensors->bpk"}],
                 rescan_interval=rescan_interval,
-                cluster={"shared": True, "poll_interval": poll_interval},
+                cluster={"shared": shared, "poll_interval": poll_interval},
             )
             for i in range(nodes)
         ]
@@ -230,10 +232,11 @@ def run_cluster(
     rescan_interval: float = 3.0,
     poll_interval: float = 1.0,
     timeout: float = 600.0,
+    shared: bool = True,
 ) -> Figures:
     """The acceptance run (module docstring); returns what was counted. Every node's sync log is kept."""
     started = time.monotonic()
-    cluster = Cluster(root, nodes, rescan_interval, poll_interval)
+    cluster = Cluster(root, nodes, rescan_interval, poll_interval, shared)
     try:
         for index in range(writers):
             (cluster.tree / f"w{index}").mkdir()
@@ -292,6 +295,9 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=512, help="each checkpoint holds two [width, 3/4 width] Linears")
     parser.add_argument("--rescan-interval", type=float, default=10.0)
     parser.add_argument("--poll-interval", type=float, default=2.0)
+    parser.add_argument(
+        "--not-shared", action="store_true", help="cluster: {shared: false}: no claims, for comparison (fails)"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="syncd-cluster-"))
     try:
@@ -302,6 +308,7 @@ def main() -> int:
             width=args.width,
             rescan_interval=args.rescan_interval,
             poll_interval=args.poll_interval,
+            shared=not args.not_shared,
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)

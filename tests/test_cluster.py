@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,10 @@ import pytest
 from clusterutil import Cluster, bytes_read, checkpoint, conversion_of, open_scratch_files, run_cluster
 from daemonutil import wait_until
 
+from syncd.daemon.config import ClusterSettings, Config, LogSettings, Watch
+from syncd.daemon.service import TICK_SECONDS as TICK
 from syncd.daemon.state import StateDB
+from syncd.daemon.watcher import Watcher
 
 RESCAN = 2.0
 POLL = 0.5
@@ -111,3 +116,80 @@ def test_a_checkpoint_re_saved_again_and_again_on_a_shared_tree_is_converted_onc
     assert [s for s in statuses if s not in ("started", "converted", "updated")] == [], statuses
     assert statuses.count("converted") + statuses.count("updated") <= saves, statuses
     cluster.stop()
+
+
+def test_a_dead_nodes_scratch_nobody_claims_again_is_removed_by_the_survivors_next_rescan(cluster: Cluster) -> None:
+    """The node dies converting a checkpoint that is then deleted: no survivor takes that claim again, and
+    the dead node's scratch file (tens of GiB, on a real cluster) is removed by a survivor's rescan, within
+    one rescan interval, not at some node's next start."""
+    cluster.start()
+    source = cluster.tree / "w0" / "doomed.safetensors"
+    with open(source, "wb") as handle:
+        handle.write(checkpoint(2, width=2048))
+
+    def converting() -> tuple[int, list[Path]] | None:
+        for node, pid in enumerate(cluster.pids):
+            os.kill(pid, signal.SIGSTOP)
+            held = [path for path in open_scratch_files(pid) if path.exists() and path.stat().st_size > 0]
+            if held:
+                return node, held
+            os.kill(pid, signal.SIGCONT)
+        return None
+
+    node, held = wait_until(converting, 60, "a node writing doomed.bpk")
+    survivor = cluster.runs[1 - node]
+    source.unlink()  # the trainer's cleanup: nobody needs that output any more
+    survivor.quiet(2 * POLL + 0.5)  # the survivor has seen the source go (its claim retries end)
+    os.kill(cluster.pids[node], signal.SIGKILL)
+    killed_at = time.monotonic()
+    dead = cluster.runs[node]
+    assert dead.proc is not None
+    dead.proc.wait(30)
+    wait_until(lambda: not any(path.exists() for path in held), 4 * RESCAN, "the dead node's scratch removed")
+    assert time.monotonic() - killed_at <= RESCAN + 2 * TICK, "not removed at the first rescan after the death"
+    assert [r["source"] for r in survivor.statuses("removed")] == [str(path) for path in held]
+    assert not list(cluster.tree.rglob("*.bpk"))
+
+
+def test_a_shared_watch_is_polled_as_well_as_inotified(tmp_path: Path) -> None:
+    """With its inotify observer gone (as for a file another node wrote: this kernel makes no event), the
+    poll alone still brings a new file to the daemon's listener."""
+    watched = tmp_path / "runs"
+    watched.mkdir()
+    config = Config(
+        path=tmp_path / "syncd.yaml",
+        state_dir=tmp_path / "state",
+        log=LogSettings(path=tmp_path / "log"),
+        watches=(Watch(path=watched),),
+        cluster=ClusterSettings(shared=True, poll_interval=0.2),
+    )
+    seen: list[Path] = []
+    arrived = threading.Event()
+
+    class Listener:
+        def on_file(self, watch: Watch, path: Path, closed: bool) -> None:
+            seen.append(path)
+            arrived.set()
+
+        def on_directory(self, watch: Watch, directory: Path) -> None:
+            pass
+
+        def on_overflow(self, watch: Watch) -> None:
+            pass
+
+        def on_fallback(self, watch: Watch, reason: str) -> None:
+            raise AssertionError(reason)
+
+    watcher = Watcher(config, Listener(), shared={watched})
+    watcher.start()
+    try:
+        kinds = [type(observer).__name__ for observer in watcher.observers]
+        assert kinds == ["_InotifyObserver", "PollingObserver"], kinds
+        inotify = watcher.observers.pop(0)
+        inotify.stop()
+        inotify.join(5)
+        (watched / "other-node.safetensors").write_bytes(checkpoint(3, width=16))
+        assert arrived.wait(30), "the poll never reported the file"
+        assert seen[0] == watched / "other-node.safetensors"
+    finally:
+        watcher.stop()
