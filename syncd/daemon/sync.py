@@ -2,11 +2,14 @@
 
 The decisions live beside this module: `readiness` (is the file settled, complete, nobody writing it) and
 `ownership` (where the output goes, whose file is there). This module puts them in order, calls the engine,
-records the outcome in the state database and writes the sync log line.
+records the outcome in the state database and writes the sync log line. On a tree shared with other nodes
+(`claims`), the output's claim is taken before anything is decided about it, held through the publish and
+the record of it, and a claim someone else holds means "look again later".
 
 Every decision ends in exactly one sync log line, except the silent ones a person would not want to read
-(an up-to-date file seen again, our own output, an ignored name, a file still being written). A file that
-failed is logged once per version: the state database remembers the failure until the file changes.
+(an up-to-date file seen again, our own output, an ignored name, a file still being written, a claim held
+by another node, another node's output adopted from its record). A file that failed is logged once per
+version: the state database remembers the failure until the file changes.
 """
 
 from __future__ import annotations
@@ -367,7 +370,10 @@ class Syncer:
         self.state.record(path, version, dest, dest_version=dest_version, status=recorded)
         if claim is not None:
             stamps = ownership.source_stamp(version), claims.stamp_of(published)
-            claim.record(claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node()))
+            try:
+                claim.record(claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node()))
+            except OSError as exc:  # published all the same: the other nodes then verify it by converting
+                log.warning("%s: cannot record the publish of %s (%s)", claim.path, dest, exc.strerror)
         self.readiness.converted(path)
         self.synclog.log(
             status,
