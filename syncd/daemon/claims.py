@@ -157,7 +157,8 @@ def try_claim(dest: Path) -> Claim | None:
 
 
 def is_held(dest: Path) -> bool:
-    """True while some holder has the claim on `dest` (it is converting it now)."""
+    """True while some holder has the claim on `dest` (it is converting it now). A shared lock tells, and
+    needs only a descriptor open for reading, on NFS too."""
     try:
         fd = os.open(claim_path(dest), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -182,7 +183,8 @@ def remove_if_orphaned(path: Path) -> bool:
     if os.path.lexists(dest):
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        # for writing: NFS carries flock as a whole-file POSIX lock, and an exclusive one needs that
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

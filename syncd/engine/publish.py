@@ -286,7 +286,7 @@ def remove_if_stale(path: Path, min_age: float = 0.0) -> bool:
 
 def _remove_if_unheld(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_to_lock(path)
     except OSError:
         return False  # gone, a symlink (ELOOP), unreadable: not ours to judge
     try:
@@ -305,6 +305,19 @@ def _remove_if_unheld(path: Path) -> bool:
         return (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino) and _unlink_quietly(path)
     finally:
         os.close(fd)
+
+
+def _open_to_lock(path: Path) -> int:
+    """A descriptor to try `path`'s lock through: open for writing where we may, since NFS carries flock to its
+    lock manager as a whole-file POSIX lock, and an exclusive one needs a descriptor open for writing (a
+    read-only one gets EBADF there, which would keep every dead node's scratch forever)."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if stat.S_ISREG(os.lstat(path).st_mode):  # never open anything else for writing (a device planted there)
+        try:
+            return os.open(path, os.O_RDWR | flags)
+        except PermissionError:
+            pass  # a read-only scratch file (its source's mode) of a daemon not running as root
+    return os.open(path, os.O_RDONLY | flags)
 
 
 def _scratch_name(name: str, pid: int, n: int) -> str:
