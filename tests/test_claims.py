@@ -1,6 +1,6 @@
-"""Claims on outputs (syncd/daemon/claims.py) and the filesystem types that make a watch shared
-(syncd/daemon/fstype.py), with real processes, real locks, real PID namespaces and this machine's real
-filesystems."""
+"""Claims on outputs (syncd/daemon/claims.py), the filesystem types that make a watch shared
+(syncd/daemon/fstype.py) and the `cluster:` section that settles it, with real processes, real locks, real
+PID namespaces and this machine's real filesystems."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from syncd.daemon.claims import (
     remove_if_orphaned,
     try_claim,
 )
-from syncd.daemon.config import Watch
+from syncd.daemon.config import ClusterSettings, Watch, check_config, load_config
 from syncd.daemon.fstype import NETWORK_FILESYSTEMS, filesystem_type, network_filesystem_name
 from syncd.daemon.names import is_candidate
+from syncd.daemon.service import shared_watches
 
 # holds the claim on argv[1] until its standard input closes, saying "held" once it has it
 HOLDER = """
@@ -192,3 +193,42 @@ def test_the_magic_numbers_are_the_kernels() -> None:
 def test_a_filesystem_that_cannot_be_read_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         filesystem_type(tmp_path / "missing")
+
+
+# ------------------------------------------------------------------------------------------ the cluster: section
+
+
+def config_with(directory: Path, cluster: str) -> Path:
+    (directory / "runs").mkdir(exist_ok=True)
+    path = directory / "syncd.yaml"
+    path.write_text(f"{cluster}watches:\n  - path: runs\n")
+    path.chmod(0o644)
+    return path
+
+
+def test_a_single_machine_needs_no_cluster_section_and_its_watches_are_not_shared(tmp_path: Path) -> None:
+    config = load_config(config_with(tmp_path, ""))
+    assert config.cluster == ClusterSettings(shared="auto", poll_interval=10.0)
+    assert shared_watches(config) == {}  # this machine's filesystems are local
+
+
+@pytest.mark.parametrize("value", ["true", "false", "auto"])
+def test_cluster_shared_and_poll_interval_are_read(tmp_path: Path, value: str) -> None:
+    config = load_config(config_with(tmp_path, f"cluster:\n  shared: {value}\n  poll_interval: 2.5\n"))
+    expected = {"true": True, "false": False, "auto": "auto"}[value]
+    assert config.cluster == ClusterSettings(shared=expected, poll_interval=2.5)
+    shared = shared_watches(config)
+    assert shared == ({config.watches[0].path: "shared: true"} if value == "true" else {})
+
+
+@pytest.mark.parametrize(
+    ("cluster", "expected"),
+    [
+        ("cluster:\n  shared: yes-please\n", "syncd.yaml:2: cluster.shared: expected auto, true or false, got"),
+        ("cluster:\n  poll_interval: 0\n", "syncd.yaml:2: cluster.poll_interval: expected a number > 0, got 0"),
+        ("cluster:\n  pol_interval: 5\n", "syncd.yaml:2: cluster.pol_interval: unknown key"),
+    ],
+)
+def test_a_bad_cluster_setting_is_named_with_its_line(tmp_path: Path, cluster: str, expected: str) -> None:
+    problems = check_config(config_with(tmp_path, cluster))
+    assert len(problems) == 1 and expected in problems[0], problems
