@@ -21,23 +21,23 @@ from syncd.daemon.state import StateDB
 from syncd.engine.convert import ConvertRequest, convert
 
 
-def checkpoint(seed: int) -> bytes:
-    """A small PyTorch-layout checkpoint; same seed, same bytes, and every seed the same header."""
+def checkpoint(seed: int, width: int = 16) -> bytes:
+    """A PyTorch-layout checkpoint; same seed, same bytes, and every seed the same header."""
     rng = np.random.default_rng(seed)
     return save(
         {
-            "fc.weight": rng.standard_normal((16, 12), dtype=np.float32),
-            "fc.bias": rng.standard_normal(16, dtype=np.float32),
+            "fc.weight": rng.standard_normal((width, width * 3 // 4), dtype=np.float32),
+            "fc.bias": rng.standard_normal(width, dtype=np.float32),
         }
     )
 
 
-def burnpack(seed: int, work: Path) -> bytes:
+def burnpack(seed: int, work: Path, width: int = 16) -> bytes:
     """The Burn checkpoint a trainer would save: syncd's conversion of `checkpoint(seed)`, made under another
     name (a file that names its own output as its source is taken for syncd's output, not converted back)."""
     work.mkdir(parents=True, exist_ok=True)
     source = work / "trainer.safetensors"
-    source.write_bytes(checkpoint(seed))
+    source.write_bytes(checkpoint(seed, width))
     convert(ConvertRequest(source=source, dest=work / "trainer.bpk"))
     data = (work / "trainer.bpk").read_bytes()
     shutil.rmtree(work)
@@ -230,4 +230,37 @@ def test_on_a_shared_tree_an_untouched_output_is_adopted_from_its_record_then_up
     assert os.stat(output).st_ino == published.st_ino
     write_file(source, burnpack(2, tmp_path / "work"))
     assert next_line_for(run, source, 1) == "updated", run.log_text()
+    stop_cleanly(run)
+
+
+def test_an_edit_made_while_syncd_converts_the_next_save_is_not_replaced(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """The daemon is held (SIGSTOP) with the next save's conversion in flight, the user edits the output with
+    its metadata kept, the daemon goes on: the publish finds the output is no longer the one recorded, right
+    before its rename, and replaces nothing."""
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work", width=1024))
+    run.start()
+    run.wait_for("converted", [source])
+    assert run.proc is not None
+    pid = run.proc.pid
+    write_file(source, burnpack(2, tmp_path / "work", width=1024))
+
+    def converting() -> bool:
+        os.kill(pid, signal.SIGSTOP)
+        if scratch_files(runs):
+            return True
+        os.kill(pid, signal.SIGCONT)
+        return False
+
+    wait_until(converting, 60, "the conversion of the next save in flight")
+    try:
+        users = edit_keeping_metadata(output)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert next_line_for(run, source, 1) == "conflict", run.log_text()
+    assert output.read_bytes() == users
     stop_cleanly(run)
