@@ -96,6 +96,35 @@ def open_scratch_files(pid: int) -> list[Path]:
     return found
 
 
+def stop_while_converting(pids: list[int], timeout: float = 120.0, min_size: int = 0) -> tuple[int, list[Path]]:
+    """SIGSTOP the first of `pids` found converting, and return it with the scratch files it holds (each at
+    least `min_size` bytes): looked for without pause (a conversion lasts a fraction of a second), and
+    confirmed after the stop, so the process is held mid-conversion whatever the machine's load."""
+
+    def writing(pid: int) -> list[Path]:
+        held = []
+        for path in open_scratch_files(pid):
+            try:
+                if path.stat().st_size >= min_size:
+                    held.append(path)
+            except FileNotFoundError:
+                continue
+        return held
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for node, pid in enumerate(pids):
+            if not writing(pid):
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            held = writing(pid)
+            if held:
+                return node, held
+            os.kill(pid, signal.SIGCONT)  # it finished meanwhile: look again
+        time.sleep(0.001)
+    raise AssertionError("no process was ever seen converting")
+
+
 @dataclass
 class Figures:
     nodes: int
@@ -166,24 +195,15 @@ class Cluster:
         """SIGKILL a node while it is converting: the first found with a scratch file open is stopped, found
         still holding it (so the kill lands mid-conversion, whatever the machine's load), and killed.
         Returns the node and the scratch files it left."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for node, pid in enumerate(self.pids):
-                if not open_scratch_files(pid):
-                    continue
-                os.kill(pid, signal.SIGSTOP)
-                held = open_scratch_files(pid)
-                if not held:
-                    os.kill(pid, signal.SIGCONT)  # it finished meanwhile: look again
-                    continue
-                self.final_read[node] = bytes_read(pid)
-                os.kill(pid, signal.SIGKILL)
-                run = self.runs[node]
-                assert run.proc is not None
-                run.proc.wait(30)
-                return node, held
-            time.sleep(0.002)
-        raise AssertionError("no node was ever seen converting")
+        live = [pid for node, pid in enumerate(self.pids) if self.runs[node].running()]
+        index, held = stop_while_converting(live, timeout)
+        node = self.pids.index(live[index])
+        self.final_read[node] = bytes_read(self.pids[node])
+        os.kill(self.pids[node], signal.SIGKILL)
+        run = self.runs[node]
+        assert run.proc is not None
+        run.proc.wait(30)
+        return node, held
 
     def read_by_all(self) -> int:
         total = 0
@@ -243,9 +263,17 @@ def run_cluster(
         cluster.start()
         names = [f"step-{n:04d}.safetensors" for n in range(checkpoints)]
         half = checkpoints // 2
+        # the node to kill is looked for while the first half is written and converted: the first node
+        # found converting is the one that dies
+        killed: list[tuple[int, list[Path], float]] = []
+        killer = threading.Thread(
+            target=lambda: killed.append((*cluster.kill_one_mid_conversion(timeout), time.monotonic()))
+        )
+        killer.start()
         write_checkpoints(cluster.tree, writers, names[:half], width, first_seed=0)
-        dead, left = cluster.kill_one_mid_conversion()
-        killed_at = time.monotonic()
+        killer.join()
+        assert killed, "no node was ever seen converting"
+        dead, left, killed_at = killed[0]
         wait_until(lambda: not any(path.exists() for path in left), timeout, "the dead node's scratch removed")
         dead_scratch_seconds = time.monotonic() - killed_at
         write_checkpoints(cluster.tree, writers, names[half:], width, first_seed=half)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusterutil import Cluster, bytes_read, checkpoint, conversion_of, open_scratch_files, run_cluster
+from clusterutil import Cluster, bytes_read, checkpoint, conversion_of, run_cluster, stop_while_converting
 from daemonutil import wait_until
 
 from syncd.daemon.config import ClusterSettings, Config, LogSettings, Watch
@@ -64,18 +64,9 @@ def test_a_claim_whose_holder_is_alive_is_never_broken(cluster: Cluster) -> None
     holder, other = cluster.runs
     source = cluster.tree / "w0" / "big.safetensors"
     with open(source, "wb") as handle:
-        handle.write(checkpoint(1, width=2048))  # 24 MiB: long enough to be met mid-conversion
+        handle.write(checkpoint(1, width=2048))  # 24 MiB: a conversion long enough to be met
 
-    def converting() -> tuple[int, list[Path]] | None:
-        for node, pid in enumerate(cluster.pids):
-            os.kill(pid, signal.SIGSTOP)
-            held = open_scratch_files(pid)
-            if held:
-                return node, held
-            os.kill(pid, signal.SIGCONT)
-        return None
-
-    node, held = wait_until(converting, 60, "a node converting big.safetensors")
+    node, held = stop_while_converting(cluster.pids)
     holder, other = cluster.runs[node], cluster.runs[1 - node]
     other_pid = cluster.pids[1 - node]
     read_before = bytes_read(other_pid)
@@ -127,16 +118,7 @@ def test_a_dead_nodes_scratch_nobody_claims_again_is_removed_by_the_survivors_ne
     with open(source, "wb") as handle:
         handle.write(checkpoint(2, width=2048))
 
-    def converting() -> tuple[int, list[Path]] | None:
-        for node, pid in enumerate(cluster.pids):
-            os.kill(pid, signal.SIGSTOP)
-            held = [path for path in open_scratch_files(pid) if path.exists() and path.stat().st_size > 0]
-            if held:
-                return node, held
-            os.kill(pid, signal.SIGCONT)
-        return None
-
-    node, held = wait_until(converting, 60, "a node writing doomed.bpk")
+    node, held = stop_while_converting(cluster.pids, min_size=1)  # past its first write: no grace spares it
     survivor = cluster.runs[1 - node]
     source.unlink()  # the trainer's cleanup: nobody needs that output any more
     survivor.quiet(2 * POLL + 0.5)  # the survivor has seen the source go (its claim retries end)

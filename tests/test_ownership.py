@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from clusterutil import stop_while_converting
 from daemonutil import DaemonRun, scratch_files, wait_until
 from safetensors.numpy import safe_open, save, save_file
 
@@ -242,21 +243,14 @@ def test_an_edit_made_while_syncd_converts_the_next_save_is_not_replaced(
     run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
     runs = run.watch_dir()
     source, output = runs / "model.bpk", runs / "model.safetensors"
-    write_file(source, burnpack(1, tmp_path / "work", width=1024))
+    write_file(source, burnpack(1, tmp_path / "work", width=2048))
     run.start()
     run.wait_for("converted", [source])
     assert run.proc is not None
     pid = run.proc.pid
-    write_file(source, burnpack(2, tmp_path / "work", width=1024))
+    write_file(source, burnpack(2, tmp_path / "work", width=2048))
 
-    def converting() -> bool:
-        os.kill(pid, signal.SIGSTOP)
-        if scratch_files(runs):
-            return True
-        os.kill(pid, signal.SIGCONT)
-        return False
-
-    wait_until(converting, 60, "the conversion of the next save in flight")
+    stop_while_converting([pid])  # held with the next save's conversion in flight
     try:
         users = edit_keeping_metadata(output)
     finally:
