@@ -108,6 +108,17 @@ def test_a_claim_file_is_removed_only_when_its_output_is_gone_and_nobody_holds_i
     assert not remove_if_orphaned(tmp_path / "model.bpk")  # not a claim name: never touched
 
 
+def test_an_output_name_too_long_for_the_suffix_gets_a_shortened_claim_that_works(tmp_path: Path) -> None:
+    dest = tmp_path / ("é" * 120 + ".bpk")  # 244 bytes: room for the output, not for its claim's suffix
+    path = claim_path(dest)
+    assert len(os.fsencode(path.name)) == 255 and is_claim_name(path.name)
+    claim = try_claim(dest)
+    assert claim is not None
+    with claim:
+        assert try_claim(dest) is None
+    assert not remove_if_orphaned(path)  # which output it served cannot be told from its name: kept
+
+
 def test_claim_files_are_never_candidates_whatever_the_watch_lets_through(tmp_path: Path) -> None:
     name = f".model.safetensors{CLAIM_SUFFIX}"
     assert is_claim_name(name) and not is_claim_name("model.safetensors") and not is_claim_name(CLAIM_SUFFIX)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CLAIM_SUFFIX = ".syncd-claim"
+_NAME_MAX = 255  # bytes in one path component on Linux filesystems
 _RECORD_MAX = 64 * 1024  # a record is a few hundred bytes; anything longer is not ours
 _FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # errors of flock that mean the filesystem offers no lock across nodes (a Lustre mount without -o flock)
@@ -45,7 +46,12 @@ Stamp = tuple[int, int, int, int]  # inode, size, mtime_ns, ctime_ns: one versio
 
 
 def claim_path(dest: Path) -> Path:
-    """The claim file of the output `dest`."""
+    """The claim file of the output `dest`. A name too long for one more suffix is shortened (two outputs
+    whose long names share their beginning then share a claim: they are converted one after the other)."""
+    room = _NAME_MAX - 1 - len(CLAIM_SUFFIX)
+    name = os.fsencode(dest.name)
+    if len(name) > room:
+        return dest.parent / f".{name[:room].decode('utf-8', 'surrogateescape')}{CLAIM_SUFFIX}"
     return dest.parent / f".{dest.name}{CLAIM_SUFFIX}"
 
 
@@ -177,8 +183,8 @@ def is_held(dest: Path) -> bool:
 def remove_if_orphaned(path: Path) -> bool:
     """Remove the claim file `path` if nobody holds it and its output is gone; True if it was removed."""
     name = path.name
-    if not is_claim_name(name):
-        return False
+    if not is_claim_name(name) or len(os.fsencode(name)) >= _NAME_MAX:
+        return False  # not a claim, or one whose output's name was shortened: which output is unknown
     dest = path.parent / name[1 : -len(CLAIM_SUFFIX)]
     if os.path.lexists(dest):
         return False
