@@ -27,9 +27,9 @@ from pathlib import Path
 
 from syncd.daemon.claims import is_claim_name
 from syncd.daemon.config.schema import Watch
+from syncd.engine.directions import DIRECTIONS
 from syncd.engine.publish import is_scratch_name
 from syncd.formats import format_for_path
-from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import INDEX_SUFFIX, is_index_name
 
 

@@ -25,11 +25,12 @@ from pathlib import Path
 from syncd.daemon.claims import Published, Stamp, stamp_of
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
-from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.state import StateDB
 from syncd.engine import carry
-from syncd.engine.publish import FileIdentity
+from syncd.engine.directions import converts_to
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint
+from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import INDEX_SUFFIX
 
@@ -41,7 +42,7 @@ def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
         index = _set_destination(watch, source)
         if index is not None:
             return index
-    return watch.output_dir_for(source) / (source.stem + BY_NAME[from_format.converts_to].extension)
+    return watch.output_dir_for(source) / (source.stem + converts_to(from_format).extension)
 
 
 def set_destination(watch: Watch, index: Path) -> Path:
@@ -65,14 +66,14 @@ class Action(StrEnum):
 @dataclass(frozen=True)
 class Decision:
     action: Action
-    replace_if: FileIdentity | None = None  # for REPLACE: the identity of our output being replaced
+    replace_if: FileStamp | None = None  # for REPLACE: the identity of our output being replaced
 
 
 def decide(
     state: StateDB,
     watch: Watch,
     source: Path,
-    version: FileVersion,
+    version: FileStamp,
     dest: Path,
     published: Published | None = None,
 ) -> Decision:
@@ -104,12 +105,12 @@ def decide(
     return someone_elses(watch, dest)
 
 
-def source_stamp(version: FileVersion) -> Stamp:
+def source_stamp(version: FileStamp) -> Stamp:
     """A source version as a record names it: without the device number, the same on every node."""
     return (version.ino, version.size, version.mtime_ns, version.ctime_ns)
 
 
-def published_by_syncd(published: Published, source: Path, dest: Path) -> FileIdentity | None:
+def published_by_syncd(published: Published, source: Path, dest: Path) -> FileStamp | None:
     """The identity of `dest` if it still is exactly the file a node recorded publishing from `source`."""
     if published.source != carry.file_label(source.name):
         return None
@@ -119,7 +120,7 @@ def published_by_syncd(published: Published, source: Path, dest: Path) -> FileId
         return None
     if not stat.S_ISREG(info.st_mode) or stamp_of(info) != published.dest_stamp:
         return None
-    return FileIdentity.of(info)
+    return FileStamp.of(info)
 
 
 def someone_elses(watch: Watch, dest: Path) -> Decision:
@@ -148,7 +149,7 @@ def is_own_output_converted_back(watch: Watch, source: Path, dest: Path) -> bool
     return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
 
 
-def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileIdentity | None:
+def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileStamp | None:
     """The identity of `dest` if it provably is the output syncd published from `source` and nobody changed
     it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
     of `source`, and its `syncd.source` names `source`."""
@@ -161,13 +162,13 @@ def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> 
         info = os.lstat(dest)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(info.st_mode) or not row.dest_version.same_as(FileVersion.from_stat(info)):
+    if not stat.S_ISREG(info.st_mode) or row.dest_version.changed(FileStamp.of(info)):
         return None
     if not row.dest_version.ctime_ns:
         return None  # recorded before ctimes were: not proof enough to replace it
     if _source_named_in(dest, root) != carry.file_label(source.name):
         return None
-    return FileIdentity.of(info)
+    return FileStamp.of(info)
 
 
 def names_source(dest: Path, source: Path, root: Path) -> bool:

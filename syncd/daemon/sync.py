@@ -31,11 +31,12 @@ from syncd.daemon.config.schema import DEFAULT_CLUSTER_POLL_INTERVAL
 from syncd.daemon.names import is_candidate
 from syncd.daemon.ownership import Action
 from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS, Readiness, anyone_writing, set_version
-from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.synclog import SyncLog
 from syncd.engine import carry
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
 from syncd.engine.publish import remove_if_stale, scratch_target
@@ -52,6 +53,7 @@ from syncd.errors import (
     one_line,
 )
 from syncd.formats import SAFETENSORS, Format, format_for_path
+from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import index_listing, is_index_name, looks_like_shard, member_files
 
@@ -68,7 +70,7 @@ class _Job:
 
     watch: Watch
     path: Path
-    version: FileVersion
+    version: FileStamp
     dest: Path
     from_format: Format
     finished: bool
@@ -154,7 +156,7 @@ class Syncer:
         wait = self.readiness.settle_wait(watch.path, path, info, closed)
         if wait > 0:
             return later(wait)
-        version = FileVersion.from_stat(info)
+        version = FileStamp.of(info)
         from_format = format_for_path(path)
         assert from_format is not None  # is_candidate checked it
         dest = ownership.destination_for(watch, path, from_format)
@@ -178,7 +180,7 @@ class Syncer:
         info = _lstat(index)
         if info is None or not stat.S_ISREG(info.st_mode):
             return self._not_regular(watch, index, info)
-        if self.state.is_own_output(index, FileVersion.from_stat(info)):
+        if self.state.is_own_output(index, FileStamp.of(info)):
             return SILENT
         members = _members(index)
         stats = [info, *(_lstat(member) for member in members)]
@@ -193,7 +195,7 @@ class Syncer:
             return later(self.readiness.busy_retry)
         return self._convert(watch, index, version, dest, BY_NAME[SAFETENSORS], finished=True)
 
-    def _done_already(self, path: Path, version: FileVersion, dest: Path) -> bool:
+    def _done_already(self, path: Path, version: FileStamp, dest: Path) -> bool:
         """Up to date, or failed already in this version (which was said once)."""
         return self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version)
 
@@ -202,7 +204,7 @@ class Syncer:
             return SILENT  # gone again (a scratch renamed away, a deleted file)
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-        version = FileVersion.from_stat(info)
+        version = FileStamp.of(info)
         if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
             self.synclog.log(Status.SKIPPED, watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
         return Outcome(Status.SKIPPED)
@@ -210,13 +212,13 @@ class Syncer:
     # -- converting
 
     def _convert(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: Format, *, finished: bool
+        self, watch: Watch, path: Path, version: FileStamp, dest: Path, from_format: Format, *, finished: bool
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
         open for writing); otherwise a file that does not read may be one still being written. On a shared
         filesystem the output's claim is taken first: while another node (or worker) holds it, nothing is
         done and the file is looked at again later."""
-        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
         job = _Job(watch, path, version, dest, from_format, finished, time.monotonic())
         job.base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         try:
@@ -301,7 +303,7 @@ class Syncer:
             if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path)):
                 self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
 
-    def _skipped(self, path: Path, version: FileVersion, base: dict, reason: str) -> Outcome:
+    def _skipped(self, path: Path, version: FileStamp, base: dict, reason: str) -> Outcome:
         if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
             self.synclog.log(Status.SKIPPED, **base, reason=reason)
         return Outcome(Status.SKIPPED)
@@ -334,7 +336,7 @@ class Syncer:
             ConvertRequest(
                 source=path,
                 dest=dest,
-                to_format=from_format.converts_to,
+                to_format=converts_to(from_format).name,
                 layout=watch.layout,
                 module_map=watch.module_map,
                 overwrite=decision.action is Action.OVERWRITE,
@@ -351,7 +353,7 @@ class Syncer:
     def _converted(
         self,
         path: Path,
-        version: FileVersion,
+        version: FileStamp,
         dest: Path,
         result: ConvertResult,
         base: dict,
@@ -365,7 +367,7 @@ class Syncer:
         else:
             status = Status.UPDATED if updated and result.status == "replaced" else Status.CONVERTED
         published = os.lstat(dest)  # the output as published: the record every later decision proves against
-        dest_version = FileVersion.from_stat(published)
+        dest_version = FileStamp.of(published)
         recorded = "in_sync" if status is Status.IN_SYNC else "converted"
         self.state.record(path, version, dest, dest_version=dest_version, status=recorded)
         if claim is not None:
@@ -387,7 +389,7 @@ class Syncer:
         return Outcome(status)
 
     def _failed_or_later(
-        self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float, finished: bool
+        self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float, finished: bool
     ) -> Outcome:
         not_yet = self.readiness.not_ready_after(path, version, exc, finished)
         if not_yet is not None:
@@ -395,7 +397,7 @@ class Syncer:
             return later(not_yet.retry_in)
         return self._failed(path, version, exc, base, started)
 
-    def _failed(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float) -> Outcome:
+    def _failed(self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float) -> Outcome:
         status, transient = classify(exc)
         text = one_line(exc)
         kind = exc.kind if isinstance(exc, SyncdError) else "environment" if isinstance(exc, OSError) else None

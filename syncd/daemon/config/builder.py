@@ -50,8 +50,8 @@ from syncd.daemon.config.schema import (
     Watch,
 )
 from syncd.daemon.config.yamlfile import MISSING, Section, YamlFile, describe, resolve
+from syncd.engine.directions import DIRECTIONS
 from syncd.engine.hashing import HASH_CHOICES
-from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import parse_shard_size
 
 
