@@ -175,3 +175,17 @@ def test_a_shared_watch_is_polled_as_well_as_inotified(tmp_path: Path) -> None:
         assert seen[0] == watched / "other-node.safetensors"
     finally:
         watcher.stop()
+
+
+def test_a_claim_file_whose_output_is_gone_is_removed_at_the_next_rescan(cluster: Cluster) -> None:
+    cluster.start()
+    source = cluster.tree / "w0" / "old.safetensors"
+    with open(source, "wb") as handle:
+        handle.write(checkpoint(4, width=16))
+    output, claim = source.with_suffix(".bpk"), cluster.tree / "w0" / ".old.bpk.syncd-claim"
+    wait_until(lambda: output.exists() and claim.exists() and claim.stat().st_size > 0, 60, "the output and its record")
+    source.unlink()
+    output.unlink()  # the run is cleaned up
+    wait_until(lambda: not claim.exists(), 4 * RESCAN, "the orphaned claim file removed")
+    assert sorted(p.name for p in (cluster.tree / "w0").iterdir()) == []
+    cluster.stop()
