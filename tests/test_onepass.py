@@ -103,17 +103,27 @@ def assert_pass_fails(
 
 
 @pytest.mark.parametrize(
-    ("workers", "slot_bytes", "block_bytes"),
-    [(1, onepass.SLOT_BYTES, onepass.BLOCK_BYTES), (2, 8192, 4096), (4, 4000, 1000), (3, 1 << 20, 7)],
+    ("workers", "slot_bytes", "strip_bytes", "block_bytes"),
+    [
+        (1, onepass.SLOT_BYTES, onepass.STRIP_BYTES, onepass.BLOCK_BYTES),
+        (2, 8192, 16384, 4096),  # strips of several rows
+        (4, 4000, 4000, 1000),  # strips of one row of b.weight
+        (3, 8192, 1 << 20, 7),  # strips holding whole tensors
+        (3, 1 << 20, 1 << 20, 7),
+    ],
 )
 @pytest.mark.parametrize("inline", [False, True])  # writer threads, or all on the reading thread
 def test_every_tensor_arrives_exact_with_any_writers_and_buffers(
-    tmp_path: Path, workers: int, slot_bytes: int, block_bytes: int, inline: bool
+    tmp_path: Path, workers: int, slot_bytes: int, strip_bytes: int, block_bytes: int, inline: bool
 ) -> None:
     source = _source(tmp_path)
     output = _Output(source, tmp_path / "out.safetensors")
     engine = output.engine(
-        workers=workers, slot_bytes=slot_bytes, block_bytes=block_bytes, inline_bytes=1 << 30 if inline else 0
+        workers=workers,
+        slot_bytes=slot_bytes,
+        strip_bytes=strip_bytes,
+        block_bytes=block_bytes,
+        inline_bytes=1 << 30 if inline else 0,
     )
     digest = engine.run()
     output.check(engine)
@@ -130,7 +140,7 @@ def test_writeback_is_started_for_the_blocks_written_and_not_for_the_pieces_of_s
     """The real sync_file_range, watched: each call covers the span of whole blocks written since the last one
     (not the whole file), and the output-row pieces of tensors written in strips are left to the fsync."""
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(workers=2, slot_bytes=8192, block_bytes=4096)  # a.weight, b.weight go in strips
+    engine = output.engine(workers=2, slot_bytes=8192, strip_bytes=16384, block_bytes=4096)  # a, b.weight: strips
     writeback = engine._writeback
     assert writeback.call is not None
     calls: list[tuple[int, int]] = []
@@ -334,7 +344,7 @@ def test_a_bool_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
 
 def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -> None:
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(slot_bytes=8192, block_bytes=4096)  # strided strips and whole pieces both
+    engine = output.engine(slot_bytes=8192, strip_bytes=16384, block_bytes=4096)  # strided strips and whole pieces
     engine.run()
     with SafetensorsReader(output.dest) as out:
         check_digests(engine.ledger, out)
@@ -423,6 +433,7 @@ def test_pieces_of_tensors_split_and_joined_arrive_exact_and_tile_their_windows(
         moves,
         workers=workers,
         slot_bytes=slot_bytes,
+        strip_bytes=max(slot_bytes, 24 * 4 * 3),  # strips of a few rows
         band_bytes=256,
         inline_bytes=0,
     )
