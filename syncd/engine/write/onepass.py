@@ -199,6 +199,17 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return call
 
 
+class _Abandoned(FormatError):
+    """A job that gave up because another failed: not the failure to report."""
+
+
+def _raise_first(futures: list[Future[None]]) -> None:
+    """Raise the first failure in file order, a job's own rather than one that gave up because of it."""
+    failures = [f.exception() for f in futures if f.exception() is not None]
+    for failure in sorted(failures, key=lambda e: isinstance(e, _Abandoned)):  # (a stable sort)
+        raise failure  # type: ignore[misc]
+
+
 def default_workers() -> int:
     """The cores this process may run on (taskset and cgroups included)."""
     return max(1, len(os.sched_getaffinity(0)))
@@ -268,20 +279,20 @@ class OnePass:
             for job in self._all_jobs():
                 job[0](*job[1:])
             return self.hasher.hexdigest()
-        pending: list[Future[None]] = []
+        futures: list[Future[None]] = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-pass") as pool:
             try:
                 for job in self._all_jobs():
-                    pending.append(pool.submit(self._guarded, *job))
-                    pending = self._reap(pending)
+                    futures.append(pool.submit(self._guarded, *job))
+                    if self._aborted:  # a job failed: hand out no more (the reader would go on to the end)
+                        break
             except BaseException:
                 self._abort()
                 raise
             finally:
-                for future in pending:  # wait for every job, then raise the first failure in file order
+                for future in futures:  # wait for every job
                     future.exception()
-            for future in pending:
-                future.result()
+        _raise_first(futures)
         return self.hasher.hexdigest()
 
     def _all_jobs(self) -> Iterator[tuple]:
@@ -311,13 +322,6 @@ class OnePass:
             yield self._copy_batch, self._free.get(), batch_start, cursor, batch
         if end > cursor:
             yield self._hash_only, self._free.get(), cursor, end
-
-    def _reap(self, pending: list[Future[None]]) -> list[Future[None]]:
-        """Raise a job's failure early (the reader would otherwise go on to the end of the file)."""
-        done = [f for f in pending if f.done()]
-        for future in done:
-            future.result()
-        return [f for f in pending if not f.done()]
 
     def _guarded(self, job: Callable[..., None], *args: object) -> None:
         try:
@@ -351,7 +355,7 @@ class OnePass:
             with self._turn:
                 self._turn.wait_for(lambda: self._hashed_to == first or self._aborted)
                 if self._aborted:
-                    raise FormatError("conversion abandoned", self.src_path)
+                    raise _Abandoned("conversion abandoned", self.src_path)
             for piece in deferred:
                 self._hash(piece)
         return buf
@@ -468,7 +472,7 @@ class OnePass:
                 self._turn.notify_all()
                 self._turn.wait_for(lambda: strip.read == strip.parts or self._aborted)
                 if self._aborted:
-                    raise FormatError("conversion abandoned", self.src_path)
+                    raise _Abandoned("conversion abandoned", self.src_path)
             c0, c1 = strip.share(part, cols)
             self._transpose_columns(slot, move, strip.buffer, strip.r0, strip.n, c0, c1)
         finally:
