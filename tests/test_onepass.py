@@ -597,3 +597,48 @@ def test_every_shape_and_element_size_gives_numpys_transpose(
             os.close(src_fd)
             os.close(dst_fd)
         assert dst.read_bytes()[16:] == expected
+
+
+def _many_small(tmp_path: Path) -> _Output:
+    """200 small tensors saved in order: they go in runs, each written at once."""
+    rng = np.random.default_rng(9)
+    save_file(
+        {f"t{i:03d}.bias": rng.standard_normal(10 + i % 7).astype(np.float32) for i in range(200)},
+        str(tmp_path / "src.safetensors"),
+    )
+    return _Output(tmp_path / "src.safetensors", tmp_path / "out.safetensors")
+
+
+def test_runs_of_small_tensors_arrive_exact_in_few_writes(tmp_path: Path) -> None:
+    output = _many_small(tmp_path)
+    writes: list[int] = []
+
+    def counted(fd: int, data: memoryview, offset: int) -> int:
+        writes.append(len(data))
+        pwrite_all(fd, data, offset)
+        return len(data)
+
+    engine = output.engine(workers=2, seam=Seam(write=counted))
+    engine.run()
+    output.check(engine)
+    output.close()
+    assert len(writes) < 10  # 200 tensors
+    before, after = load_file(str(tmp_path / "src.safetensors")), load_file(str(tmp_path / "out.safetensors"))
+    assert all(after[name].tobytes() == value.tobytes() for name, value in before.items())
+
+
+@pytest.mark.parametrize("fault", ["short", "misplaced"])
+def test_a_run_of_small_tensors_written_short_or_misplaced_is_caught(tmp_path: Path, fault: str) -> None:
+    output = _many_small(tmp_path)
+    runs: list[str] = []
+
+    def third_run_misplaced(name: str, offset: int) -> int:
+        runs.append(name)
+        return offset + 4 if len(runs) == 3 else offset
+
+    seam = Seam(write=_short) if fault == "short" else Seam(place=third_run_misplaced)
+    engine = output.engine(workers=2, block_bytes=1024, seam=seam)  # a run per 1 KiB batch
+    engine.run()
+    with pytest.raises(VerificationError, match="was not written exactly once in full"):
+        output.check(engine)
+    output.close()

@@ -210,6 +210,21 @@ def _raise_first(futures: list[Future[None]]) -> None:
         raise failure  # type: ignore[misc]
 
 
+def _runs(moves: list[Move]) -> Iterator[list[Move]]:
+    """`moves` (in source order) in runs, each lying end to end in both the source and the output."""
+    run: list[Move] = []
+    for move in moves:
+        if run and (
+            move.src_offset != run[-1].src_offset + run[-1].nbytes
+            or move.dst_offset != run[-1].dst_offset + run[-1].nbytes
+        ):
+            yield run
+            run = []
+        run.append(move)
+    if run:
+        yield run
+
+
 def default_workers() -> int:
     """The cores this process may run on (taskset and cgroups included)."""
     return max(1, len(os.sched_getaffinity(0)))
@@ -437,16 +452,32 @@ class OnePass:
 
     def _copy_batch(self, slot: _Slot, start: int, end: int, moves: list[Move]) -> None:
         """Small untransformed tensors lying in [start, end) of the source: one read (gaps included, for the
-        hash), then each tensor written to its own place."""
+        hash), then each run of them that lies end to end in the source and in the output written at once
+        (tensors saved in the same order, as they commonly are: one pwrite for hundreds of tensors)."""
         try:
             data = self._read(slot.src(end - start), start)
-            for move in moves:
-                piece = data[move.src_offset - start : move.src_offset - start + move.nbytes]
-                if move.check is not None:
-                    move.check(piece)
-                self._write(move, piece, 0)
+            for run in _runs(moves):
+                for move in run:
+                    if move.check is not None:
+                        move.check(data[move.src_offset - start : move.src_offset - start + move.nbytes])
+                first, last = run[0], run[-1]
+                self._write_run(run, data[first.src_offset - start : last.src_offset + last.nbytes - start])
         finally:
             self._free.put(slot)
+
+    def _write_run(self, run: list[Move], data: memoryview) -> None:
+        """Whole tensors lying end to end in `data` and in the output: one write, an entry per tensor."""
+        first = run[0]
+        shift = self.seam.place(first.name, first.piece_at) - first.piece_at
+        written = self._pwrite(data, first.dst_offset + shift)
+        self._writeback.wrote(first.dst_offset + shift, written)
+        entries = []
+        for move in run:
+            at = move.dst_offset - first.dst_offset
+            arrived = max(0, min(move.nbytes, written - at))
+            piece = data[at : at + arrived]
+            entries.append((move.name, Entry(move.piece_at + shift, arrived, digest=block_digest(piece))))
+        self.ledger.record_many(entries)
 
     def _transpose_whole(self, slot: _Slot, move: Move) -> None:
         """A tensor up to a slot: read whole, its output rows written whole, a band at a time."""
