@@ -258,8 +258,8 @@ class OnePass:
     seam: Seam = field(default_factory=Seam)
 
     def __post_init__(self) -> None:
-        if self.hasher is None:
-            self.hasher = new_hasher(self.hash_name)
+        self._hasher: Hasher = self.hasher if self.hasher is not None else new_hasher(self.hash_name)
+        self.hasher = self._hasher
         slots = max(2, min(self.workers + 2, self.ring_bytes // (self.slot_bytes + self.band_bytes)))
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(slots):
@@ -293,7 +293,7 @@ class OnePass:
             # small files (the daemon's common case) and one core: no threads to start or hand work to
             for job in self._all_jobs():
                 job[0](*job[1:])
-            return self.hasher.hexdigest()
+            return self._hasher.hexdigest()
         futures: list[Future[None]] = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-pass") as pool:
             try:
@@ -308,7 +308,7 @@ class OnePass:
                 for future in futures:  # wait for every job
                     future.exception()
         _raise_first(futures)
-        return self.hasher.hexdigest()
+        return self._hasher.hexdigest()
 
     def _all_jobs(self) -> Iterator[tuple]:
         """The whole source in file order as jobs, each holding a slot (taken here, so memory stays within
@@ -377,7 +377,7 @@ class OnePass:
 
     def _hash(self, piece: memoryview) -> None:
         """Only the job whose turn it is gets here: no other thread touches the hasher meanwhile."""
-        self.hasher.update(piece)
+        self._hasher.update(piece)
         with self._turn:
             self._hashed_to += len(piece)
             self._turn.notify_all()

@@ -91,7 +91,7 @@ def _compiled() -> Any:
     if os.environ.get("SYNCD_KERNEL") == "numpy":  # for measuring and testing the fallback
         return None
     try:
-        from syncd.engine.write.kernels import _transpose
+        from syncd.engine.write.kernels import _transpose  # type: ignore[attr-defined,unused-ignore]
     except ImportError:
         return None
     return _transpose
