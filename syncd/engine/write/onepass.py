@@ -5,12 +5,15 @@ in parallel.
 
 Memory is bounded whatever the model: by a ring of buffer slots capped in bytes (RING_BYTES; a slot is taken
 before a job is handed out and given back when its write is done, so no more is read than the writers can
-take), plus one strip buffer (STRIP_BYTES) for tensors larger than a slot. Buffers are 64-byte aligned (reads
-into buffers at 16 mod 64, where large bytearrays and numpy arrays land, cost three times as much).
+take; each slot holds at most SLOT_BYTES read and BAND_BYTES transposed), plus one strip buffer (STRIP_BYTES)
+for tensors larger than a slot: 112 + 96 MiB at most on any number of cores, of which a model touches only
+what it needs (the process adds the interpreter and its imports, 30-45 MiB). Buffers are 64-byte aligned
+(reads into buffers at 16 mod 64, where large bytearrays and numpy arrays land, cost three times as much).
 
 What is moved is a list of `Move`s: a source window, a target window, and for transposed tensors the source
 matrix shape. Untransformed tensors (and vectors: a [1, n] or [n, 1] transpose is the same bytes) go in
-BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes whole, one job. A larger one goes in strips of
+BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes whole, one job (unless its output rows are
+longer than a band: a narrow matrix). A larger one goes in strips of
 source rows read in file order into the strip buffer: the writers read a strip's rows in parts, then transpose
 its columns in parts, and each output row receives one piece of the strip's height. The longer the strip, the
 longer the pieces: a strip of STRIP_BYTES over a source of C columns writes pieces of STRIP_BYTES / C bytes
@@ -410,10 +413,10 @@ class OnePass:
             for rel in range(0, move.nbytes, self.block_bytes):
                 yield self._copy_block, self._free.get(), move, rel, min(self.block_bytes, move.nbytes - rel)
             return
-        if move.nbytes <= self.slot_bytes:
+        rows, cols = move.matrix
+        if move.nbytes <= self.slot_bytes and rows * move.itemsize <= self.band_bytes:
             yield self._transpose_whole, self._free.get(), move
             return
-        rows, cols = move.matrix
         row_bytes = cols * move.itemsize
         if row_bytes > self.strip_bytes:
             raise FormatError(
@@ -421,7 +424,8 @@ class OnePass:
                 "transposing strip may hold",
                 self.src_path,
             )
-        height = self.strip_bytes // row_bytes
+        # output-row pieces of at most a band: a narrow matrix ([N, 2]) must not grow the band buffers
+        height = max(1, min(self.strip_bytes // row_bytes, self.band_bytes // move.itemsize))
         # every part of a strip must be running at once (each waits for the others' rows): no more parts
         # than writer threads or slots
         parts = 1 if self._inline else max(1, min(self.workers, self._slots))
