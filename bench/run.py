@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         "all: no pinned runs; counts above the machine's are skipped, 'all' is the unpinned run)",
     )
     parser.add_argument("--naive", action="store_true", help="also run the naive numpy pipeline (naive.py)")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="no warm-up round (the sources were just written: in the cache)"
+    )
     parser.add_argument("--no-daemon-1g", action="store_true", help="skip the daemon's 1 GiB case")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
@@ -119,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"  python start + import syncd.engine.convert: {median:.2f} s (a fixed cost of every syncd convert)")
     try:
         for case in cases:
+            warmup = not (args.quick or args.no_warmup)
             info, results = run_case(
-                case, args.reps, not args.quick, args.keep, syncd, log, commands(args.core_counts, args.naive)
+                case, args.reps, warmup, args.keep, syncd, log, commands(args.core_counts, args.naive)
             )
             infos.append(info)
             measurements += results
