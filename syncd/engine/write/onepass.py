@@ -17,7 +17,7 @@ longer than a band: a narrow matrix). A larger one goes in strips of
 source rows read in file order into the strip buffer: the writers read a strip's rows in parts, then transpose
 its columns in parts, and each output row receives one piece of the strip's height. The longer the strip, the
 longer the pieces: a strip of STRIP_BYTES over a source of C columns writes pieces of STRIP_BYTES / C bytes
-(16 KiB for 4096 columns), where a slot-sized strip wrote a quarter of that, one Python call each. A tensor up
+(24 KiB for 4096 columns), where a slot-sized strip wrote a sixth of that, one Python call each. A tensor up
 to STRIP_BYTES is one strip: its output rows are written whole. Every write lands in a WriteLedger
 (checks.py), every transposed band is checked in cache.
 
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
-from syncd.engine.write.checks import Entry, SourceStamp, WriteLedger
-from syncd.errors import FormatError, SourceChangedError, VerificationError
-from syncd.formats.fileio import pwrite_all
+from syncd.engine.write.checks import Entry, WriteLedger
+from syncd.errors import FormatError, VerificationError
+from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
@@ -50,7 +50,6 @@ BAND_BYTES = 1 << 20  # transposed output produced and written this much at a ti
 WRITEBACK_BYTES = 32 << 20  # start the disk writes of the output every this many bytes written
 INLINE_BYTES = 16 << 20  # sources up to this size are converted on the calling thread alone
 RING_BYTES = 112 << 20  # all slots together; with the strip buffer, the buffer memory whatever the model
-ALIGN = 64
 # seeds of the sample positions of the in-cache checks: a private generator, seeded from the OS, so that
 # neither a caller's random.seed() nor its use of the module's generator makes the positions predictable
 _SEEDS = random.Random()
@@ -96,15 +95,15 @@ class Move:
     itemsize: int = 1
     matrix: tuple[int, int] | None = None
     check: Callable[[Buffer], None] | None = None  # e.g. bool values must be 0 or 1
-    # a piece of a target tensor made of several (passwrite.Joined): where it starts in the tensor and the
+    # a piece of a target tensor made of several (planned.Joined): where it starts in the tensor and the
     # tensor's whole size; the ledger keeps one window per tensor, the pieces' writes tiling it together
     piece_at: int = 0
     tensor_nbytes: int | None = None
 
 
 def aligned(size: int) -> memoryview:
-    """An uninitialised buffer of `size` bytes whose address is a multiple of ALIGN: an anonymous mapping,
-    page-aligned, whose pages count towards memory only once touched. (Not numpy: a conversion without
+    """An uninitialised, page-aligned buffer of `size` bytes: an anonymous mapping, whose pages count towards
+    memory only once touched. (Not numpy: a conversion without
     transposes never imports it, which saves a tenth of a second of start-up.)"""
     return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))[:size]
 
@@ -262,7 +261,6 @@ class OnePass:
 
     def __post_init__(self) -> None:
         self._hasher: Hasher = self.hasher if self.hasher is not None else new_hasher(self.hash_name)
-        self.hasher = self._hasher
         slots = max(2, min(self.workers + 2, self.ring_bytes // (self.slot_bytes + self.band_bytes)))
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(slots):
@@ -281,11 +279,11 @@ class OnePass:
 
     def run(self) -> str:
         """Convert; the source hash of the bytes converted. The source must not change meanwhile."""
-        stamp = SourceStamp.of(self.src_fd)
+        stamp = FileStamp.of_fd(self.src_fd)
         if stamp.size != self.src_size:
-            raise SourceChangedError("changed while it was being converted; nothing was published", self.src_path)
+            raise source_changed(self.src_path)
         digest = self._run()
-        stamp.check_unchanged(self.src_fd, self.src_path)
+        stamp.check_unchanged(FileStamp.of_fd(self.src_fd), self.src_path)
         return digest
 
     def _run(self) -> str:
