@@ -1,4 +1,5 @@
-"""Byte-exact readers and writers for burnpack (.bpk) and safetensors. Nothing here knows of modules.
+"""Byte-exact readers and writers for burnpack (.bpk) and safetensors, and a reader of PyTorch's own
+`torch.save` checkpoints (.pt, .pth, .bin). Nothing here knows of modules.
 
 What each format is (extension, native layout, reader, dtypes) is described once, in registry.py.
 """
@@ -10,10 +11,21 @@ import os
 from syncd.errors import FormatError
 from syncd.formats.burnpack import NAME as BURNPACK
 from syncd.formats.fileio import TensorFileReader, open_regular_file, pread_exact
+from syncd.formats.pytorch import NAME as PYTORCH
+from syncd.formats.pytorch import PytorchReader, legacy_error
 from syncd.formats.registry import BY_NAME, FORMATS, Format, format_for_path
 from syncd.formats.safetensors import NAME as SAFETENSORS
 
-__all__ = ["BURNPACK", "FORMATS", "SAFETENSORS", "Format", "format_for_path", "open_checkpoint", "sniff_format"]
+__all__ = [
+    "BURNPACK",
+    "FORMATS",
+    "PYTORCH",
+    "SAFETENSORS",
+    "Format",
+    "format_for_path",
+    "open_checkpoint",
+    "sniff_format",
+]
 
 
 SNIFF_BYTES = 512
@@ -53,7 +65,9 @@ def looks_like(head: bytes, size: int) -> str | None:
 
 
 def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> str:
-    """Decide by content: a format's magic, else the format without one; the name only breaks ties."""
+    """Decide by content: a format's magic, else the format without one; the name only breaks ties. A zip is
+    read as a torch.save checkpoint only under a PyTorch name (.pt, .pth, .bin): under a checkpoint's name of
+    the other formats it is named for what it is, not converted."""
     fd, size = open_regular_file(path, within)
     try:
         longest = max(len(fmt.magic or b"") for fmt in FORMATS)
@@ -63,16 +77,27 @@ def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | 
     for fmt in FORMATS:
         if fmt.magic is not None and head.startswith(fmt.magic):
             return fmt.name
+    named = format_for_path(path)
+    if named is not None and named.name == PYTORCH:
+        if head.startswith(BY_NAME[PYTORCH].magic or b"?"):
+            return PYTORCH
+        if head[:1] == b"\x80":  # a pickle: torch.save before PyTorch 1.6, or with the zip format turned off
+            raise legacy_error(os.fspath(path))
     lookalike = looks_like(head, size)
     if lookalike is not None:
         kinds = " or ".join(fmt.name for fmt in reversed(FORMATS))
         raise FormatError(f"not a {kinds} file (looks like {lookalike})", os.fspath(path))
-    named = format_for_path(path)
-    if named is not None and named.magic is not None:
+    if named is not None and named.magic is not None and named.name != PYTORCH:
         raise FormatError(f"Invalid magic number: not a {named.name} file", os.fspath(path))
     return next(fmt.name for fmt in FORMATS if fmt.magic is None)
 
 
-def open_checkpoint(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> TensorFileReader:
-    """Open and validate a checkpoint of any format; `within` confines it to a directory tree."""
-    return BY_NAME[sniff_format(path, within)].reader(path, within)
+def open_checkpoint(
+    path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None, top_level_key: str | None = None
+) -> TensorFileReader:
+    """Open and validate a checkpoint of any format; `within` confines it to a directory tree. `top_level_key`:
+    where a PyTorch checkpoint keeps its tensors (the other formats have no such nesting: it does not apply)."""
+    name = sniff_format(path, within)
+    if name == PYTORCH:
+        return PytorchReader(path, within, top_level_key)
+    return BY_NAME[name].reader(path, within)
