@@ -52,6 +52,7 @@ from syncd.engine.write.planned import (
     verify_full,
     write_planned,
 )
+from syncd.engine.write.views import ViewCopy, ViewPiece
 from syncd.errors import (
     FormatError,
     SourceChangedError,
@@ -99,6 +100,7 @@ class ConvertRequest:
     one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
     hash_name: str = hashing.DEFAULT_HASH  # the source hash recorded: xxh3_128 | sha256
     verify: str = "fast"  # fast: checks taken while writing, table re-read; full: also every tensor re-read
+    top_level_key: str | None = None  # a PyTorch checkpoint's key holding the tensors (Burn's with_top_level_key)
 
 
 @dataclass
@@ -118,6 +120,7 @@ class ConvertResult:
     left_out: list[str] = field(default_factory=list)  # excluded by the tensor filter
     cast: list[str] = field(default_factory=list)  # tensors whose precision changed
     files: list[Path] = field(default_factory=list)  # every file written (a set: its shards, then its index)
+    source_notes: list[str] = field(default_factory=list)  # what of the source was taken and what was left
 
 
 def default_destination(source: Path, to_format: str) -> Path:
@@ -139,7 +142,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
         raise UsageError(f"--hash must be one of {', '.join(hashing.HASH_CHOICES)}, got {request.hash_name!r}")
     if request.verify not in VERIFY_CHOICES:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_CHOICES)}, got {request.verify!r}")
-    with open_source(source_path, request.within) as source:
+    with open_source(source_path, request.within, request.top_level_key) as source:
         to_format = request.to_format or BY_NAME[source.header.format].converts_to
         dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
         conversion = plan(source, request, TARGETS[to_format](), dest)
@@ -165,6 +168,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
         left_out=conversion.store.left_out,
         cast=sorted(conversion.store.casts),
         files=conversion.output_paths(),
+        source_notes=source_notes(conversion.source.header.facts),
     )
 
 
@@ -225,11 +229,25 @@ class Source:
         self.close()
 
 
-def open_source(path: Path, within: Path | None) -> Source:
+def open_source(path: Path, within: Path | None, top_level_key: str | None = None) -> Source:
     if is_index_name(path):
         sharded = ShardedReader(path, within)
         return Source([shard.reader for shard in sharded.shards], sharded)
-    return Source([open_checkpoint(path, within)])
+    return Source([open_checkpoint(path, within, top_level_key)])
+
+
+def source_notes(facts: dict[str, Any]) -> list[str]:
+    """What a PyTorch checkpoint's reader took and left (its tensors under a key; epoch, optimizer state...)."""
+    notes = []
+    key = facts.get("top_level_key")
+    if key is not None:
+        why = "as asked" if facts.get("top_level_key_by") == "asked" else "the one usual key holding tensors"
+        notes.append(f"tensors taken from top-level key {key!r} ({why})")
+    left = facts.get("left")
+    if left:
+        shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+        notes.append(f"not converted: {shown}")
+    return notes
 
 
 # -- plan
@@ -266,6 +284,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carried = carry.parse(source.header.metadata, source.path)
     target.check_dtypes(source.tensors, source.path)
     adapted, store = _adapt(source, request, target, carried)
+    adapted.decisions[:0] = source_notes(source.header.facts)
     c = Conversion(request, source, target, dest, carried, adapted, store=store)
     c.entries = target.order(adapted.entries, c)
     c.specs = [_cast_spec(c, entry, target.tensor_spec(c, entry, _fill(c, entry))) for entry in c.entries]
@@ -292,13 +311,26 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     return c
 
 
-def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined:
-    """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end."""
+def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined | ViewCopy:
+    """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end. A
+    source tensor that is not one window of its file (a PyTorch view, a tied weight) is copied on its own."""
+    if not all(c.source.reader_of(piece.source).is_window(piece.source) for piece in entry.pieces):
+        return _view_copy(c, entry)
     pieces = tuple(
         FromSource(c.source.reader_of(piece.source), piece.source, piece.transpose, piece.rows)
         for piece in entry.pieces
     )
     return Joined(pieces) if entry.parts else pieces[0]
+
+
+def _view_copy(c: Conversion, entry: PlanEntry) -> ViewCopy:
+    pieces, at = [], 0
+    for piece in entry.pieces:
+        reader = c.source.reader_of(piece.source)
+        pieces.append(ViewPiece(reader, piece.source, piece.transpose, piece.rows, at))
+        info = reader.tensor(piece.source)
+        at += _piece_nbytes(info.nbytes, info.shape, piece.rows)
+    return ViewCopy(tuple(pieces))
 
 
 def _adapt(
@@ -476,6 +508,8 @@ def verify_one_pass(
                     raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
             elif spec.name in c.casts:
                 c.casts[spec.name].verify(output, spec.name)
+            elif isinstance(spec.fill, ViewCopy):
+                spec.fill.verify(output, spec.name)
 
 
 def _write_set(c: Conversion) -> PublishResult:

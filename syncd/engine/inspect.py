@@ -11,10 +11,13 @@ from syncd.formats.fileio import TensorFileReader
 from syncd.formats.shards import ShardedReader, is_index_name
 
 
-def describe(path: str, with_hash: bool = False) -> dict[str, Any]:
+def describe(path: str, with_hash: bool = False, top_level_key: str | None = None) -> dict[str, Any]:
     """A checkpoint's description; a sharded set's index (`*.safetensors.index.json`) describes the whole set,
-    each tensor with the shard that holds it (its offset is within that shard)."""
-    reader: TensorFileReader | ShardedReader = ShardedReader(path) if is_index_name(path) else open_checkpoint(path)
+    each tensor with the shard that holds it (its offset is within that shard). `top_level_key`: where a
+    PyTorch checkpoint keeps its tensors."""
+    reader: TensorFileReader | ShardedReader = (
+        ShardedReader(path) if is_index_name(path) else open_checkpoint(path, top_level_key=top_level_key)
+    )
     with reader:
         return _describe(reader, with_hash)
 
