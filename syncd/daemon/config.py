@@ -39,7 +39,8 @@ from syncd.adapters.keys import compile_filter, compile_rule
 from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.names import DEFAULT_IGNORE
 from syncd.errors import ConfigError, one_line
-from syncd.formats.registry import DIRECTIONS, FORMATS
+from syncd.formats.pytorch import DAEMON_PATTERNS as PYTORCH_PATTERNS
+from syncd.formats.registry import DIRECTIONS, FORMATS, PYTORCH_FORMAT
 from syncd.formats.shards import parse_shard_size
 
 DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")
@@ -84,6 +85,7 @@ WATCH_KEYS = (
     "tensors",
     "precision",
     "shard_size",
+    "top_level_key",
 )
 TENSOR_FILTER_KEYS = ("include", "exclude")
 
@@ -117,6 +119,7 @@ class Watch:
     tensor_exclude: tuple[str, ...] = ()
     precision: str | None = None  # f16 | bf16 | f32 (f32: restore what an earlier conversion cast down)
     shard_size: int | None = None  # bytes per shard when writing safetensors; None: as carried, else one file
+    top_level_key: str | None = None  # a PyTorch checkpoint's key holding the tensors (Burn's with_top_level_key)
     line: int = 0  # the line of its `path:`, for messages
     index: int = 0  # its position in the config's `watches:` list, for messages
 
@@ -465,6 +468,19 @@ class _Section:
         return None if value is None else _resolve(self.file.dir, value)
 
 
+def _default_include(direction: str) -> tuple[str, ...]:
+    """The file names a watch takes when its `include:` is not given: its direction's formats' (a direction
+    from PyTorch's own checkpoints takes `*.pt`, `*.pth`, `pytorch_model*.bin`; `both` takes the formats syncd
+    also writes, as it always has)."""
+    if DIRECTIONS[direction] == {PYTORCH_FORMAT.name}:
+        return PYTORCH_PATTERNS
+    return Watch.include
+
+
+def _top_level_key(section: _Section) -> str | None:
+    return section._get("top_level_key", None, lambda v: isinstance(v, str) and v != "", "a key (a non-empty string)")
+
+
 def _resolve(base: Path, text: str) -> Path:
     return (base / os.path.expanduser(text)).resolve()
 
@@ -559,13 +575,14 @@ class _ConfigBuilder:
         output_node = section.node("output")
         if output_node is not None:
             self.mirror_lines[index] = output_node.start_mark.line + 1
+        direction = section.choice("direction", "both", tuple(DIRECTIONS))
         return Watch(
             path=path,
             recursive=section.boolean("recursive", True),
-            include=section.string_list("include", Watch.include),
+            include=section.string_list("include", _default_include(direction)),
             exclude=section.string_list("exclude", ()),
             ignore=_ignore_list(section, ignore),
-            direction=section.choice("direction", "both", tuple(DIRECTIONS)),
+            direction=direction,
             mirror=self._mirror(section),
             on_exists=section.choice("on_exists", "skip", ON_EXISTS),
             layout=section.choice("layout", AUTO, LAYOUT_CHOICES),
@@ -577,6 +594,7 @@ class _ConfigBuilder:
             **_tensor_filter(self.file, section),
             precision=None if section.raw("precision") is None else section.choice("precision", None, PRECISIONS),
             shard_size=_shard_size(self.file, section),
+            top_level_key=_top_level_key(section),
             line=items["path"][1].start_mark.line + 1,
             index=index,
         )

@@ -272,6 +272,7 @@ class Syncer:
                     store=self._store_options(watch),
                     shard_size=watch.shard_size,
                     hash_name=self.hash_name,
+                    top_level_key=watch.top_level_key,
                 )
             )
         except Exception as exc:
