@@ -12,11 +12,13 @@ import subprocess
 import sys
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from convcheck import assert_one_line_error, dir_listing, read_any, read_bpk, run_cli
+from daemonutil import DaemonRun
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -457,3 +459,45 @@ def test_an_entry_larger_than_declared_is_refused(tmp_path: Path) -> None:
     source.write_bytes(bytes(blob))
     with pytest.raises(FormatError, match="runs past|overlaps|CRC"):
         open_checkpoint(source)
+
+
+# ---------------------------------------------------------------------------------------------- the daemon
+
+
+def test_a_watch_converts_pytorch_checkpoints_only_when_asked(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon(
+        [
+            {"path": "plain"},  # the defaults: .bpk and .safetensors only, as before
+            {"path": "torch", "direction": "pt->bpk"},  # *.pt, *.pth, pytorch_model*.bin
+            {"path": "named", "include": ["*.pt"], "top_level_key": "ema"},
+        ]
+    )
+    plain, torch_dir, named = run.watch_dir("plain"), run.watch_dir("torch"), run.watch_dir("named")
+    model = small_mlp()
+    marker = run.root / "pwned"
+    torch.save(model.state_dict(), plain / "ckpt.pt")
+    torch.save(training_checkpoint(model), torch_dir / "ckpt.pt")
+    torch.save(model.state_dict(), torch_dir / "pytorch_model.bin")
+    torch.save(model.state_dict(), torch_dir / "optimizer.bin")  # not a name the direction takes
+    (torch_dir / "evil.pth").write_bytes(
+        with_pickle(run.root, pickle.dumps(_Reduce(os.system, (f"touch {marker}",)), protocol=2))
+    )
+    torch.save({"ema": model.state_dict(), "step": 3}, named / "model.pt")
+    run.start()
+    run.wait_for("converted", [torch_dir / "ckpt.pt", torch_dir / "pytorch_model.bin", named / "model.pt"])
+    run.wait_for("refused", [torch_dir / "evil.pth"])
+    code, _ = run.stop()
+    assert code == 0, run.stderr()
+    assert not marker.exists()
+    (refused,) = run.statuses("refused")
+    assert "refuses the global 'posix.system'" in refused["error"]
+    (ckpt,) = [r for r in run.statuses("converted") if r["source"] == str(torch_dir / "ckpt.pt")]
+    assert ckpt["direction"] == "pt->bpk"
+    assert "tensors taken from top-level key 'model_state_dict' (the one usual key holding tensors)" in ckpt["layout"]
+    assert any(line.startswith("not converted: epoch (int 3), optimizer_state_dict") for line in ckpt["layout"])
+    (ema,) = [r for r in run.statuses("converted") if r["source"] == str(named / "model.pt")]
+    assert "tensors taken from top-level key 'ema' (as asked)" in ema["layout"]
+    for bpk in (torch_dir / "ckpt.bpk", torch_dir / "pytorch_model.bpk", named / "model.bpk"):
+        same_tensors(bpk, torch_dir / "ckpt.bpk")
+    assert dir_listing(plain) == ["ckpt.pt"]
+    assert not (torch_dir / "optimizer.bpk").exists()

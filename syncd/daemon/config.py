@@ -2,7 +2,7 @@
 
 `load_config` returns frozen dataclasses or raises one ConfigError; `check_config` lists every problem
 (for `syncd check-config`). Problems name the file, the line and the key, e.g.
-`syncd.yaml:12: watches[0].direction: expected one of bpk->safetensors, safetensors->bpk, both, got 'sideways'`.
+`syncd.yaml:12: watches[0].on_exists: expected one of skip, error, overwrite, got 'replace'`.
 
 Decisions worth knowing:
 - Relative paths resolve against the directory of the file that names them; `~` is expanded.
@@ -478,7 +478,10 @@ def _default_include(direction: str) -> tuple[str, ...]:
 
 
 def _top_level_key(section: _Section) -> str | None:
-    return section._get("top_level_key", None, lambda v: isinstance(v, str) and v != "", "a key (a non-empty string)")
+    def accept(v: Any) -> bool:
+        return v is None or (isinstance(v, str) and v != "")
+
+    return section._get("top_level_key", None, accept, "a key (a non-empty string) or null")
 
 
 def _resolve(base: Path, text: str) -> Path:
