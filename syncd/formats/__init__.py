@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from syncd.errors import FormatError
+from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.burnpack import NAME as BURNPACK
 from syncd.formats.fileio import TensorFileReader, open_regular_file, pread_exact
 from syncd.formats.pytorch import NAME as PYTORCH
@@ -41,14 +41,16 @@ _SIGNATURES = (
 )
 
 
+def _could_be_safetensors(head: bytes, size: int) -> bool:
+    """A safetensors file starts with a little-endian u64 header length that fits the file, then `{`."""
+    return len(head) >= 9 and int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{"
+
+
 def looks_like(head: bytes, size: int) -> str | None:
     """What a file that is not a plausible safetensors file looks like, from its first bytes, or None when
-    it could be one (a damaged one: the reader's own error then says what is wrong) or is unrecognizable.
-    A safetensors file starts with a little-endian u64 header length that fits the file, then `{`."""
-    if len(head) >= 9:
-        length = int.from_bytes(head[:8], "little")
-        if length <= size - 8 and head[8:9] == b"{":
-            return None
+    it could be one (a damaged one: the reader's own error then says what is wrong) or is unrecognizable."""
+    if _could_be_safetensors(head, size):
+        return None
     for signature, what in _SIGNATURES:
         if head.startswith(signature):
             return what
@@ -81,8 +83,16 @@ def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | 
     if named is not None and named.name == PYTORCH:
         if head.startswith(BY_NAME[PYTORCH].magic or b"?"):
             return PYTORCH
+        if (BY_NAME[PYTORCH].magic or b"").startswith(head):  # empty, or the first bytes of a zip only
+            raise IncompleteFileError(
+                f"{size} bytes: too short for a torch.save zip (still being written?)", os.fspath(path)
+            )
         if head[:1] == b"\x80":  # a pickle: torch.save before PyTorch 1.6, or with the zip format turned off
             raise legacy_error(os.fspath(path))
+        if not _could_be_safetensors(head, size):  # (a safetensors file under a PyTorch name is read as one)
+            lookalike = looks_like(head, size)
+            seen = f" (looks like {lookalike})" if lookalike else ""
+            raise FormatError(f"not a torch.save checkpoint, which is a zip{seen}", os.fspath(path))
     lookalike = looks_like(head, size)
     if lookalike is not None:
         kinds = " or ".join(fmt.name for fmt in reversed(FORMATS))

@@ -402,9 +402,10 @@ class _Interpreter:
         return int.from_bytes(self.take(n), "little")
 
     def text(self, n: int) -> str:
+        raw = self.take(n)  # first: a length past the end of the pickle is that, not a large string
         self.budget.charge(56 + n)
         try:
-            return str(self.take(n), "utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"a string at byte {self.pos} is not UTF-8") from None
 
@@ -642,8 +643,9 @@ def _op_float_text(p: _Interpreter) -> None:
 
 def _op_bytes(p: _Interpreter, width: int) -> None:
     n = p.uint(width)
+    raw = p.take(n)
     p.budget.charge(33 + n)
-    p.push(bytes(p.take(n)))
+    p.push(bytes(raw))
 
 
 def _op_pop_mark(p: _Interpreter) -> None:
