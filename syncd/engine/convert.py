@@ -71,8 +71,10 @@ from syncd.formats.shards import (
     ShardLayout,
     find_index,
     is_index_name,
+    is_set_index,
     layout_by_size,
     read_index,
+    set_stem,
 )
 from syncd.formats.table import TensorInfo, TensorSpec
 
@@ -125,8 +127,8 @@ class ConvertResult:
 
 def default_destination(source: Path, to_format: str) -> Path:
     extension = BY_NAME[to_format].extension
-    if is_index_name(source):  # model.safetensors.index.json -> model.bpk
-        return source.parent / (source.name.removesuffix(INDEX_SUFFIX) + extension)
+    if is_set_index(source):  # model.safetensors.index.json -> model.bpk
+        return source.parent / (set_stem(source) + extension)
     return source.with_suffix(extension) if source.suffix else Path(f"{source}{extension}")
 
 
@@ -230,7 +232,7 @@ class Source:
 
 
 def open_source(path: Path, within: Path | None, top_level_key: str | None = None) -> Source:
-    if is_index_name(path):
+    if is_set_index(path):
         sharded = ShardedReader(path, within)
         return Source([shard.reader for shard in sharded.shards], sharded)
     return Source([open_checkpoint(path, within, top_level_key)])
@@ -398,6 +400,8 @@ def _carried_shards(c: Conversion) -> ShardLayout | None:
         return None
     if c.source.sharded is None:
         return c.carried.shards
+    if not is_index_name(c.source.path):  # a set of torch.save shards: the way back is safetensors, one file
+        return None
     kept = {name for e in c.entries for name in e.sources} | set(c.plan.dropped)
     sizes = {t.name: t.nbytes for t in c.source.tensors}
     return ShardLayout.of(c.source.sharded).restricted_to(kept, sizes)
@@ -657,7 +661,7 @@ def source_digest(source: Path, within: Path, hash_name: str) -> str | None:
     """The hash of a source as a conversion records it : one file's bytes, or a set's
     index followed by every shard it lists, in the index's order; None if any part cannot be read."""
     parts = [source]
-    if is_index_name(source):
+    if is_set_index(source):
         try:
             files = read_index(source, within).files
         except SyncdError:

@@ -21,11 +21,15 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from syncd.errors import FormatError
-from syncd.formats.fileio import open_regular_file, pread_exact, refuse_costly_decode
+from syncd.formats.fileio import TensorFileReader, open_regular_file, pread_exact, refuse_costly_decode
+from syncd.formats.pytorch import PytorchReader
 from syncd.formats.safetensors import SafetensorsReader, decoded_cost, unique_pairs
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
 INDEX_SUFFIX = ".safetensors.index.json"
+# transformers' sets of torch.save shards (`pytorch_model-00001-of-00002.bin`), read as one checkpoint like a
+# safetensors set; never written (syncd writes no pickles)
+BIN_INDEX_SUFFIX = ".bin.index.json"
 DEFAULT_INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_SIZE = 100_000_000  # as the safetensors header: an index is a table of names, never data
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -35,9 +39,28 @@ def is_index_name(path: str | os.PathLike[str]) -> bool:
     return os.fspath(path).endswith(INDEX_SUFFIX)
 
 
+def is_set_index(path: str | os.PathLike[str]) -> bool:
+    """The index of a set syncd reads: a safetensors set's, or a set of torch.save `.bin` shards'."""
+    return is_index_name(path) or os.fspath(path).endswith(BIN_INDEX_SUFFIX)
+
+
+def shard_extension(index_path: str | os.PathLike[str]) -> str:
+    """What the shards an index lists are: `.bin` for `*.bin.index.json`, else `.safetensors`."""
+    return ".bin" if os.fspath(index_path).endswith(BIN_INDEX_SUFFIX) else ".safetensors"
+
+
+def set_stem(index_path: str | os.PathLike[str]) -> str:
+    """The name a set's outputs take: `model` of model.safetensors.index.json, `pytorch_model` of
+    pytorch_model.bin.index.json."""
+    name = os.path.basename(os.fspath(index_path))
+    return name.removesuffix(INDEX_SUFFIX) if is_index_name(name) else name.removesuffix(BIN_INDEX_SUFFIX)
+
+
 def find_index(directory: str | os.PathLike[str]) -> str:
     """The one `*.safetensors.index.json` in `directory`; refused when there is none or more than one."""
     names = sorted(n for n in os.listdir(directory) if n.endswith(INDEX_SUFFIX))
+    if not names:  # a directory of torch.save shards only
+        names = sorted(n for n in os.listdir(directory) if n.endswith(BIN_INDEX_SUFFIX))
     if len(names) != 1:
         found = "none" if not names else ", ".join(names)
         raise FormatError(f"expected one *{INDEX_SUFFIX} in the directory, found {found}", os.fspath(directory))
@@ -93,15 +116,16 @@ def parse_index(raw: bytes, path: str) -> ShardIndex:
     for name, file in weight_map.items():
         if not isinstance(file, str):
             raise FormatError(f"weight_map gives tensor '{name}' a shard that is not a file name", path)
-        check_shard_name(file, path)
+        check_shard_name(file, path, shard_extension(path))
         files.setdefault(file)
     if not weight_map:
         raise FormatError("index lists no tensors", path)
     return ShardIndex(path, raw, metadata, weight_map, sorted(files), document)
 
 
-def check_shard_name(name: str, index_path: str) -> None:
-    """A shard is a `.safetensors` file inside the index's directory: a relative path with no `..`."""
+def check_shard_name(name: str, index_path: str, extension: str = ".safetensors") -> None:
+    """A shard is a `.safetensors` (or, for a `.bin` index, `.bin`) file inside the index's directory: a relative
+    path with no `..`."""
     parts = PurePosixPath(name).parts
     bad = (
         not name
@@ -110,11 +134,11 @@ def check_shard_name(name: str, index_path: str) -> None:
         or name.startswith("/")
         or any(part in ("..", ".") for part in parts)
         or name != "/".join(parts)  # empty segments, trailing slash
-        or not name.endswith(".safetensors")
+        or not name.endswith(extension)
     )
     if bad:
         raise FormatError(
-            f"index names shard {name!r}, which is not a .safetensors file inside its directory", index_path
+            f"index names shard {name!r}, which is not a {extension} file inside its directory", index_path
         )
 
 
@@ -136,7 +160,7 @@ def read_index(path: str | os.PathLike[str], within: str | os.PathLike[str] | No
 @dataclass
 class Shard:
     file: str  # as the index names it, relative to the index's directory
-    reader: SafetensorsReader
+    reader: TensorFileReader  # a SafetensorsReader, or a PytorchReader of a `.bin` set
 
 
 class ShardedReader:
@@ -164,7 +188,7 @@ class ShardedReader:
         self.tensors: list[TensorInfo] = [t for shard in self.shards for t in shard.reader.tensors]
         self.file_size = sum(shard.reader.file_size for shard in self.shards)
         self.header = CheckpointHeader(
-            format="safetensors",
+            format=self.shards[0].reader.header.format,
             path=self.path,
             file_size=self.file_size,
             metadata=dict(self.shards[0].reader.header.metadata),
@@ -177,7 +201,11 @@ class ShardedReader:
             listed[file].append(name)
         for file in self.index.files:
             shard_path = os.path.join(self.directory, file)
-            reader = SafetensorsReader(shard_path, self.within)
+            reader: TensorFileReader = (
+                PytorchReader(shard_path, self.within)
+                if shard_extension(self.path) == ".bin"
+                else SafetensorsReader(shard_path, self.within)
+            )
             self.shards.append(Shard(file, reader))
             held = {t.name for t in reader.tensors}
             for name in listed[file]:
@@ -193,7 +221,7 @@ class ShardedReader:
     def shard_metadata(self) -> dict[str, dict[str, str]]:
         return {shard.file: dict(shard.reader.header.metadata) for shard in self.shards}
 
-    def reader_for(self, name: str) -> SafetensorsReader:
+    def reader_for(self, name: str) -> TensorFileReader:
         """The reader of the shard holding `name` (its offsets are within that shard's file)."""
         try:
             return self._shard_of[name].reader
