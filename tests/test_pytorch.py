@@ -501,3 +501,74 @@ def test_a_watch_converts_pytorch_checkpoints_only_when_asked(make_daemon: Calla
         same_tensors(bpk, torch_dir / "ckpt.bpk")
     assert dir_listing(plain) == ["ckpt.pt"]
     assert not (torch_dir / "optimizer.bpk").exists()
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (b"", "0 bytes: too short for a torch.save zip"),
+        (b"PK\x03", "3 bytes: too short for a torch.save zip"),
+        (b"# notes\nnot weights\n", "not a torch.save checkpoint, which is a zip (looks like text)"),
+    ],
+)
+def test_a_pytorch_name_that_holds_no_checkpoint_is_named_for_what_it_is(
+    tmp_path: Path, content: bytes, said: str
+) -> None:
+    source = tmp_path / "model.pth"
+    source.write_bytes(content)
+    assert_one_line_error(run_cli("convert", source), 1, str(source), said)
+
+
+def test_a_safetensors_file_under_a_pytorch_name_is_read_for_what_it_is(tmp_path: Path) -> None:
+    state = {"w": torch.arange(4.0)}
+    source = tmp_path / "model.bin"
+    save_file(state, source)
+    out = tmp_path / "out.safetensors"
+    assert run_cli("convert", source, "-o", out, "--layout", "keep").returncode == 0
+    assert_safetensors_equal(out, state)
+
+
+def save_sharded_bin(model: nn.Module, directory: Path, max_shard_size: int) -> Path:
+    """What `save_pretrained(..., safe_serialization=False, max_shard_size=...)` wrote (transformers 4): torch.save
+    shards `pytorch_model-0000k-of-0000N.bin` split by huggingface_hub's rule, and `pytorch_model.bin.index.json`
+    (`metadata.total_size`, `weight_map`), rendered as transformers renders it."""
+    from syncd.formats.shards import split_greedy
+
+    state = model.state_dict()
+    groups = split_greedy([(n, t.numel() * t.element_size()) for n, t in state.items()], max_shard_size)
+    model.config.save_pretrained(directory)
+    weight_map = {}
+    for k, names in enumerate(groups):
+        file = f"pytorch_model-{k + 1:05d}-of-{len(groups):05d}.bin"
+        torch.save({n: state[n] for n in names}, directory / file)
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    path = directory / "pytorch_model.bin.index.json"
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def test_a_sharded_pytorch_model_bin_set_converts_as_one_model(tmp_path: Path) -> None:
+    from hfsets import save_llama, tiny_llama
+    from transformers import LlamaForCausalLM
+
+    model = tiny_llama()
+    bin_dir = tmp_path / "bin"
+    index = save_sharded_bin(model, bin_dir, 40_000)
+    assert len(list(bin_dir.glob("pytorch_model-*.bin"))) == 3
+    reloaded = LlamaForCausalLM.from_pretrained(bin_dir)  # transformers still loads such a set
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    st_index = save_llama(tmp_path / "st", sharded=True)
+    proc = run_cli("convert", index)
+    assert proc.returncode == 0, proc.stderr
+    assert run_cli("convert", st_index).returncode == 0
+    same_tensors(bin_dir / "pytorch_model.bpk", tmp_path / "st" / "model.bpk")
+    listing = run_cli("inspect", index, "--json")
+    assert listing.returncode == 0, listing.stderr
+    shards = {row["shard"] for row in json.loads(listing.stdout)["tensors"]}
+    assert shards == {f"pytorch_model-0000{k}-of-00003.bin" for k in (1, 2, 3)}
+    back = tmp_path / "back"  # the way back is safetensors (syncd writes no pickles): one file
+    back.mkdir()
+    assert run_cli("convert", bin_dir / "pytorch_model.bpk", "-o", back).returncode == 0
+    assert_safetensors_equal(back / "pytorch_model.safetensors", model.state_dict())
