@@ -572,3 +572,22 @@ def test_a_sharded_pytorch_model_bin_set_converts_as_one_model(tmp_path: Path) -
     back.mkdir()
     assert run_cli("convert", bin_dir / "pytorch_model.bpk", "-o", back).returncode == 0
     assert_safetensors_equal(back / "pytorch_model.safetensors", model.state_dict())
+
+
+def test_the_daemon_converts_a_sharded_bin_set_once_through_its_index(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    from hfsets import tiny_llama
+
+    run = make_daemon([{"path": "runs", "direction": "pt->bpk"}])
+    runs = run.watch_dir("runs")
+    run.start()
+    model = tiny_llama()
+    index = save_sharded_bin(model, runs / "llama", 40_000)
+    run.wait_for("converted", [index])
+    code, _ = run.stop()
+    assert code == 0, run.stderr()
+    assert [r["source"] for r in run.statuses("converted")] == [str(index)]  # no shard on its own
+    reference = tmp_path / "reference.bpk"
+    assert run_cli("convert", index, "-o", reference).returncode == 0
+    same_tensors(runs / "llama" / "pytorch_model.bpk", reference)

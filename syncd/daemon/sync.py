@@ -42,14 +42,15 @@ from syncd.errors import (
     VerificationError,
     one_line,
 )
-from syncd.formats import BURNPACK, SAFETENSORS, Format, format_for_path, open_checkpoint
+from syncd.formats import BURNPACK, PYTORCH, SAFETENSORS, Format, format_for_path, open_checkpoint
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
-    INDEX_SUFFIX,
     index_listing,
-    is_index_name,
+    is_set_index,
     looks_like_shard,
     member_files,
+    set_stem,
+    shard_extension,
 )
 
 log = logging.getLogger("syncd.sync")
@@ -114,11 +115,11 @@ class Syncer:
     def _process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
         if not is_candidate(watch, path):
             return Outcome(None)
-        if is_index_name(path):
+        if is_set_index(path):
             return self._process_set(watch, path, closed)
         from_format = format_for_path(path)
         assert from_format is not None  # is_candidate checked it
-        if from_format.name == SAFETENSORS:
+        if from_format.name in (SAFETENSORS, PYTORCH):
             index = index_listing(path)
             if index is not None:  # a shard is converted with its set, through the set's index
                 return self._process_set(watch, Path(index), closed=False)
@@ -184,12 +185,13 @@ class Syncer:
         if wait > 0:
             return Outcome(None, retry_in=wait)
         version = _set_version(stats)
-        dest = watch.output_dir_for(index) / (index.name.removesuffix(INDEX_SUFFIX) + BY_NAME[BURNPACK].extension)
+        dest = watch.output_dir_for(index) / (set_stem(index) + BY_NAME[BURNPACK].extension)
         if self.state.is_up_to_date(index, version, dest) or self.state.failed_same_version(index, version):
             return Outcome(None)
         if any(open_for_writing(p) for p in [index, *members] if os.path.lexists(p)):
             return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
-        return self._convert(watch, index, version, dest, BY_NAME[SAFETENSORS], finished=True)
+        from_format = BY_NAME[PYTORCH if shard_extension(index) == ".bin" else SAFETENSORS]
+        return self._convert(watch, index, version, dest, from_format, finished=True)
 
     def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened

@@ -458,7 +458,7 @@ def _weights_name(index_name: str) -> str:
 
 # the names save_pretrained gives shards; such a file is part of a set even before its index is written
 # (the index comes last), so it is never converted on its own
-_SHARD_NAME = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.safetensors")
+_SHARD_NAME = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.(safetensors|bin)")
 
 
 def looks_like_shard(name: str) -> bool:
@@ -477,7 +477,7 @@ def index_listing(path: str | os.PathLike[str]) -> str | None:
     it is reported when it is converted, and a half-written one lists nothing yet."""
     directory, name = os.path.split(os.path.abspath(path))
     try:
-        candidates = sorted(n for n in os.listdir(directory) if n.endswith(INDEX_SUFFIX))
+        candidates = sorted(n for n in os.listdir(directory) if is_set_index(n))
     except OSError:
         return None
     for candidate in candidates:
