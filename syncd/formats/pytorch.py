@@ -30,12 +30,12 @@ import os
 import struct
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.dtypes import ITEMSIZE
-from syncd.formats.fileio import DECODE_BUDGET, TensorFileReader, pread_exact
+from syncd.formats.fileio import DECODE_BUDGET, TensorFileReader, pread_exact, preadinto_exact
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
 NAME = "pytorch"  # described in registry.py
@@ -59,7 +59,8 @@ USUAL_KEYS = ("state_dict", "model_state_dict", "model")  # where a training che
 
 _GATHER_ELEMENTS = 1 << 18  # a view is gathered this many elements at a time
 _GATHER_SPAN = 16 << 20  # bytes one read of a view may take
-_GATHER_GAP = 64 << 10  # storage bytes skipped between two elements before a read is split
+_GATHER_GAP = 4 << 10  # storage bytes skipped between two elements before a read is split (a pread costs
+# about what copying a few KiB from the page cache does)
 
 # ---------------------------------------------------------------------------------------------- dtypes
 
@@ -779,15 +780,32 @@ def _rebuild_tensor(p: _Interpreter, func: _Global, args: tuple) -> _Tensor:
 # ---------------------------------------------------------------------------------------------- the reader
 
 
-@dataclass
+@dataclass(frozen=True)
 class _View:
-    """A tensor that is not one window of the file: its elements are gathered by strides."""
+    """Where a tensor's elements lie: element (i, j, ...) at storage_start + (offset + i*s0 + j*s1...)*itemsize."""
 
     storage_start: int  # absolute offset of the storage's first byte
     offset: int  # of element 0, in elements
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     itemsize: int
+
+    def oriented(self, rows: tuple[int, int] | None, transpose: bool) -> _View:
+        """Rows r0:r1 of the first dimension, and/or the transpose of a 2-D tensor, as a view of its own."""
+        offset, shape, strides = self.offset, self.shape, self.strides
+        if rows is not None:
+            offset += rows[0] * strides[0]
+            shape = (rows[1] - rows[0], *shape[1:])
+        if transpose:
+            shape, strides = shape[::-1], strides[::-1]
+        return replace(self, offset=offset, shape=shape, strides=strides)
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
 
 
 @dataclass
@@ -820,7 +838,8 @@ class PytorchReader(TensorFileReader):
         top_level_key: str | None = None,
     ) -> None:
         self.top_level_key = top_level_key
-        self._views: dict[str, _View] = {}
+        self._views: dict[str, _View] = {}  # every tensor's elements, by strides
+        self._gathered: set[str] = set()  # those that are not one window of the file
         super().__init__(path, within)
 
     def _parse(self) -> None:
@@ -841,7 +860,11 @@ class PytorchReader(TensorFileReader):
         root = _Interpreter(pickle, self.path, storage).run()
         found = find_tensors(root, self.top_level_key, self.path)
         self._table(found)
-        facts: dict[str, Any] = {"archive": prefix.rstrip("/"), "pickle_size": len(pickle), "views": len(self._views)}
+        facts: dict[str, Any] = {
+            "archive": prefix.rstrip("/"),
+            "pickle_size": len(pickle),
+            "views": len(self._gathered),
+        }
         if found.taken is not None:
             facts["top_level_key"] = found.taken
             facts["top_level_key_by"] = found.taken_by
@@ -916,27 +939,25 @@ class PytorchReader(TensorFileReader):
                 )
             start = tensor.storage.entry.data_start + tensor.offset * itemsize
             infos.append(TensorInfo(name, tensor.dtype, tensor.shape, start, numel * itemsize, None, tensor.dtype))
+            self._views[name] = _View(
+                tensor.storage.entry.data_start, tensor.offset, tensor.shape, tensor.strides, itemsize
+            )
             if not numel or not _c_contiguous(tensor.shape, tensor.strides):  # an empty one: gathers nothing
-                self._views[name] = self._view(tensor, itemsize)
+                self._gathered.add(name)
         self._index(infos)
         # a window overlapping one before it (tied or overlapping slices) is read as a view: a converter
         # moving windows in file order takes each byte once
         end = -1
         for info in self.tensors:
-            if info.name in self._views or info.nbytes == 0:
+            if info.name in self._gathered:
                 continue
             if info.offset < end:
-                self._views[info.name] = self._view(found.tensors[info.name], ITEMSIZE[info.dtype])
+                self._gathered.add(info.name)
             else:
                 end = info.offset + info.nbytes
 
-    @staticmethod
-    def _view(tensor: _Tensor, itemsize: int) -> _View:
-        start = tensor.storage.entry.data_start
-        return _View(start, tensor.offset, tensor.shape, tensor.strides, itemsize)
-
     def is_window(self, name: str) -> bool:
-        return name not in self._views
+        return name not in self._gathered
 
     def read(self, name: str) -> bytes:
         info = self.tensor(name)
@@ -945,12 +966,24 @@ class PytorchReader(TensorFileReader):
         return bytes(buf)
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> None:
-        view = self._views.get(name)
-        if view is None:
+        if name not in self._gathered:
             super().readinto(name, offset, buf)
             return
-        info = self.tensor(name)
-        if offset < 0 or offset + len(buf) > info.nbytes:
+        self.gather_into(name, offset, buf)
+
+    def gather_into(
+        self, name: str, offset: int, buf: memoryview, rows: tuple[int, int] | None = None, transpose: bool = False
+    ) -> None:
+        """Bytes offset:offset+len(buf) of the tensor (or of rows r0:r1 of it, and/or of its 2-D transpose) laid
+        out in C order: what a converter writes, gathered straight from the storage in that order."""
+        self.tensor(name)  # a name the file does not hold fails here, as for any reader
+        base = self._views[name]
+        if (rows is not None and not (base.shape and 0 <= rows[0] <= rows[1] <= base.shape[0])) or (
+            transpose and len(base.shape) != 2
+        ):
+            raise FormatError(f"tensor '{name}' {list(base.shape)} has no such rows or transpose", self.path)
+        view = base.oriented(rows, transpose)
+        if offset < 0 or offset + len(buf) > view.numel * view.itemsize:
             raise FormatError(f"read past the end of tensor '{name}'", self.path)
         item = view.itemsize
         first, last = offset // item, -(-(offset + len(buf)) // item)
@@ -962,11 +995,11 @@ class PytorchReader(TensorFileReader):
         buf[:] = whole[offset - first * item : offset - first * item + len(buf)]
 
     def iter_chunks(self, name: str, chunk_size: int = 8 << 20) -> Iterator[memoryview]:
-        if name not in self._views:
+        if name not in self._gathered:
             yield from super().iter_chunks(name, chunk_size)
             return
         nbytes = self.tensor(name).nbytes
-        for done in range(0, nbytes, chunk_size):
+        for done in range(0, nbytes, chunk_size):  # (the gathered ones)
             buf = memoryview(bytearray(min(chunk_size, nbytes - done)))
             self.readinto(name, done, buf)
             yield buf
@@ -974,6 +1007,10 @@ class PytorchReader(TensorFileReader):
     def _gather(self, view: _View, name: str, first: int, last: int, out: memoryview) -> None:
         """Elements first:last of the view, in C order, into `out`: a bounded number at a time, each piece
         read as few spans of the storage as the gaps between its elements allow."""
+        if _c_contiguous(view.shape, view.strides):  # e.g. a transposed view read transposed: one window
+            at = view.storage_start + (view.offset + first) * view.itemsize
+            preadinto_exact(self.fd, out, at, self.path, f"tensor '{name}'")
+            return
         import numpy as np  # here: reading a table (`syncd inspect`) does not need numpy
 
         dtype = np.dtype(f"<u{view.itemsize}")
@@ -986,15 +1023,31 @@ class PytorchReader(TensorFileReader):
                 index = np.unravel_index(np.arange(start, stop, dtype=np.int64), view.shape)
                 for axis, stride in zip(index, strides, strict=True):
                     where += axis.astype(np.int64) * stride
-            order = np.argsort(where, kind="stable")
+            order = np.argsort(where, kind="stable")  # the storage read in its own order
             ranked = where[order]
             piece = target[start - first : stop - first]
-            for a, b in _spans(ranked, view.itemsize):
-                lo, hi = int(ranked[a]), int(ranked[b - 1])
-                raw = pread_exact(
-                    self.fd, (hi - lo + 1) * view.itemsize, view.storage_start + lo * view.itemsize, self.path, name
-                )
-                piece[order[a:b]] = np.frombuffer(raw, dtype=dtype)[ranked[a:b] - lo]
+            for group in _groups(_spans(ranked, view.itemsize), ranked, view.itemsize):
+                self._gather_group(view, name, group, ranked, order, piece)
+
+    def _gather_group(
+        self, view: _View, name: str, spans: list[tuple[int, int]], ranked: Any, order: Any, piece: Any
+    ) -> None:
+        """Read `spans` (runs of the sorted offsets `ranked`, together at most _GATHER_SPAN bytes) into one
+        buffer, one read each, then place all their elements at once (per-span numpy work would dominate)."""
+        import numpy as np
+
+        item = view.itemsize
+        bounds = np.array(spans, dtype=np.int64)
+        lows, highs = ranked[bounds[:, 0]], ranked[bounds[:, 1] - 1]
+        sizes = (highs - lows + 1) * item
+        bases = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        blob = memoryview(bytearray(int(sizes.sum())))
+        for low, size, base in zip(lows.tolist(), sizes.tolist(), bases.tolist(), strict=True):
+            preadinto_exact(self.fd, blob[base : base + size], view.storage_start + low * item, self.path, name)
+        a, b = spans[0][0], spans[-1][1]
+        which = np.repeat(np.arange(len(spans)), bounds[:, 1] - bounds[:, 0])
+        positions = (ranked[a:b] - lows[which]) + bases[which] // item
+        piece[order[a:b]] = np.frombuffer(blob, dtype=piece.dtype)[positions]
 
 
 def legacy_error(path: str) -> FormatError:
@@ -1023,6 +1076,21 @@ def _spans(ranked: Any, itemsize: int) -> list[tuple[int, int]]:
             a = cut
         spans.append((a, b))
     return spans
+
+
+def _groups(spans: list[tuple[int, int]], ranked: Any, itemsize: int) -> Iterator[list[tuple[int, int]]]:
+    """Consecutive spans whose bytes together stay within _GATHER_SPAN (a span is at most that on its own)."""
+    group: list[tuple[int, int]] = []
+    total = 0
+    for a, b in spans:
+        size = (int(ranked[b - 1]) - int(ranked[a]) + 1) * itemsize
+        if group and total + size > _GATHER_SPAN:
+            yield group
+            group, total = [], 0
+        group.append((a, b))
+        total += size
+    if group:
+        yield group
 
 
 def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
