@@ -494,11 +494,16 @@ def verify_one_pass(
     must be the plan's, and the ledger of writes must tile it exactly. The data is not read back (it would
     come from the page cache just written); transposed blocks were checked in cache as they were written.
     Cast tensors are checked by their casts, restored ones re-read. `--verify full` also re-reads every tensor.
-    `specs`, `size`: what this file holds (one shard of a set: its tensors)."""
+    `specs`, `size`: what this file holds (one shard of a set: its tensors).
+
+    The file is opened anew through the descriptor it was written with (/proc/self/fd), not by its path: a
+    directory moved or renamed meanwhile changes the path, not the file (the source's own check then says
+    whether it moved, a condition retried later)."""
     try:
-        output = c.target.format.reader(written_path)
+        output = c.target.format.reader(f"/proc/self/fd/{fd}")
     except FormatError as exc:
         raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
+    output.path = str(written_path)  # what messages name
     with output:
         _verify_table(c, output, specs)
         c.target.check_written(c, output)
