@@ -4,11 +4,13 @@ converts (and moved back), and a sharded set whose shard is rewritten in place k
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from daemonutil import DaemonRun, scratch_files
+from safetensors.torch import load_file, save_file
 
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.errors import SyncdError, VerificationError
@@ -46,3 +48,42 @@ def test_a_directory_moved_away_mid_conversion_is_retried_not_refused(tmp_path: 
     result = convert(ConvertRequest(source=source, within=tree))
     assert result.status == "published"
     assert sorted(os.listdir(exp)) == ["model.bpk", "model.safetensors"]
+
+
+def _rewrite_in_place_keeping_size_and_mtime(shard: Path) -> None:
+    """New values in the same tensors (so the same size), written into the same inode, mtime set back: what a
+    writer that rewrites in place and restores times (or `cp -p`/`rsync -t` over it) leaves."""
+    before = os.stat(shard)
+    state = {name: tensor + 1 for name, tensor in load_file(shard).items()}
+    scratch = shard.with_name("scratch.bin")
+    save_file(state, scratch, metadata={"format": "pt"})
+    data = scratch.read_bytes()
+    scratch.unlink()
+    assert len(data) == before.st_size
+    with open(shard, "r+b") as f:
+        f.write(data)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(shard)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+
+
+def test_a_shard_rewritten_in_place_with_the_same_size_and_mtime_updates_the_set(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    from hfsets import save_llama
+
+    run = make_daemon()
+    runs = run.watch_dir("runs")
+    index = save_llama(runs / "llama", sharded=True)
+    run.start()
+    run.wait_for("converted", [index])
+    _rewrite_in_place_keeping_size_and_mtime(runs / "llama" / "model-00002-of-00003.safetensors")
+    run.wait_for("updated", [index], timeout=30)
+    code, _ = run.stop()
+    assert code == 0, run.stderr()
+    reference = tmp_path / "reference.bpk"
+    convert(ConvertRequest(source=index, dest=reference))
+    written, expected = (runs / "llama" / "model.bpk").read_bytes(), reference.read_bytes()
+    assert len(written) == len(expected)
+    assert written == expected  # the .bpk holds the new values (the source hash recorded is the same too)
+    assert scratch_files(runs) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import signal
@@ -449,9 +450,17 @@ class Syncer:
 
 
 def _set_version(stats: list[os.stat_result]) -> FileVersion:
-    """One version for a whole set: the index's identity, the total size, the latest change of any file."""
+    """One version for a whole set: the index's identity, the total size, the latest mtime of any file, and as
+    its ctime a digest of every file's identity, size, mtime and ctime (the kernel moves a file's ctime on every
+    write, so a shard rewritten in place with the same size, or replaced by `cp -p`/`rsync -t` with an older
+    mtime, is a new version of the set, as a single file's ctime makes it one)."""
     index = stats[0]
-    return FileVersion(index.st_dev, index.st_ino, sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats))
+    members = [(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in stats]
+    digest = hashlib.blake2b(repr(members).encode("ascii"), digest_size=8).digest()
+    every = int.from_bytes(digest, "little") >> 1 or 1  # non-zero (0 is "unknown"), within SQLite's INTEGER
+    return FileVersion(
+        index.st_dev, index.st_ino, sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats), None, every
+    )
 
 
 def _set_destination(watch: Watch, path: Path) -> Path | None:
