@@ -176,12 +176,14 @@ class Syncer:
         except SyncdError:
             members = []  # a broken (or half-written) index: the conversion reports it, or it is retried
         stats = [info]
+        missing = []
         for member in members:
             try:
                 stats.append(os.lstat(member))
             except FileNotFoundError:
-                if _recently_changed(FileVersion.from_stat(info)):
-                    return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
+                missing.append(member)
+        if missing:
+            return self._missing_shards(watch, index, stats, missing)
         wait = max(self._settle_wait(watch, index, st, closed and st is info) for st in stats)
         if wait > 0:
             return Outcome(None, retry_in=wait)
@@ -193,6 +195,37 @@ class Syncer:
             return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
         from_format = BY_NAME[PYTORCH if shard_extension(index) == ".bin" else SAFETENSORS]
         return self._convert(watch, index, version, dest, from_format, finished=True)
+
+    def _missing_shards(self, watch: Watch, index: Path, stats: list[os.stat_result], missing: list[Path]) -> Outcome:
+        """A shard the index lists is not there. While the set keeps changing it is waited for quietly: one
+        `warning` line, then looks with backoff (its arrival brings the set back at once); after
+        INCOMPLETE_GRACE_SECONDS without any change the set is refused once, naming what is missing, as a
+        truncated file is. The set's next change (the shard arriving) is a new version, looked at anew."""
+        names = ", ".join(p.name for p in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        quiet = min(self._age(None, index, st) for st in stats)
+        if quiet < INCOMPLETE_GRACE_SECONDS:
+            looks = self._incomplete.get(index, 0)
+            if looks == 0:
+                reason = f"waiting for {names}, which the index lists and which is not there yet"
+                self.synclog.log("warning", watch=str(watch.path), source=str(index), reason=reason)
+            if len(self._incomplete) > 10_000:
+                self._incomplete.clear()
+            self._incomplete[index] = looks + 1
+            backoff = min(INCOMPLETE_MAX_RETRY, INCOMPLETE_FIRST_RETRY * 2.0**looks)
+            return Outcome(None, retry_in=min(backoff, INCOMPLETE_GRACE_SECONDS - quiet + 0.1))
+        self._incomplete.pop(index, None)
+        version = _set_version(stats)
+        if self.state.failed_same_version(index, version):
+            return Outcome(None)
+        dest = watch.output_dir_for(index) / (set_stem(index) + BY_NAME[BURNPACK].extension)
+        from_format = BY_NAME[PYTORCH if shard_extension(index) == ".bin" else SAFETENSORS]
+        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
+        base = {"watch": str(watch.path), "source": str(index), "dest": str(dest), "direction": direction}
+        error = FormatError(
+            f"the index lists {names}, not there after {INCOMPLETE_GRACE_SECONDS:.0f} s without any change",
+            str(index),
+        )
+        return self._failed(index, version, error, base, time.monotonic())
 
     def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened

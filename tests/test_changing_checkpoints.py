@@ -1,9 +1,11 @@
-"""Checkpoints moved or rewritten under syncd's feet: a directory moved out of the tree while its checkpoint
-converts (and moved back), and a sharded set whose shard is rewritten in place keeping its size and mtime."""
+"""Checkpoints that change under syncd's feet: a directory moved out of the tree while its checkpoint converts
+(and moved back), a sharded set whose shard is rewritten in place keeping its size and mtime, a set whose index
+lists a shard that does not arrive."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,3 +89,52 @@ def test_a_shard_rewritten_in_place_with_the_same_size_and_mtime_updates_the_set
     assert len(written) == len(expected)
     assert written == expected  # the .bpk holds the new values (the source hash recorded is the same too)
     assert scratch_files(runs) == []
+
+
+def _set_missing_a_shard(runs: Path, age: float = 0.0) -> tuple[Path, Path]:
+    """A save_pretrained set with its second shard taken away (kept aside, to arrive later); with `age`, every
+    file's times set that many seconds back."""
+    from hfsets import save_llama
+
+    index = save_llama(runs / "llama", sharded=True)
+    shard = index.parent / "model-00002-of-00003.safetensors"
+    aside = runs.parent / "aside.safetensors"
+    os.rename(shard, aside)
+    if age:
+        for path in index.parent.iterdir():
+            past = os.stat(path).st_mtime - age
+            os.utime(path, (past, past))
+    return index, aside
+
+
+def test_a_shard_that_is_not_there_yet_is_waited_for_with_one_line(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon()
+    runs = run.watch_dir("runs")
+    index, aside = _set_missing_a_shard(runs)
+    run.start()
+    run.wait_for("warning", [index])
+    time.sleep(4)  # on the old code: a retry three times a second, each a journal line
+    (waiting,) = [r for r in run.records() if r.get("source") == str(index)]
+    assert waiting["status"] == "warning"
+    assert "waiting for model-00002-of-00003.safetensors" in waiting["reason"]
+    assert len([line for line in run.stderr().splitlines() if "llama" in line]) <= 2, run.stderr()
+    os.rename(aside, index.parent / "model-00002-of-00003.safetensors")  # it arrives: the set converts at once
+    run.wait_for("converted", [index], timeout=30)
+    code, _ = run.stop()
+    assert code == 0, run.stderr()
+
+
+def test_a_shard_that_never_arrives_is_refused_once_naming_it(make_daemon: Callable[..., DaemonRun]) -> None:
+    run = make_daemon()
+    runs = run.watch_dir("runs")
+    index, aside = _set_missing_a_shard(runs, age=120)  # quiet for longer than a truncated file may be
+    run.start()
+    run.wait_for("refused", [index], timeout=30)
+    time.sleep(3)
+    records = [r for r in run.records() if r.get("source") == str(index)]
+    assert [r["status"] for r in records] == ["refused"]
+    assert "lists model-00002-of-00003.safetensors, not there after 60 s" in records[0]["error"]
+    os.rename(aside, index.parent / "model-00002-of-00003.safetensors")  # late after all: a new version of the set
+    run.wait_for("converted", [index], timeout=30)
+    code, _ = run.stop()
+    assert code == 0, run.stderr()
