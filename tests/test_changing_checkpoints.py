@@ -4,6 +4,7 @@ lists a shard that does not arrive."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -138,3 +139,45 @@ def test_a_shard_that_never_arrives_is_refused_once_naming_it(make_daemon: Calla
     run.wait_for("converted", [index], timeout=30)
     code, _ = run.stop()
     assert code == 0, run.stderr()
+
+
+def _large_refused_index(path: Path, size: int) -> None:
+    """A valid JSON index of about `size` bytes, of long tensor names, whose last entry names a shard outside
+    its directory: read and decoded whole before it is refused."""
+    names = []
+    total = 0
+    while total < size:
+        name = f"blocks.{len(names)}." + "x" * 200
+        names.append(name)
+        total += len(name) + 40
+    weight_map = dict.fromkeys(names, "model-00001-of-00002.safetensors")
+    weight_map["last"] = "../elsewhere.safetensors"
+    path.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+
+
+def _bytes_read(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+
+
+def test_an_index_is_parsed_once_per_version_not_on_every_event_beside_it(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    run = make_daemon()
+    runs = run.watch_dir("runs")
+    index = runs / "big.safetensors.index.json"
+    _large_refused_index(index, 30 << 20)
+    run.start()
+    files = []
+    for k in range(20):  # each save an event beside the index
+        files.append(runs / f"m{k}.safetensors")
+        save_file(_state(k), files[-1])
+    run.wait_for("converted", files, timeout=120)
+    run.wait_for("refused", [index])
+    assert run.proc is not None
+    read = _bytes_read(run.proc.pid)
+    code, _ = run.stop()
+    assert code == 0, run.stderr()
+    # the index read when it is first asked about and when it is converted (refused), the interpreter's own
+    # files besides (93 MiB in all when measured); not once per event (663 MiB before)
+    assert read < 5 * index.stat().st_size, f"{read >> 20} MiB read for a {index.stat().st_size >> 20} MiB index"

@@ -46,6 +46,7 @@ from syncd.errors import (
 from syncd.formats import BURNPACK, PYTORCH, SAFETENSORS, Format, format_for_path, open_checkpoint
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
+    IndexFiles,
     index_listing,
     is_set_index,
     looks_like_shard,
@@ -99,6 +100,7 @@ class Syncer:
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
+        self._index_files = IndexFiles()  # each index parsed once per version, not on every event beside it
         self.hash_name = hash_name
 
     # -- the decision
@@ -121,7 +123,7 @@ class Syncer:
         from_format = format_for_path(path)
         assert from_format is not None  # is_candidate checked it
         if from_format.name in (SAFETENSORS, PYTORCH):
-            index = index_listing(path)
+            index = index_listing(path, self._index_files)
             if index is not None:  # a shard is converted with its set, through the set's index
                 return self._process_set(watch, Path(index), closed=False)
             if looks_like_shard(path.name):
@@ -172,7 +174,7 @@ class Syncer:
         if self.state.is_own_output(index, FileVersion.from_stat(info)):
             return Outcome(None)
         try:
-            members = [Path(p) for p in member_files(index)]
+            members = [Path(p) for p in member_files(index, self._index_files)]
         except SyncdError:
             members = []  # a broken (or half-written) index: the conversion reports it, or it is retried
         stats = [info]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
@@ -465,16 +467,57 @@ def looks_like_shard(name: str) -> bool:
     return _SHARD_NAME.fullmatch(name) is not None
 
 
-def member_files(index_path: str | os.PathLike[str]) -> list[str]:
-    """The shard paths an index lists (read from the index alone; the shards are not opened)."""
-    index = read_index(index_path)
+class IndexFiles:
+    """The shard names of each index, parsed once per version of the index (its identity, size, mtime and
+    ctime), refused ones included (as listing nothing): a directory's `.safetensors` events each ask which
+    index lists the file, and re-parsing a large index on every one of them costs seconds and hundreds of MB.
+    Holds names only, for at most MAX_ENTRIES indexes (the least recently asked go first). Thread-safe."""
+
+    MAX_ENTRIES = 256
+
+    def __init__(self) -> None:
+        self._files: OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...] | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def files(self, index_path: str | os.PathLike[str]) -> tuple[str, ...] | None:
+        """The names the index lists, or None if it does not read (gone, not an index, refused)."""
+        path = os.path.abspath(os.fspath(index_path))
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        with self._lock:
+            known = self._files.get(path)
+            if known is not None and known[0] == version:
+                self._files.move_to_end(path)
+                return known[1]
+        try:
+            files: tuple[str, ...] | None = tuple(read_index(path).files)
+        except FormatError:
+            files = None
+        with self._lock:
+            self._files[path] = (version, files)
+            self._files.move_to_end(path)
+            while len(self._files) > self.MAX_ENTRIES:
+                self._files.popitem(last=False)
+        return files
+
+
+def member_files(index_path: str | os.PathLike[str], known: IndexFiles | None = None) -> list[str]:
+    """The shard paths an index lists (read from the index alone; the shards are not opened). With `known`,
+    an index already parsed in this version is not parsed again; an index that does not read lists none."""
     directory = os.path.dirname(os.fspath(index_path))
+    if known is not None:
+        return [os.path.join(directory, file) for file in known.files(index_path) or ()]
+    index = read_index(index_path)
     return [os.path.join(directory, file) for file in index.files]
 
 
-def index_listing(path: str | os.PathLike[str]) -> str | None:
+def index_listing(path: str | os.PathLike[str], known: IndexFiles | None = None) -> str | None:
     """The index beside `path` that lists it as a shard, or None. An index that does not read is skipped:
-    it is reported when it is converted, and a half-written one lists nothing yet."""
+    it is reported when it is converted, and a half-written one lists nothing yet. With `known`, each index
+    is parsed once per version."""
     directory, name = os.path.split(os.path.abspath(path))
     try:
         candidates = sorted(n for n in os.listdir(directory) if is_set_index(n))
@@ -482,10 +525,13 @@ def index_listing(path: str | os.PathLike[str]) -> str | None:
         return None
     for candidate in candidates:
         index_path = os.path.join(directory, candidate)
-        try:
-            files = read_index(index_path).files
-        except FormatError:
-            continue
+        if known is not None:
+            files = known.files(index_path) or ()
+        else:
+            try:
+                files = tuple(read_index(index_path).files)
+            except FormatError:
+                continue
         if name in files:
             return index_path
     return None
