@@ -372,6 +372,7 @@ def _hostile(tmp_path: Path, marker: Path) -> dict[str, bytes]:
         laughs += b"]q" + bytes([level]) + b"(" + (b"h" + bytes([level - 1])) * 50 + b"e0"
     laughs += b"h\x0bs."
     deep = b"\x80\x02}X\x01\x00\x00\x00w" + b"]" * 100_000 + b"a" * 99_999 + b"s."
+    deep_key = b"\x80\x02}N" + b"\x85" * 1_000_000 + b"Ns."  # hashing it would recurse in C until a crash
     nested = torch_zip({"archive/data.pkl": b"\x80\x02}."})
     for level in range(10):
         nested = torch_zip({f"level{level}/inner.zip": nested})
@@ -390,6 +391,7 @@ def _hostile(tmp_path: Path, marker: Path) -> dict[str, bytes]:
         "memo bomb": with_pickle(tmp_path, memo_bomb),
         "billion laughs": with_pickle(tmp_path, laughs),
         "recursion bomb": with_pickle(tmp_path, deep),
+        "deep dict key": with_pickle(tmp_path, deep_key),
         "10-deep zip": nested,
         "compressed": torch_zip(compressed, zipfile.ZIP_DEFLATED),
         "big-endian": torch_zip(big_endian),
@@ -405,6 +407,7 @@ HOSTILE_ERRORS = {
     "memo bomb": "values nested more than 128 deep",  # the list holds itself 10,000 times
     "billion laughs": "values to look through for tensors",
     "recursion bomb": "nested more than 128 deep",
+    "deep dict key": "a dict key of type tuple",
     "10-deep zip": "a zip with no data.pkl: not a torch.save checkpoint",
     "compressed": "is compressed (method 8)",
     "big-endian": "saved with byteorder 'big'",
