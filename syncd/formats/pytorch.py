@@ -54,7 +54,8 @@ MAX_OPS = 20_000_000  # opcodes interpreted (each costs CPU time: this bounds it
 MAX_RANK = 64
 MAX_DEPTH = 128  # nesting of the dicts tensors are looked for in (and of any value built)
 MAX_VISITS = 4 * MAX_TENSOR_COUNT  # values looked at while looking for tensors (a pickle can share and cycle)
-MAX_TEXT = 1 << 16  # a text line of the pickle (a GLOBAL's names, an INT)
+MAX_TEXT = 1 << 16
+I64_LIMIT = 1 << 63  # a text line of the pickle (a GLOBAL's names, an INT)
 USUAL_KEYS = ("state_dict", "model_state_dict", "model")  # where a training checkpoint keeps the weights
 
 _GATHER_ELEMENTS = 1 << 18  # a view is gathered this many elements at a time
@@ -761,6 +762,8 @@ def _rebuild_tensor(p: _Interpreter, func: _Global, args: tuple) -> _Tensor:
         raise p.fail(f"{func.name}: a size of rank {len(shape)} with strides of rank {len(strides)}")
     if offset < 0 or any(d < 0 for d in shape) or any(s < 0 for s in strides):
         raise p.fail(f"{func.name}: a negative offset, size or stride")
+    if max((offset, *shape, *strides)) >= I64_LIMIT:  # torch's are int64
+        raise p.fail(f"{func.name}: an offset, size or stride of 2^63 or more")
     if v3:
         token = args[6]
         if not isinstance(token, _Global) or token.role != "dtype":
@@ -1113,7 +1116,7 @@ def find_tensors(root: Any, top_level_key: str | None, path: str) -> Found:
         raise FormatError(f"holds a {_kind(root)}, not a dict of tensors (a whole pickled model is not read)", path)
     if top_level_key is not None:
         if not isinstance(root.get(top_level_key), dict):
-            keys = ", ".join(repr(k) for k in list(root)[:10])
+            keys = ", ".join(_shown(k) for k in list(root)[:10])
             raise FormatError(f"top-level key {top_level_key!r} is not a dict in this file (its keys: {keys})", path)
         found.taken, found.taken_by = top_level_key, "asked"
     else:
@@ -1153,7 +1156,16 @@ def _collect(node: dict, prefix: str, found: Found, path: str, depth: int) -> No
 def _left(key: Any, value: Any, found: Found, path: str) -> str:
     count = _count_tensors(value, found, path)
     what = f"{count} tensors" if count else _kind(value)
-    return f"{str(key)[:80]} ({what})"
+    return f"{_shown(key, quoted=False)} ({what})"
+
+
+def _shown(key: Any, quoted: bool = True) -> str:
+    """A dict key for a message, short whatever its size (a key may be megabytes of text or bytes)."""
+    if isinstance(key, str):
+        return repr(key[:60]) if quoted else key[:60]
+    if isinstance(key, bytes):
+        return repr(key[:60])
+    return repr(key)[:60]
 
 
 def _count_tensors(value: Any, found: Found, path: str) -> int:
