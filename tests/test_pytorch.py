@@ -594,3 +594,11 @@ def test_the_daemon_converts_a_sharded_bin_set_once_through_its_index(
     reference = tmp_path / "reference.bpk"
     assert run_cli("convert", index, "-o", reference).returncode == 0
     same_tensors(runs / "llama" / "pytorch_model.bpk", reference)
+
+
+@pytest.mark.parametrize("output", ["back.pt", "back.pth", "pytorch_model.bin"])
+def test_a_pytorch_output_is_a_usage_error(tmp_path: Path, output: str) -> None:
+    source = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(2)}, source)
+    assert_one_line_error(run_cli("convert", source, "-o", tmp_path / output), 2, "syncd writes no pickles")
+    assert dir_listing(tmp_path) == ["model.safetensors"]

@@ -146,6 +146,12 @@ def convert(request: ConvertRequest) -> ConvertResult:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_CHOICES)}, got {request.verify!r}")
     with open_source(source_path, request.within, request.top_level_key) as source:
         to_format = request.to_format or BY_NAME[source.header.format].converts_to
+        if to_format not in TARGETS:  # a format syncd only reads (PyTorch's pickles)
+            writes = " or ".join(target.format.extension for target in TARGETS.values())
+            raise UsageError(
+                f"cannot write a {to_format} checkpoint (syncd writes no pickles): write {writes}",
+                str(request.dest) if request.dest else None,
+            )
         dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
         conversion = plan(source, request, TARGETS[to_format](), dest)
         for path in conversion.output_paths():
