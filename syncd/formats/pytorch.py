@@ -368,7 +368,9 @@ class _Interpreter:
     """The pickle opcodes a checkpoint uses, each doing only what is written here."""
 
     def __init__(self, data: bytes, path: str, storage: Callable[[Any], _Storage]) -> None:
-        self.data = memoryview(data)
+        self.raw = data  # indexed for one-byte arguments and opcodes
+        self.data = memoryview(data)  # sliced for longer ones, without copying
+        self.end = len(data)
         self.pos = 0
         self.path = path
         self.storage = storage
@@ -376,7 +378,6 @@ class _Interpreter:
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
         self.budget = _Budget(path=path)
-        self.ops = 0
 
     def fail(self, message: str) -> FormatError:
         return FormatError(f"data.pkl: {message}", self.path)
@@ -384,11 +385,19 @@ class _Interpreter:
     # -- reading the stream
 
     def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.data):
-            raise self.fail(f"ends inside an opcode's argument at byte {self.pos}")
-        piece = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return piece
+        pos = self.pos
+        if n < 0 or pos + n > self.end:
+            raise self.fail(f"ends inside an opcode's argument at byte {pos}")
+        self.pos = pos + n
+        return self.data[pos : pos + n]
+
+    def byte(self) -> int:
+        """A one-byte argument (the commonest: BINPUT, BINGET, BININT1)."""
+        pos = self.pos
+        if pos >= self.end:
+            raise self.fail(f"ends inside an opcode's argument at byte {pos}")
+        self.pos = pos + 1
+        return self.raw[pos]
 
     def line(self) -> str:
         end = bytes(self.data[self.pos : self.pos + MAX_TEXT]).find(b"\n")
@@ -414,7 +423,10 @@ class _Interpreter:
     # -- the stack
 
     def push(self, value: Any, cost: int = 8) -> None:
-        self.budget.charge(cost)
+        budget = self.budget
+        budget.left -= cost
+        if budget.left < 0:
+            budget.charge(0)  # raises, saying so
         self.stack.append(value)
 
     def pop(self) -> Any:
@@ -441,23 +453,22 @@ class _Interpreter:
     # -- the loop
 
     def run(self) -> Any:
-        ops = _OPS
-        while True:
-            self.ops += 1
-            if self.ops > MAX_OPS:
-                raise self.fail(f"more than {MAX_OPS} opcodes: not a checkpoint's pickle")
-            if self.pos >= len(self.data):
+        ops, raw, end = _OPS, self.raw, self.end
+        for _ in range(MAX_OPS):
+            pos = self.pos
+            if pos >= end:
                 raise self.fail("ends without a STOP opcode (truncated or not a pickle)")
-            code = self.data[self.pos]
-            self.pos += 1
+            code = raw[pos]
+            self.pos = pos + 1
             if code == 0x2E:  # STOP
                 if len(self.stack) != 1 or self.marks:
                     raise self.fail("stops with an unbalanced stack")
                 return self.stack[0]
             op = ops.get(code)
             if op is None:
-                raise self.fail(f"opcode {bytes([code])!r} at byte {self.pos - 1} is not one a checkpoint uses")
+                raise self.fail(f"opcode {bytes([code])!r} at byte {pos} is not one a checkpoint uses")
             op(self)
+        raise self.fail(f"more than {MAX_OPS} opcodes: not a checkpoint's pickle")
 
 
 def _op_mark(p: _Interpreter) -> None:
@@ -500,13 +511,17 @@ def _lookup(p: _Interpreter, module: str, name: str) -> _Global:
 
 def _op_put(p: _Interpreter, index: int) -> None:
     p.budget.charge(100)
-    p.memo[index] = p.top()
+    stack = p.stack
+    if not stack or stack[-1] is _MARK:
+        raise p.fail(f"needs a value on the stack at byte {p.pos}")
+    p.memo[index] = stack[-1]
 
 
 def _op_get(p: _Interpreter, index: int) -> None:
-    if index not in p.memo:
+    value = p.memo.get(index, _MARK)
+    if value is _MARK:
         raise p.fail(f"reads memo slot {index}, never written")
-    p.push(p.memo[index])
+    p.push(value)
 
 
 def _op_reduce(p: _Interpreter) -> None:
@@ -673,7 +688,7 @@ def _build_ops() -> dict[int, Callable[[_Interpreter], None]]:
         0x88: lambda p: p.push(True),
         0x89: lambda p: p.push(False),
         c("J"): lambda p: p.push(int.from_bytes(p.take(4), "little", signed=True), 32),
-        c("K"): lambda p: p.push(p.uint(1)),
+        c("K"): lambda p: p.push(p.byte()),
         c("M"): lambda p: p.push(p.uint(2), 32),
         c("I"): _op_int_text,
         c("L"): _op_long_text,
@@ -706,11 +721,11 @@ def _build_ops() -> dict[int, Callable[[_Interpreter], None]]:
         c("Q"): lambda p: _op_persid(p, p.pop()),
         c("P"): lambda p: _op_persid(p, p.line()),
         c("p"): lambda p: _op_put(p, _parse_int(p, p.line())),
-        c("q"): lambda p: _op_put(p, p.uint(1)),
+        c("q"): lambda p: _op_put(p, p.byte()),
         c("r"): lambda p: _op_put(p, p.uint(4)),
         0x94: lambda p: _op_put(p, len(p.memo)),
         c("g"): lambda p: _op_get(p, _parse_int(p, p.line())),
-        c("h"): lambda p: _op_get(p, p.uint(1)),
+        c("h"): lambda p: _op_get(p, p.byte()),
         c("j"): lambda p: _op_get(p, p.uint(4)),
     }
     return ops
