@@ -38,9 +38,10 @@ from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_mo
 from syncd.adapters.keys import compile_filter, compile_rule
 from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.names import DEFAULT_IGNORE
+from syncd.engine.directions import DIRECTIONS
 from syncd.errors import ConfigError, one_line
 from syncd.formats.pytorch import DAEMON_PATTERNS as PYTORCH_PATTERNS
-from syncd.formats.registry import DIRECTIONS, FORMATS, PYTORCH_FORMAT
+from syncd.formats.registry import FORMATS, PYTORCH_FORMAT
 from syncd.formats.shards import parse_shard_size
 
 DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")

@@ -26,9 +26,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from syncd.engine.directions import DIRECTIONS
 from syncd.engine.publish import is_scratch_name
 from syncd.formats import format_for_path
-from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import is_set_index, set_stem, shard_extension
 
 if TYPE_CHECKING:

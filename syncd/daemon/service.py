@@ -29,6 +29,7 @@ from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
 from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
 from syncd.errors import SyncdError, UsageError, one_line
+from syncd.formats.fileio import FileStamp
 
 log = logging.getLogger("syncd")
 
@@ -286,13 +287,12 @@ class Daemon:
         self._wake.set()
 
 
-def _file_stamp(path: Path) -> tuple[int, ...] | None:
+def _file_stamp(path: Path) -> FileStamp | None:
     """What changes when a file is edited or replaced (None if it cannot be stat'ed)."""
     try:
-        info = os.stat(path)
+        return FileStamp.of_path(path)
     except OSError:
         return None
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:

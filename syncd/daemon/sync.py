@@ -24,13 +24,13 @@ from pathlib import Path
 from syncd.adapters.keys import TensorFilter, compile_rule
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
-from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.state import StateDB
 from syncd.daemon.synclog import SyncLog
 from syncd.engine import carry, hashing
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import FileIdentity
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
@@ -44,6 +44,7 @@ from syncd.errors import (
     one_line,
 )
 from syncd.formats import BURNPACK, PYTORCH, SAFETENSORS, Format, format_for_path, open_checkpoint
+from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
     IndexFiles,
@@ -137,8 +138,8 @@ class Syncer:
         wait = self._settle_wait(watch, path, info, closed)
         if wait > 0:
             return Outcome(None, retry_in=wait)
-        version = FileVersion.from_stat(info)
-        dest = destination_for(watch, path, BY_NAME[from_format.converts_to])
+        version = FileStamp.of(info)
+        dest = destination_for(watch, path, converts_to(from_format))
         if from_format.name == BURNPACK:
             dest = _set_destination(watch, path) or dest
         if self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version):
@@ -171,7 +172,7 @@ class Syncer:
             return Outcome(None)
         if not stat.S_ISREG(info.st_mode):
             return self._not_regular(watch, index, info)
-        if self.state.is_own_output(index, FileVersion.from_stat(info)):
+        if self.state.is_own_output(index, FileStamp.of(info)):
             return Outcome(None)
         try:
             members = [Path(p) for p in member_files(index, self._index_files)]
@@ -221,7 +222,7 @@ class Syncer:
             return Outcome(None)
         dest = watch.output_dir_for(index) / (set_stem(index) + BY_NAME[BURNPACK].extension)
         from_format = BY_NAME[PYTORCH if shard_extension(index) == ".bin" else SAFETENSORS]
-        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
         base = {"watch": str(watch.path), "source": str(index), "dest": str(dest), "direction": direction}
         error = FormatError(
             f"the index lists {names}, not there after {INCOMPLETE_GRACE_SECONDS:.0f} s without any change",
@@ -232,7 +233,7 @@ class Syncer:
     def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-        version = FileVersion.from_stat(info)
+        version = FileStamp.of(info)
         if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
             self.synclog.log("skipped", watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
         return Outcome("skipped")
@@ -276,11 +277,11 @@ class Syncer:
     # -- converting
 
     def _convert(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: Format, *, finished: bool
+        self, watch: Watch, path: Path, version: FileStamp, dest: Path, from_format: Format, *, finished: bool
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
         open for writing); otherwise a file that does not read may be one still being written."""
-        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
         base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         started = time.monotonic()
         try:
@@ -299,7 +300,7 @@ class Syncer:
                 ConvertRequest(
                     source=path,
                     dest=dest,
-                    to_format=from_format.converts_to,
+                    to_format=converts_to(from_format).name,
                     layout=watch.layout,
                     module_map=watch.module_map,
                     overwrite=overwrite,
@@ -320,7 +321,7 @@ class Syncer:
     def _converted(
         self,
         path: Path,
-        version: FileVersion,
+        version: FileStamp,
         dest: Path,
         result: ConvertResult,
         base: dict,
@@ -346,7 +347,7 @@ class Syncer:
         return Outcome(status)
 
     def _failed_or_later(
-        self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float, finished: bool
+        self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float, finished: bool
     ) -> Outcome:
         if isinstance(exc, SyncdError) and exc.kind == "busy":
             # changed, replaced or removed while we read it: never published; looked at again once quiet
@@ -396,8 +397,8 @@ class Syncer:
         return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
 
     def _existing_destination(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, base: dict
-    ) -> Outcome | tuple[FileIdentity | None, bool]:
+        self, watch: Watch, path: Path, version: FileStamp, dest: Path, base: dict
+    ) -> Outcome | tuple[FileStamp | None, bool]:
         """What to do about a destination that exists: an Outcome (done), or (replace_if, overwrite).
 
         syncd's own earlier output of this source is replaced (`updated`) whatever `on_exists` says; a file
@@ -426,7 +427,7 @@ class Syncer:
             )
         return None, watch.on_exists == "overwrite"
 
-    def _own_earlier_output(self, path: Path, dest: Path, root: Path) -> FileIdentity | None:
+    def _own_earlier_output(self, path: Path, dest: Path, root: Path) -> FileStamp | None:
         """The identity of `dest` if it provably is the output syncd published from `path` and nobody changed
         it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
         of `path`, and its `syncd.source` names `path`."""
@@ -439,15 +440,15 @@ class Syncer:
             info = os.lstat(dest)
         except FileNotFoundError:
             return None
-        if not stat.S_ISREG(info.st_mode) or not state.dest_version.same_as(FileVersion.from_stat(info)):
+        if not stat.S_ISREG(info.st_mode) or state.dest_version.changed(FileStamp.of(info)):
             return None
         if not state.dest_version.ctime_ns:
             return None  # recorded before ctimes were: not proof enough to replace it
         if _source_named_in(dest, root) != carry.file_label(path.name):
             return None
-        return FileIdentity.of(info)
+        return FileStamp.of(info)
 
-    def _failed(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float) -> Outcome:
+    def _failed(self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float) -> Outcome:
         status, transient = classify(exc)
         text = one_line(exc)
         kind = exc.kind if isinstance(exc, SyncdError) else "environment" if isinstance(exc, OSError) else None
@@ -484,7 +485,7 @@ class Syncer:
         )
 
 
-def _set_version(stats: list[os.stat_result]) -> FileVersion:
+def _set_version(stats: list[os.stat_result]) -> FileStamp:
     """One version for a whole set: the index's identity, the total size, the latest mtime of any file, and as
     its ctime a digest of every file's identity, size, mtime and ctime (the kernel moves a file's ctime on every
     write, so a shard rewritten in place with the same size, or replaced by `cp -p`/`rsync -t` with an older
@@ -493,9 +494,8 @@ def _set_version(stats: list[os.stat_result]) -> FileVersion:
     members = [(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in stats]
     digest = hashlib.blake2b(repr(members).encode("ascii"), digest_size=8).digest()
     every = int.from_bytes(digest, "little") >> 1 or 1  # non-zero (0 is "unknown"), within SQLite's INTEGER
-    return FileVersion(
-        index.st_dev, index.st_ino, sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats), None, every
-    )
+    total, latest = sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats)
+    return FileStamp(index.st_dev, index.st_ino, total, latest, ctime_ns=every)
 
 
 def _set_destination(watch: Watch, path: Path) -> Path | None:
@@ -587,7 +587,7 @@ def open_for_writing(path: Path) -> bool | None:
         os.close(fd)
 
 
-def _recently_changed(version: FileVersion) -> bool:
+def _recently_changed(version: FileStamp) -> bool:
     return time.time() - version.mtime_ns / 1e9 < INCOMPLETE_GRACE_SECONDS
 
 

@@ -50,9 +50,10 @@ from types import TracebackType
 from typing import Literal
 
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
+from syncd.formats.fileio import FileStamp
 
 __all__ = [
-    "FileIdentity",
+    "Published",
     "PublishResult",
     "Scratch",
     "ensure_destination_free",
@@ -84,26 +85,15 @@ _open_scratches: set[Path] = set()
 _open_lock = threading.Lock()
 
 
-@dataclass(frozen=True)
-class FileIdentity:
-    """One version of one file as the kernel describes it: any write, truncate, chmod or utime changes ctime."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, info: os.stat_result) -> FileIdentity:
-        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+# What publish did. "in_sync": the destination already held exactly these bytes; nothing changed.
+Published = Literal["published", "in_sync", "replaced"]
 
 
 @dataclass(frozen=True)
 class PublishResult:
-    """What publish did. "in_sync": the destination already held exactly these bytes; nothing changed."""
+    """What publish did, and where."""
 
-    status: Literal["published", "in_sync", "replaced"]
+    status: Published
     path: Path
 
 
@@ -201,7 +191,7 @@ def publish(
     scratch: Scratch,
     *,
     replace: bool = False,
-    replace_if: FileIdentity | None = None,
+    replace_if: FileStamp | None = None,
     source: Path | None = None,
     before_placing: Callable[[], None] | None = None,
 ) -> PublishResult:
@@ -302,7 +292,7 @@ def _publish_replacing(scratch: Scratch) -> PublishResult:
     return PublishResult("replaced" if existed else "published", scratch.dest)
 
 
-def _publish_replacing_ours(scratch: Scratch, expected: FileIdentity, source: Path | None) -> PublishResult:
+def _publish_replacing_ours(scratch: Scratch, expected: FileStamp, source: Path | None) -> PublishResult:
     """Replace the destination only while it is still the file we published (`expected`); else as new.
 
     The identity is checked as late as possible, right before the rename. A writer that changes the file in
@@ -313,7 +303,7 @@ def _publish_replacing_ours(scratch: Scratch, expected: FileIdentity, source: Pa
         theirs = os.lstat(scratch.dest)
     except FileNotFoundError:
         return _publish_new(scratch, source)  # gone meanwhile: publish without replacing anything
-    if not stat.S_ISREG(theirs.st_mode) or FileIdentity.of(theirs) != expected:
+    if not stat.S_ISREG(theirs.st_mode) or expected.changed(FileStamp.of(theirs)):
         raise ConflictError(
             "changed since syncd published it (someone else's file now); nothing was replaced", str(scratch.dest)
         )
