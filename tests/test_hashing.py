@@ -55,7 +55,7 @@ def test_an_unknown_hash_is_refused() -> None:
 
 
 def test_the_daemon_knows_its_outputs_by_either_recorded_hash(tmp_path: Path) -> None:
-    from syncd.daemon.sync import _carries_source
+    from syncd.daemon.ownership import carries_source as _carries_source
     from syncd.engine.convert import ConvertRequest, convert
 
     source = tmp_path / MNIST_BPK.name

@@ -18,7 +18,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -201,7 +201,7 @@ class StateDB:
         self._upsert(values)
         return not repeated
 
-    def retry_failures(self, sources: list[PathArg] | None = None, *, kind: str | None = None) -> list[str]:
+    def retry_failures(self, sources: Sequence[PathArg] | None = None, *, kind: str | None = None) -> list[str]:
         """Make failures retryable (all, those of `sources`, or those of one `kind`); returns their paths.
 
         Their status becomes "retry": the next look is a first look (a failure that repeats is logged again,

@@ -43,6 +43,7 @@ import platform
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,8 @@ __all__ = [
     "open_scratch",
     "publish",
     "remove_stale_scratch",
+    "remove_if_stale",
+    "scratch_target",
     "abandon_open_scratches",
 ]
 
@@ -248,9 +251,32 @@ def remove_stale_scratch(directory: Path) -> list[Path]:
     return removed
 
 
+def scratch_target(name: str) -> str | None:
+    """The name of the destination a scratch file named `name` is being built for (None if it is not one;
+    a name shortened to fit NAME_MAX gives its shortened form)."""
+    match = _SCRATCH_RE.fullmatch(name)
+    return None if match is None else match.group("name")
+
+
+def remove_if_stale(path: Path, min_age: float = 0.0) -> bool:
+    """Delete the scratch file `path` if no living process holds it; True if it went. An empty one younger
+    than `min_age` seconds is kept: its writer may be between creating it and locking it (open_scratch), a
+    window worth guarding only when scratch files are looked for while daemons run (not at start-up)."""
+    if _SCRATCH_RE.fullmatch(path.name) is None:
+        return False
+    if min_age > 0:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if info.st_size == 0 and time.time() - info.st_ctime < min_age:
+            return False
+    return _remove_if_unheld(path)
+
+
 def _remove_if_unheld(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_to_lock(path)
     except OSError:
         return False  # gone, a symlink (ELOOP), unreadable: not ours to judge
     try:
@@ -269,6 +295,19 @@ def _remove_if_unheld(path: Path) -> bool:
         return (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino) and _unlink_quietly(path)
     finally:
         os.close(fd)
+
+
+def _open_to_lock(path: Path) -> int:
+    """A descriptor to try `path`'s lock through: open for writing where we may, since NFS carries flock to its
+    lock manager as a whole-file POSIX lock, and an exclusive one needs a descriptor open for writing (a
+    read-only one gets EBADF there, which would keep every dead node's scratch forever)."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if stat.S_ISREG(os.lstat(path).st_mode):  # never open anything else for writing (a device planted there)
+        try:
+            return os.open(path, os.O_RDWR | flags)
+        except PermissionError:
+            pass  # a read-only scratch file (its source's mode) of a daemon not running as root
+    return os.open(path, os.O_RDONLY | flags)
 
 
 def _scratch_name(name: str, pid: int, n: int) -> str:
