@@ -76,10 +76,11 @@ CITED = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
 
 
 def cited_in_code(repo: Path) -> dict[str, list[str]]:
-    """Every `docs/FILE.md#anchor` the code, tests and benchmark cite, by the file citing it."""
+    """Every `docs/FILE.md#anchor` the code, tests, benchmark, example configs and units cite, by citing file."""
     cited: dict[str, list[str]] = {}
-    for path in sorted(repo.glob("syncd/**/*")) + sorted(repo.glob("tests/**/*.py")) + sorted(repo.glob("bench/*")):
-        if path.suffix in (".py", ".yaml", ".md", ".c") and path.is_file() and path.name != "test_docs.py":
+    places = ("syncd/**/*", "tests/**/*.py", "bench/*", "config/*", "systemd/**/*")
+    for path in sorted(path for place in places for path in repo.glob(place)):
+        if path.suffix in (".py", ".yaml", ".md", ".c", ".service") and path.is_file() and path.name != "test_docs.py":
             found = [match.group(0) for match in CITED.finditer(path.read_text(errors="replace"))]
             if found:
                 cited[str(path.relative_to(repo))] = found
