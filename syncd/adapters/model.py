@@ -140,6 +140,9 @@ class AdapterPlan:
     decisions: list[str]  # human lines: the file's layout first, then one line per module
     kinds: dict[str, str] = field(default_factory=dict)  # module path -> kind ("" is the root module)
     packed: frozenset[str] = frozenset()  # source tensors of packed MHA/RNN modules (all Linears in Burn)
+    # what a user must see even without -v (also among `decisions`): kinds taken on a naming convention alone,
+    # index gaps a Burn Vec cannot load, rules that matched nothing
+    notes: list[str] = field(default_factory=list)
 
     @property
     def is_identity(self) -> bool:

@@ -97,10 +97,15 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PATTERN=REPLACEMENT",
-        help="rename tensors as Burn's KeyRemapper (repeatable, applied in order; $1 for groups)",
+        help="rename tensors as Burn's KeyRemapper (repeatable, applied in order; $1 for groups); the rules "
+        "see the source's names as in the file, as in Burn: a .safetensors' norm1.weight, a .bpk's norm1.gamma; "
+        "a rule set that moves part of a module is refused",
     )
     stores.add_argument(
-        "--map-indices-contiguous", action="store_true", help="renumber indices 0..n-1 (fc.0, fc.2 -> fc.0, fc.1)"
+        "--map-indices-contiguous",
+        action="store_true",
+        help="renumber indices 0..n-1 (fc.0, fc.2 -> fc.0, fc.1) as a Burn Vec expects; off by default, as in "
+        "Burn's SafetensorsStore (its PytorchStore turns it on); undone on the way back",
     )
     stores.add_argument("--include", action="append", default=[], metavar="REGEX", help="only tensors matching")
     stores.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="leave out tensors matching")
@@ -285,6 +290,9 @@ def _convert(args: argparse.Namespace) -> int:
     )
     if args.verbose:
         for line in result.decisions:
+            print(f"  {line}")
+    else:
+        for line in result.notes:
             print(f"  {line}")
     if args.verbose or len(result.dropped) <= SHOWN_CARRIED:
         for name in result.dropped:

@@ -209,6 +209,12 @@ def check_config(path: str | os.PathLike[str]) -> list[str]:
     return [str(problem) for problem in problems]
 
 
+REMAP_SEES = (
+    "applied to the source's names as in the file, before the layout adapter renames weight/bias to "
+    "gamma/beta (as Burn's stores do): a .safetensors' weight/bias/running_mean, a .bpk's gamma/beta"
+)
+
+
 def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, user: str | None = None) -> int:
     """`syncd check-config FILE`: prints one line per problem; 0 when valid, 2 when not. A valid config also
     gets a warning line for each watched tree `user` (default: the caller) cannot list, read or write."""
@@ -222,6 +228,9 @@ def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, us
 
     for warning in access_warnings(config, user):
         print(warning, file=out)
+    for i, watch in enumerate(config.watches):
+        if watch.remap:  # which names the rules see changed once (Burn's order): say it where they are checked
+            print(f"{path}: watches[{i}].remap: {len(watch.remap)} rules, {REMAP_SEES}", file=out)
     count = len(config.watches)
     print(f"{path}: valid ({count} watch{'es' if count != 1 else ''})", file=out)
     return 0

@@ -118,6 +118,7 @@ class ConvertResult:
     left_out: list[str] = field(default_factory=list)  # excluded by the tensor filter
     cast: list[str] = field(default_factory=list)  # tensors whose precision changed
     files: list[Path] = field(default_factory=list)  # every file written (a set: its shards, then its index)
+    notes: list[str] = field(default_factory=list)  # shown without -v: guesses by convention, index gaps
 
 
 def default_destination(source: Path, to_format: str) -> Path:
@@ -165,6 +166,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
         left_out=conversion.store.left_out,
         cast=sorted(conversion.store.casts),
         files=conversion.output_paths(),
+        notes=conversion.plan.notes,
     )
 
 
@@ -321,7 +323,8 @@ def _adapt(
             module_map=request.module_map,
             context=context,
         )
-        store = apply_options(adapted, refs, real, request.store)
+        restoring = list(carried.dropped) if to_layout == PYTORCH else []
+        store = apply_options(adapted, refs, real, request.store, restoring)
     except SyncdError as exc:
         raise _naming_file(exc, source.path) from None
     return _with_store(adapted, store), store
@@ -335,6 +338,8 @@ def _with_store(plan: AdapterPlan, store: StorePlan) -> AdapterPlan:
     plan.decisions += [f"left out by the tensor filter: {name}" for name in store.left_out]
     if store.renames:
         plan.decisions.append(f"renamed {len(store.renames)} tensors (remap rules, contiguous indices)")
+    plan.decisions += store.notes
+    plan.notes += store.notes
     if store.restored:
         plan.decisions.append(f"restored the original names of {len(store.restored)} tensors (carried renames)")
     for dtype in sorted(set(store.casts.values())):
@@ -470,9 +475,10 @@ def verify_one_pass(
         if c.request.verify == "full":
             check_digests(written.ledger, output)
             verify_full([(piece, s.name, at) for s in specs for piece, at in source_pieces(s.fill)], output)
+        carried_as = {final: carried for carried, final in c.store.carried_names.items()}
         for spec in specs:
             if spec.name in c.restored:
-                if output.read(spec.name) != c.carried.dropped[spec.name][2]:
+                if output.read(spec.name) != c.carried.dropped[carried_as.get(spec.name, spec.name)][2]:
                     raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
             elif spec.name in c.casts:
                 c.casts[spec.name].verify(output, spec.name)

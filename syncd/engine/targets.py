@@ -141,7 +141,8 @@ class SafetensorsTarget(Target):
         if c.plan.target_layout != PYTORCH_LAYOUT:
             return []
         specs = []
-        for name, (dtype, shape, data) in c.carried.dropped.items():
+        for carried, (dtype, shape, data) in c.carried.dropped.items():
+            name = c.store.carried_names.get(carried, carried)  # moved with its module by the remap rules
             if name in taken:
                 raise FormatError(f"carried tensor '{name}' collides with a converted tensor", c.source.path)
             specs.append(TensorSpec(name, dtype, shape, len(data), _bytes_fill(data)))
