@@ -368,21 +368,28 @@ def test_gpt2_conv1d_is_kept_and_the_decisions_name_their_sources(tmp_path: Path
     torch.manual_seed(1)
     model = _gpt2()
     model.save_pretrained(tmp_path)
-    done = run_cli("convert", tmp_path / "model.safetensors", "-v")
-    assert done.returncode == 0, done.stderr
-    lines = [line.strip() for line in done.stdout.splitlines()]
-    assert (
-        "source layout: pytorch (shown by format: pt metadata; names of transformer.h.0.ln_1, transformer.h.0.ln_2, "
-        "transformer.ln_f)" in lines
-    )
-    assert "config.json model_type 'gpt2': known architecture gpt2" in lines
-    assert any(
-        line.startswith("transformer.h.0.mlp.c_fc: LinearInOut (config.json model_type 'gpt2'")
-        and line.endswith("-> unchanged: weight stays [in, out] (Burn's Linear layout)")
-        for line in lines
-    )
-    c_fc = model.transformer.h[0].mlp.c_fc.weight
-    assert read_bpk(tmp_path / "model.bpk").tensors["transformer.h.0.mlp.c_fc.weight"].shape == tuple(c_fc.shape)
+    # with transformers importable the model's own definition decides; without it, the architectures table
+    for hide, evidence in (((), "model definition GPT2LMHeadModel (transformers "), (("transformers",), None)):
+        done = run_cli("convert", tmp_path / "model.safetensors", "-v", "--overwrite", hide=hide)
+        assert done.returncode == 0, done.stderr
+        lines = [line.strip() for line in done.stdout.splitlines()]
+        assert (
+            "source layout: pytorch (shown by format: pt metadata; names of transformer.h.0.ln_1, "
+            "transformer.h.0.ln_2, transformer.ln_f)" in lines
+        )
+        assert "config.json model_type 'gpt2': known architecture gpt2" in lines
+        decided_by = evidence or "config.json model_type 'gpt2'"
+        assert any(
+            line.startswith(f"transformer.h.0.mlp.c_fc: LinearInOut ({decided_by}")
+            and line.endswith("-> unchanged: weight stays [in, out] (Burn's Linear layout)")
+            for line in lines
+        ), lines
+        if hide:
+            assert (
+                "model definition not used: transformers is not installed (pip install 'syncd[transformers]')" in lines
+            )
+        c_fc = model.transformer.h[0].mlp.c_fc.weight
+        assert read_bpk(tmp_path / "model.bpk").tensors["transformer.h.0.mlp.c_fc.weight"].shape == tuple(c_fc.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -664,7 +671,8 @@ def test_packed_tensors_without_a_burn_slot_are_refused_naming_the_tensor(
 
 def test_the_sync_log_records_each_decision_with_its_source(tmp_path: Path) -> None:
     """The daemon converts a save_pretrained directory dropped into a watch; its log line says where each
-    decision came from (config.json, names, metadata) and the way back needs nothing either."""
+    decision came from (the model's definition, config.json, names, metadata) and the way back needs nothing
+    either."""
     from daemonutil import DaemonRun
 
     torch.manual_seed(4)
@@ -682,7 +690,8 @@ def test_the_sync_log_records_each_decision_with_its_source(tmp_path: Path) -> N
     assert layout[0] == "pytorch -> burn"
     assert "config.json model_type 'gpt2': known architecture gpt2" in layout
     assert any(line.startswith("source layout: pytorch (shown by format: pt metadata") for line in layout)
-    assert any(line.startswith("transformer.wte: Embedding (config.json model_type 'gpt2'") for line in layout)
+    assert "module types from the model definition GPT2LMHeadModel (transformers " + hf.__version__ + ")" in layout
+    assert any(line.startswith("transformer.wte: Embedding (model definition GPT2LMHeadModel") for line in layout)
     assert_burn_layout(model, tmp_path / "saved" / "model.safetensors", runs / "model.bpk")
 
 

@@ -2,7 +2,8 @@
 
 The adapters do no I/O (README, "Layers"); the convert layer reads the `config.json` a Hugging Face
 `save_pretrained` writes beside the weights, and passes its parsed contents with the file's own metadata and
-syncd record as one `FileContext` (issue 13's evidence order is applied in `syncd.adapters`).
+syncd record as one `FileContext` (issue 13's evidence order is applied in `syncd.adapters`), with the module
+types of the model that config names, where `transformers` can build its class (definition.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from syncd.adapters import FileContext
+from syncd.engine.definition import definition_for
 
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB; anything larger is not one
@@ -23,12 +25,14 @@ def gather_context(
     source: str, metadata: dict[str, str], recorded_layout: str | None, recorded_kinds: dict[str, str]
 ) -> FileContext:
     config, note = read_config_beside(Path(source))
+    definition, definition_note = definition_for(config)
     return FileContext(
         metadata=dict(metadata),
         recorded_layout=recorded_layout,
         recorded_kinds=dict(recorded_kinds),
         config=config,
-        notes=(note,) if note else (),
+        notes=tuple(n for n in (note, definition_note) if n),
+        definition=definition,
     )
 
 
