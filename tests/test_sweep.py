@@ -20,13 +20,13 @@ from conftest import REPO
 from convcheck import hiding, read_bpk, read_safetensors
 from hfsweep import SWEEP_TYPES, build, expected_burn, save
 
-# One interpreter runs the CLI's own `main` once per model (as `syncd convert SOURCE -o DEST --json -v` each):
-# a real process with its own imports, paying Python's and transformers' start-up once, not per model.
+# One interpreter runs the CLI's own `main` once per command line (as `syncd ARGS` each): a real process with
+# its own imports, paying Python's and transformers' start-up once, not per model.
 DRIVER = """
-import sys
+import json, sys
 from syncd.cli import main
-for source, dest, modules in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
-    main(["convert", source, "-o", dest, "--json", "-v", *(["--modules", modules] if modules else [])])
+for argv in json.loads(sys.argv[1]):
+    main(argv)
     sys.stdout.flush()
 """
 
@@ -39,6 +39,7 @@ class Counts:
     refused_with_map: list[str] = field(default_factory=list)
     wrong: dict[str, list[str]] = field(default_factory=dict)
     refused_without_map: dict[str, str] = field(default_factory=dict)
+    without_definition: list[str] = field(default_factory=list)  # converted, the model's definition unused
 
     def line(self, label: str) -> str:
         return (
@@ -60,15 +61,22 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Exp
     return found
 
 
-def convert_all(jobs: list[tuple[Path, Path, Path | None]], hide: tuple[str, ...]) -> list[dict]:
-    """Run the CLI's convert on every (source, dest, module map) in one fresh interpreter; its JSON results."""
+def run_all(commands: list[list[str]], hide: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """Run every `syncd ARGS` of `commands` in one fresh interpreter that cannot import the `hide` packages."""
     path = [str(REPO), *([hiding(hide)] if hide else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.pop("SYNCD_DEBUG", None)
-    args = [str(part) if part is not None else "" for job in jobs for part in job]
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER, *args], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    argv = [sys.executable, "-c", DRIVER, json.dumps(commands)]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+def convert_all(jobs: list[tuple[Path, Path, Path | None]], hide: tuple[str, ...]) -> list[dict]:
+    """`syncd convert SOURCE -o DEST --json -v [--modules MAP]` for every job; their JSON results."""
+    commands = [
+        ["convert", str(source), "-o", str(dest), "--json", "-v", *(["--modules", str(map_)] if map_ else [])]
+        for source, dest, map_ in jobs
+    ]
+    done = run_all(commands, hide)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(jobs), done.stderr[-2000:]
     return results
@@ -101,6 +109,8 @@ def sweep(saved: dict[str, tuple[Path, Expected]], out: Path, hide: tuple[str, .
             continue
         wrong = wrong_tensors(out / f"{name}.bpk", expected)
         counts.converted.append(name) if not wrong else counts.wrong.setdefault(name, wrong)
+        if not any(line.startswith("module types from the model definition") for line in result["decisions"]):
+            counts.without_definition.append(name)
     # a refusal counts as one only if the map it printed, used as printed, gives the right file
     jobs = [(saved[name][0], out / f"{name}.mapped.bpk", out / f"{name}.yaml") for name in retries]
     for name, result in zip(retries, convert_all(jobs, hide) if jobs else [], strict=True):
@@ -126,6 +136,7 @@ def test_with_transformers_every_family_converts_with_no_flags_and_none_is_wrong
     assert counts.wrong == {}
     assert counts.refused_with_map == [] and counts.refused_without_map == {}
     assert len(counts.converted) == len(saved)
+    assert counts.without_definition == []  # every family's own definition decided its module kinds
 
 
 def test_without_transformers_none_is_wrong_and_each_refusal_prints_the_map_that_settles_it(
@@ -136,3 +147,23 @@ def test_without_transformers_none_is_wrong_and_each_refusal_prints_the_map_that
     assert counts.wrong == {}
     assert counts.refused_without_map == {}
     assert len(counts.converted) + len(counts.refused_with_map) == len(saved)
+
+
+def test_the_maps_syncd_modules_writes_give_a_daemon_without_transformers_the_same_files(
+    saved: dict[str, tuple[Path, Expected]], tmp_path: Path
+) -> None:
+    """`syncd modules DIR -o MAP` where transformers is installed; then, without it, every family converts with
+    that map and no other flag, and every tensor is as its module type dictates."""
+    maps = {name: tmp_path / f"{name}.yaml" for name in saved}
+    done = run_all([["modules", str(source.parent), "-o", str(maps[name])] for name, (source, _) in saved.items()], ())
+    assert all(path.exists() for path in maps.values()), done.stdout + done.stderr[-2000:]
+    jobs = [(source, tmp_path / f"{name}.bpk", maps[name]) for name, (source, _) in saved.items()]
+    results = convert_all(jobs, hide=("transformers",))
+    refused = {name: r["error"] for name, r in zip(saved, results, strict=True) if r["status"] == "error"}
+    assert refused == {}
+    wrong = {
+        name: found
+        for name, (source, expected) in saved.items()
+        if (found := wrong_tensors(tmp_path / f"{name}.bpk", expected))
+    }
+    assert wrong == {}

@@ -93,6 +93,7 @@ class ModelDefinition:
 
     kinds: dict[str, str]
     source: str  # e.g. "model definition LlamaForCausalLM (transformers 5.24.0)"
+    written: tuple[str, ...] = ()  # the tensor names save_pretrained writes, in its order
 
 
 @dataclass(frozen=True)

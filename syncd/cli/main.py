@@ -1,4 +1,4 @@
-"""The `syncd` command line: convert, inspect, run (the daemon), status, log, check-config, completion.
+"""The `syncd` command line: convert, inspect, run (the daemon), status, log, check-config, modules, completion.
 
 Every error a user sees is one line naming the file and what is wrong (a JSON document with `--json`); exit
 status 1 for bad input or a refused conversion, 2 for usage and configuration errors, 3 when the destination
@@ -70,6 +70,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from syncd.daemon.logview import add_log_arguments
 
         add_log_arguments(log)
+    modules = commands.add_parser("modules", help="write a model's exact module map from its definition")
+    if command in (None, "modules"):
+        from syncd.cli.modules import add_arguments
+
+        add_arguments(modules)
     completion = commands.add_parser("completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash"])
     return parser
@@ -224,6 +229,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from syncd.daemon.logview import run_log_command
 
         return run_log_command(args)
+    if args.command == "modules":
+        from syncd.cli.modules import run
+
+        return run(args)
     if args.command == "completion":
         from syncd.cli.completion import bash_completion
 

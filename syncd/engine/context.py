@@ -14,8 +14,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from syncd.adapters import FileContext
+from syncd.adapters import FileContext, ModelDefinition
 from syncd.engine.definition import definition_for
+from syncd.errors import SyncdError
 
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB; anything larger is not one
@@ -36,14 +37,33 @@ def gather_context(
     )
 
 
+def definition_of(config_path: Path) -> ModelDefinition:
+    """The definition of the model a config.json (or the directory holding one) describes, for `syncd modules`;
+    SyncdError naming the file when it cannot be had."""
+    path = config_path / CONFIG_NAME if config_path.is_dir() else config_path
+    if not path.exists():
+        raise SyncdError("not found: name a save_pretrained directory or its config.json", str(path))
+    config, note = read_config(path)
+    if config is None:
+        raise SyncdError(note or "not a model's config: it names no model_type", str(path))
+    definition, note = definition_for(config)
+    if definition is None:
+        raise SyncdError(note or "no model definition", str(path))
+    return definition
+
+
 def read_config_beside(source: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(the parsed config.json in the source's directory, or None; a note when one is there but unusable).
 
     A config that cannot be used never stops a conversion: the names and shapes still decide, and the note
-    says why it was passed over. Opened without following a symlink and never blocking (a FIFO named
-    config.json is not read).
+    says why it was passed over.
     """
-    path = source.parent / CONFIG_NAME
+    return read_config(source.parent / CONFIG_NAME)
+
+
+def read_config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the parsed config at `path`, or None; a note when one is there but unusable). Opened without following
+    a symlink and never blocking (a FIFO named config.json is not read)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

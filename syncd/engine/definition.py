@@ -75,18 +75,23 @@ def _cached_definition(config_json: str) -> tuple[ModelDefinition | None, str | 
         return None, f"model definition not used: transformers cannot build it ({text})"
     kinds = _saved_module_kinds(model, torch)
     source = f"model definition {class_name} (transformers {transformers.__version__})"
-    return ModelDefinition(kinds, source), None
+    return ModelDefinition(kinds, source, tuple(_written_names(model))), None
 
 
 def _build_on_meta(transformers: Any, torch: Any, config: dict[str, Any]) -> tuple[Any, str]:
     """The model class `architectures` names (else the base model of `model_type`), its parameters on the meta
-    device. The config is read from the dict (no file, no hub); remote code is never run."""
+    device. The config comes from the parsed config.json, read as its config class reads it (no hub, no
+    download); remote code is never run."""
     transformers.logging.set_verbosity_error()
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise ValueError("config.json has no model_type")
-    settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-    auto_config = transformers.AutoConfig.for_model(model_type, **settings)
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"transformers {transformers.__version__} has no model type {model_type!r}")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    # as the config class reads its own file: floats JSON cannot hold are written {"__float__": "Infinity"}
+    decode = getattr(config_class, "_decode_special_floats", None)
+    auto_config = config_class.from_dict(decode(config) if decode is not None else config)
     classes = [c for c in config.get("architectures") or [] if isinstance(c, str)]
     model_class = next((getattr(transformers, c) for c in classes if hasattr(transformers, c)), None)
     with warnings.catch_warnings(), torch.device("meta"):
@@ -125,6 +130,15 @@ def _saved_names(model: Any) -> dict[str, str]:
         return {}
     by_identity = {id(value): name for name, value in state.items()}
     return {name: by_identity[id(value)] for name, value in saved.items() if id(value) in by_identity}
+
+
+def _written_names(model: Any) -> list[str]:
+    """The tensor names save_pretrained writes: the state dict under its saved names, less the weights tied to
+    another one (`all_tied_weights_keys`: tied -> source), which it stores once, under the source's name."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    state = model.state_dict()
+    saved = _saved_names(model) or {name: name for name in state}
+    return [name for name, original in saved.items() if not (original in tied and tied[original] in state)]
 
 
 def module_kind(module: Any, torch: Any) -> str | None:
