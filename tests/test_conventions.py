@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as hf
+import yaml
 from convcheck import assert_one_line_error, read_bpk, read_safetensors, run_cli, transposed
 from safetensors.torch import save_file
 from torch import nn
@@ -181,3 +182,42 @@ def test_with_the_flag_the_names_a_burn_vec_expects_and_back_bit_exact(mlp: Path
     back = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "back.safetensors")
     assert back.returncode == 0, back.stderr
     assert read_safetensors(tmp_path / "back.safetensors").tensors == source
+
+
+# ---------------------------------------------------------------------------------------------------------
+# syncd modules: the exact map, from the model's definition, for a daemon without transformers
+
+
+def test_syncd_modules_prints_the_exact_map_and_a_daemon_without_transformers_plans_the_same(
+    neox: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
+    directory, _ = neox
+    printed = run_cli("modules", directory)
+    assert printed.returncode == 0, printed.stderr
+    data = yaml.safe_load(printed.stdout)
+    assert data["modules"]["embed_out"] == "Linear" and data["modules"]["gpt_neox.embed_in"] == "Embedding"
+    assert data["modules"]["gpt_neox.layers.0.input_layernorm"] == "LayerNorm"
+    written = run_cli("modules", directory / "config.json", "-o", tmp_path / "map.yaml")
+    assert written.returncode == 0 and written.stdout.startswith(f"wrote {tmp_path / 'map.yaml'}: ")
+    assert yaml.safe_load((tmp_path / "map.yaml").read_text()) == data
+    source = directory / "model.safetensors"
+    mapped = run_cli(
+        "convert", source, "-o", tmp_path / "mapped.bpk", "--modules", tmp_path / "map.yaml", hide=("transformers",)
+    )
+    assert mapped.returncode == 0, mapped.stderr
+    assert "naming convention" not in mapped.stdout  # the map decided every module: nothing guessed
+    defined = run_cli("convert", source, "-o", tmp_path / "defined.bpk")
+    assert defined.returncode == 0, defined.stderr
+    assert read_bpk(tmp_path / "mapped.bpk").tensors == read_bpk(tmp_path / "defined.bpk").tensors
+
+
+def test_syncd_modules_says_in_one_line_why_it_cannot(neox: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    directory, _ = neox
+    hidden = run_cli("modules", directory, hide=("transformers",))
+    assert_one_line_error(hidden, 1, str(directory / "config.json"), "pip install 'syncd[transformers]'")
+    missing = run_cli("modules", tmp_path)
+    assert_one_line_error(missing, 1, str(tmp_path / "config.json"), "not found")
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    unknown = run_cli("modules", tmp_path / "config.json", "-o", tmp_path / "map.yaml")
+    assert_one_line_error(unknown, 1, "no model type 'no-such-family'")
+    assert not (tmp_path / "map.yaml").exists()
