@@ -52,7 +52,7 @@ def test_check_config_says_which_names_the_rules_see(tmp_path: Path, runs: Path)
 
 def test_defaults(tmp_path: Path, runs: Path) -> None:
     (watch,) = load_config(write_config(tmp_path, "watches:\n  - path: runs\n")).watches
-    assert (watch.remap, watch.map_indices_contiguous) == ((), False)
+    assert (watch.remap, watch.map_indices_contiguous) == ((), None)  # None: as Burn's store for the format
     assert (watch.tensor_include, watch.tensor_exclude) == ((), ())
     assert (watch.precision, watch.shard_size) == (None, None)
 

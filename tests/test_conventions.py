@@ -166,6 +166,10 @@ def test_gaps_in_a_sequentials_indices_are_named_with_the_flag_that_closes_them(
     assert len(notes) == 1 and "fc.0, fc.2, fc.4" in notes[0], done.stdout
     as_json = run_cli("convert", mlp, "-o", tmp_path / "gaps2.bpk", "--json")
     assert any("--map-indices-contiguous" in line for line in json.loads(as_json.stdout)["decisions"])
+    # --no-map-indices-contiguous: the indices stay as they are in the file
+    kept = run_cli("convert", mlp, "-o", tmp_path / "gaps3.bpk", "--no-map-indices-contiguous")
+    assert kept.returncode == 0, kept.stderr
+    assert sorted(read_bpk(tmp_path / "gaps3.bpk").tensors) == sorted(read_safetensors(mlp).tensors)
 
 
 def test_with_the_flag_the_names_a_burn_vec_expects_and_back_bit_exact(mlp: Path, tmp_path: Path) -> None:

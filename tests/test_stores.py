@@ -115,3 +115,12 @@ def test_a_rule_written_for_burns_names_on_a_pytorch_file_is_noted() -> None:
     assert applied.notes == [
         "note: remap rule '\\.gamma$' matched no tensor name (rules see the source's names, as in Burn)"
     ]
+
+
+def test_contiguous_indices_default_to_what_burns_store_for_the_source_format_does() -> None:
+    # SafetensorsStore keeps indices as they are, PytorchStore makes them contiguous; an explicit choice wins
+    assert StoreOptions().for_source("safetensors").map_indices_contiguous is False
+    assert StoreOptions().for_source("burnpack").map_indices_contiguous is False
+    assert StoreOptions().for_source("pt").map_indices_contiguous is True
+    assert StoreOptions(map_indices_contiguous=False).for_source("pt").map_indices_contiguous is False
+    assert StoreOptions(map_indices_contiguous=True).for_source("safetensors").map_indices_contiguous is True

@@ -112,7 +112,7 @@ class Watch:
     poll: bool = False
     # Burn's store vocabulary (issue 16); see syncd/adapters/keys.py and precision.py for the semantics
     remap: tuple[tuple[str, str], ...] = ()  # ordered (pattern, replacement) rules, Rust replacement syntax
-    map_indices_contiguous: bool = False
+    map_indices_contiguous: bool | None = None  # None: as Burn's store for the source's format
     tensor_include: tuple[str, ...] = ()  # regexes searched in tensor names; none: every tensor
     tensor_exclude: tuple[str, ...] = ()
     precision: str | None = None  # f16 | bf16 | f32 (f32: restore what an earlier conversion cast down)
@@ -460,6 +460,10 @@ class _Section:
     def boolean(self, name: str, default: bool) -> bool:
         return self._get(name, default, lambda v: isinstance(v, bool), "true or false")
 
+    def optional_boolean(self, name: str) -> bool | None:
+        """true or false, or None where the key is absent (a default that depends on more than the config)."""
+        return self._get(name, None, lambda v: isinstance(v, bool), "true or false")
+
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         return self._get(name, default, lambda v: v in choices, f"one of {', '.join(choices)}", choices)
 
@@ -582,7 +586,7 @@ class _ConfigBuilder:
             modules_file=modules_file,
             poll=section.boolean("poll", False),
             remap=_remap_rules(self.file, section),
-            map_indices_contiguous=section.boolean("map_indices_contiguous", False),
+            map_indices_contiguous=section.optional_boolean("map_indices_contiguous"),
             **_tensor_filter(self.file, section),
             precision=None if section.raw("precision") is None else section.choice("precision", None, PRECISIONS),
             shard_size=_shard_size(self.file, section),

@@ -324,7 +324,8 @@ def _adapt(
             context=context,
         )
         restoring = list(carried.dropped) if to_layout == PYTORCH else []
-        store = apply_options(adapted, refs, real, request.store, restoring)
+        options = request.store.for_source(source.header.format)
+        store = apply_options(adapted, refs, real, options, restoring)
     except SyncdError as exc:
         raise _naming_file(exc, source.path) from None
     return _with_store(adapted, store), store

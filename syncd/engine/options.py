@@ -33,16 +33,29 @@ class SplitModuleError(SyncdError):
     """Remap rules that move some tensors of a module and not the others."""
 
 
+# Burn's defaults for what a user leaves unsaid, by the format of the source, as the Burn store that reads that
+# format has them: SafetensorsStore keeps indices as they are (crates/burn-store/src/safetensors/store.rs),
+# PytorchStore makes them contiguous (crates/burn-store/src/pytorch/store.rs). docs/conversion-evidence.md
+# lists where syncd's defaults differ from Burn's.
+CONTIGUOUS_BY_DEFAULT = {"safetensors": False, "burnpack": False, "pt": True}
+
+
 @dataclass(frozen=True)
 class StoreOptions:
     remap: tuple[RemapRule, ...] = ()
-    map_indices_contiguous: bool = False
+    map_indices_contiguous: bool | None = None  # None: the source format's default (CONTIGUOUS_BY_DEFAULT)
     tensors: TensorFilter = field(default_factory=TensorFilter)
     precision: str | None = None  # f16 | bf16 | f32
 
     @property
     def renames_names(self) -> bool:
-        return bool(self.remap) or self.map_indices_contiguous
+        return bool(self.remap) or bool(self.map_indices_contiguous)
+
+    def for_source(self, source_format: str) -> StoreOptions:
+        """These options with what they leave unsaid set as Burn's store for `source_format` has it."""
+        if self.map_indices_contiguous is not None:
+            return self
+        return replace(self, map_indices_contiguous=CONTIGUOUS_BY_DEFAULT.get(source_format, False))
 
 
 @dataclass
