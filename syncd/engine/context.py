@@ -2,7 +2,7 @@
 
 The adapters do no I/O (README, "Layers"); the convert layer reads the `config.json` a Hugging Face
 `save_pretrained` writes beside the weights, and passes its parsed contents with the file's own metadata and
-syncd record as one `FileContext` (issue 13's evidence order is applied in `syncd.adapters`), with the module
+syncd record as one `FileContext` (the order of the evidence is applied in `syncd.adapters`), with the module
 types of the model that config names, where `transformers` can build its class (definition.py).
 """
 
