@@ -18,6 +18,8 @@ from convcheck import assert_one_line_error, read_bpk, read_safetensors, run_cli
 from safetensors.torch import save_file
 from torch import nn
 
+from syncd.adapters import FileContext, ModelDefinition, TensorRef, plan_conversion
+
 HIDE = {"with transformers": (), "without transformers": ("transformers",)}
 
 
@@ -225,3 +227,21 @@ def test_syncd_modules_says_in_one_line_why_it_cannot(neox: tuple[Path, nn.Modul
     unknown = run_cli("modules", tmp_path / "config.json", "-o", tmp_path / "map.yaml")
     assert_one_line_error(unknown, 1, "no model type 'no-such-family'")
     assert not (tmp_path / "map.yaml").exists()
+
+
+def test_the_models_definition_joins_burns_attention_pieces_back_into_its_multihead_attention() -> None:
+    """A Burn file beside the config of a model whose `attn` is an nn.MultiheadAttention: its query/key/value
+    Linears are joined back into in_proj_weight by the module's type, with no map or record."""
+    table = [
+        TensorRef(f"blocks.0.attn.{field}.{leaf}", "F32", (8, 8) if leaf == "weight" else (8,))
+        for field in ("query", "key", "value", "output")
+        for leaf in ("weight", "bias")
+    ]
+    table += [TensorRef("blocks.0.norm.gamma", "F32", (8,)), TensorRef("blocks.0.norm.beta", "F32", (8,))]
+    alone = plan_conversion(table, to_layout="pytorch")
+    assert not any(e.parts for e in alone.entries)  # names alone never join them
+    definition = ModelDefinition({"blocks.0.attn": "MultiHeadAttention", "blocks.0.norm": "LayerNorm"}, "model X")
+    plan = plan_conversion(table, to_layout="pytorch", context=FileContext(definition=definition))
+    joined = {e.target: e for e in plan.entries}["blocks.0.attn.in_proj_weight"]
+    assert [p.source for p in joined.parts] == [f"blocks.0.attn.{f}.weight" for f in ("query", "key", "value")]
+    assert plan.kinds["blocks.0.attn"] == "MultiHeadAttention"
