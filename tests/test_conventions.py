@@ -245,3 +245,14 @@ def test_the_models_definition_joins_burns_attention_pieces_back_into_its_multih
     joined = {e.target: e for e in plan.entries}["blocks.0.attn.in_proj_weight"]
     assert [p.source for p in joined.parts] == [f"blocks.0.attn.{f}.weight" for f in ("query", "key", "value")]
     assert plan.kinds["blocks.0.attn"] == "MultiHeadAttention"
+
+
+def test_only_a_model_class_named_in_architectures_is_ever_built(tmp_path: Path) -> None:
+    """`architectures` comes from a file in a watched directory: a name that is no model class (transformers'
+    `pipeline` would fetch from the hub) is not called; the base model of model_type is built instead."""
+    config = hf.GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    config.architectures = ["pipeline"]
+    config.save_pretrained(tmp_path)
+    done = run_cli("modules", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "model definition GPTNeoXModel (transformers" in done.stdout.splitlines()[0]

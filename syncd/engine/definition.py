@@ -93,13 +93,21 @@ def _build_on_meta(transformers: Any, torch: Any, config: dict[str, Any]) -> tup
     decode = getattr(config_class, "_decode_special_floats", None)
     auto_config = config_class.from_dict(decode(config) if decode is not None else config)
     classes = [c for c in config.get("architectures") or [] if isinstance(c, str)]
-    model_class = next((getattr(transformers, c) for c in classes if hasattr(transformers, c)), None)
+    model_class = next((found for c in classes if _is_model_class(found := getattr(transformers, c, None))), None)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         if model_class is not None:
             return model_class(auto_config), model_class.__name__
         model = transformers.AutoModel.from_config(auto_config)
         return model, type(model).__name__
+
+
+def _is_model_class(found: Any) -> bool:
+    """Only a model class is built: `architectures` comes from a file in a watched directory, and
+    transformers exports functions (`pipeline`) that would fetch from the hub if called."""
+    from transformers import PreTrainedModel
+
+    return isinstance(found, type) and issubclass(found, PreTrainedModel)
 
 
 def _saved_module_kinds(model: Any, torch: Any) -> dict[str, str]:
