@@ -73,6 +73,10 @@ def test_an_output_head_named_embed_is_transposed_as_the_linear_it_is(
     decisions = json.loads(done.stdout)["decisions"]
     evidence = "model definition" if not hide else "convention"
     assert any("embed_out" in line and evidence in line for line in decisions), decisions
+    # what a convention alone decided is in the output itself, so a wrong guess can be found afterwards
+    guessed = json.loads(read_bpk(tmp_path / "neox.bpk").metadata.get("syncd.guessed", "{}"))
+    assert (sorted(guessed) == ["embed_out", "gpt_neox.embed_in"]) if hide else (guessed == {})
+    assert guessed.get("embed_out", "Linear").startswith("Linear")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -155,6 +155,7 @@ class AdapterPlan:
     # what a user must see even without -v (also among `decisions`): kinds taken on a naming convention alone,
     # index gaps a Burn Vec cannot load, rules that matched nothing
     notes: list[str] = field(default_factory=list)
+    guessed: dict[str, str] = field(default_factory=dict)  # module path -> why, for kinds a convention alone decided
 
     @property
     def is_identity(self) -> bool:

@@ -119,7 +119,8 @@ def plan_conversion(
         steps.update(module_steps)
         if module.params:
             decisions.append(f"{module.label}: {_kind_label(kind)} ({kind.reason}) -> {action}")
-    guessed = _convention_note([kind for _, kind in classified if kind.by == BY_NAME and kind.kind != UNKNOWN])
+    by_convention = [kind for _, kind in classified if kind.by == BY_NAME and kind.kind != UNKNOWN]
+    guessed = _convention_note(by_convention)
     joined = _packed_steps(packed, converting, decisions)
     if module_map is not None:
         paths = [m.path for m in modules] + [m.path for m in packed]
@@ -131,6 +132,7 @@ def plan_conversion(
     if guessed and converting:
         plan.decisions.append(guessed)
         plan.notes.append(guessed)
+        plan.guessed = {kind.path: f"{kind.kind}: {kind.reason}" for kind in by_convention}
     return plan
 
 

@@ -285,6 +285,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         hashing.placeholder(request.hash_name),
     )
     carry.record_kinds(c.metadata, adapted.target_layout, adapted.kinds)
+    carry.record_guesses(c.metadata, adapted.guessed)
     c.shards = _output_shards(c, explicit_dest=request.dest is not None)
     c.directory = dest if dest.is_dir() else dest.parent
     if c.shards is not None:
