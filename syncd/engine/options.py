@@ -47,10 +47,6 @@ class StoreOptions:
     tensors: TensorFilter = field(default_factory=TensorFilter)
     precision: str | None = None  # f16 | bf16 | f32
 
-    @property
-    def renames_names(self) -> bool:
-        return bool(self.remap) or bool(self.map_indices_contiguous)
-
     def for_source(self, source_format: str) -> StoreOptions:
         """These options with what they leave unsaid set as Burn's store for `source_format` has it."""
         if self.map_indices_contiguous is not None:
