@@ -8,12 +8,16 @@ model's own modules (nn.Linear -> transposed, norms renamed, ...), never from sy
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as hf
 import yaml
+from conftest import REPO
 from convcheck import assert_one_line_error, read_bpk, read_safetensors, run_cli, transposed
 from safetensors.torch import save_file
 from torch import nn
@@ -260,3 +264,16 @@ def test_only_a_model_class_named_in_architectures_is_ever_built(tmp_path: Path)
     done = run_cli("modules", tmp_path)
     assert done.returncode == 0, done.stderr
     assert "model definition GPTNeoXModel (transformers" in done.stdout.splitlines()[0]
+
+
+def test_syncd_no_model_definition_skips_building_it(neox: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    """The definition costs the transformers import on each `syncd convert`; the variable skips it, and the
+    conventions and the rest of the file decide (as without transformers)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), SYNCD_NO_MODEL_DEFINITION="1")
+    source = neox[0] / "model.safetensors"
+    argv = [sys.executable, "-m", "syncd", "convert", source, "-o", tmp_path / "x.bpk", "--json"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    decisions = json.loads(done.stdout)["decisions"]
+    assert not any("model definition" in line for line in decisions), decisions
+    assert any("naming convention alone" in line for line in decisions)
