@@ -121,6 +121,6 @@ def test_contiguous_indices_default_to_what_burns_store_for_the_source_format_do
     # SafetensorsStore keeps indices as they are, PytorchStore makes them contiguous; an explicit choice wins
     assert StoreOptions().for_source("safetensors").map_indices_contiguous is False
     assert StoreOptions().for_source("burnpack").map_indices_contiguous is False
-    assert StoreOptions().for_source("pt").map_indices_contiguous is True
-    assert StoreOptions(map_indices_contiguous=False).for_source("pt").map_indices_contiguous is False
+    assert StoreOptions().for_source("pytorch").map_indices_contiguous is True
+    assert StoreOptions(map_indices_contiguous=False).for_source("pytorch").map_indices_contiguous is False
     assert StoreOptions(map_indices_contiguous=True).for_source("safetensors").map_indices_contiguous is True

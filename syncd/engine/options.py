@@ -37,7 +37,7 @@ class SplitModuleError(SyncdError):
 # format has them: SafetensorsStore keeps indices as they are (crates/burn-store/src/safetensors/store.rs),
 # PytorchStore makes them contiguous (crates/burn-store/src/pytorch/store.rs). docs/conversion-evidence.md
 # lists where syncd's defaults differ from Burn's.
-CONTIGUOUS_BY_DEFAULT = {"safetensors": False, "burnpack": False, "pt": True}
+CONTIGUOUS_BY_DEFAULT = {"safetensors": False, "burnpack": False, "pytorch": True}
 
 
 @dataclass(frozen=True)
