@@ -277,3 +277,21 @@ def test_syncd_no_model_definition_skips_building_it(neox: tuple[Path, nn.Module
     decisions = json.loads(done.stdout)["decisions"]
     assert not any("model definition" in line for line in decisions), decisions
     assert any("naming convention alone" in line for line in decisions)
+
+
+def test_a_pt_file_gets_contiguous_indices_by_default_as_burns_pytorchstore_does(tmp_path: Path) -> None:
+    torch.manual_seed(13)
+    source = tmp_path / "mlp.pt"
+    state = {k: v.detach().clone() for k, v in Mlp().state_dict().items()}
+    torch.save(state, source)
+    done = run_cli("convert", source, "-o", tmp_path / "mlp.bpk")
+    assert done.returncode == 0, done.stderr
+    assert "--map-indices-contiguous" not in done.stdout
+    assert sorted(read_bpk(tmp_path / "mlp.bpk").tensors) == [
+        f"fc.{i}.{leaf}" for i in range(3) for leaf in ("bias", "weight")
+    ]
+    back = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "back.safetensors")
+    assert back.returncode == 0, back.stderr
+    assert {k: v.data for k, v in read_safetensors(tmp_path / "back.safetensors").tensors.items()} == {
+        k: v.contiguous().numpy().tobytes() for k, v in state.items()
+    }

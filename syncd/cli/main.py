@@ -145,7 +145,8 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="renumber indices 0..n-1 (fc.0, fc.2 -> fc.0, fc.1) as a Burn Vec expects; undone on the way back. "
-        "Default: as Burn's store for the source's format (off for .safetensors and .bpk, as SafetensorsStore)",
+        "Default: as Burn's store for the source's format (off for .safetensors and .bpk, as SafetensorsStore; "
+        "on for .pt, as PytorchStore)",
     )
     stores.add_argument("--include", action="append", default=[], metavar="REGEX", help="only tensors matching")
     stores.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="leave out tensors matching")
