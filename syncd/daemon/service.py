@@ -46,6 +46,7 @@ class Daemon:
         self.state = StateDB(config.state_dir)
         self.syncer = Syncer(self.state, self.synclog, config.settle_seconds, config.hash_name)
         self.syncer.progress_for = self.activity.progress_for
+        self.syncer.config_path = config.path
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
         self._wake = threading.Event()

@@ -20,6 +20,7 @@ from typing import Protocol
 from watchdog.events import (
     DirCreatedEvent,
     DirMovedEvent,
+    FileAttribEvent,
     FileClosedEvent,
     FileCreatedEvent,
     FileModifiedEvent,
@@ -39,7 +40,17 @@ log = logging.getLogger("syncd.watcher")
 
 FALLBACK_POLL_SECONDS = 2.0
 MAX_DEPTH = 64  # directory levels scanned below a watch; deeper trees are reported, not walked
-EVENTS = [FileClosedEvent, FileCreatedEvent, FileModifiedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
+# FileAttribEvent (IN_ATTRIB, or a mode change a poll sees): a file skipped as unreadable gets looked at
+# again once a chmod lets the daemon read it
+EVENTS = [
+    FileAttribEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    DirCreatedEvent,
+    DirMovedEvent,
+]
 
 
 class WatchListener(Protocol):
@@ -80,7 +91,7 @@ class _Handler(FileSystemEventHandler):
             self._file(event.dest_path, closed=True)
         elif isinstance(event, FileClosedEvent):
             self._file(event.src_path, closed=True)
-        elif isinstance(event, FileCreatedEvent | FileModifiedEvent):
+        elif isinstance(event, FileCreatedEvent | FileModifiedEvent | FileAttribEvent):
             self._file(event.src_path, closed=False)
 
     def _file(self, raw_path: bytes | str, closed: bool) -> None:
