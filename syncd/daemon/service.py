@@ -39,7 +39,8 @@ TICK_SECONDS = 1.0
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.activity = Activity(config.state_dir, config.path)  # status file, STATUS= and `converting` lines
+        # status file, STATUS=, `converting` lines and the metrics file
+        self.activity = Activity(config.state_dir, config.path, config.metrics)
         self.synclog = JournalingSyncLog(
             config.log.path, config.log.max_bytes, config.log.backups, observers=(self.activity.record,)
         )
@@ -247,6 +248,7 @@ class Daemon:
         self.config = new
         self.syncer.settle_seconds = new.settle_seconds
         self.syncer.hash_name = new.hash_name
+        self.activity.metrics_path = new.metrics
         self._start_watcher()
 
     def _retry_config_failures(self) -> None:

@@ -36,6 +36,7 @@ from syncd.daemon.config.schema import (
     DEFAULT_WORKERS,
     LOG_KEYS,
     LOG_LEVELS,
+    METRICS_SUFFIX,
     ON_EXISTS,
     TENSOR_FILTER_KEYS,
     TOP_LEVEL_KEYS,
@@ -73,6 +74,7 @@ class ConfigBuilder:
         stuck = top.number("stuck_worker_seconds", DEFAULT_STUCK_WORKER_SECONDS, minimum=0.0, strictly_positive=True)
         hash_name = top.choice("hash", DEFAULT_HASH_NAME, HASH_CHOICES)
         state_dir = top.path("state_dir", DEFAULT_STATE_DIR)
+        metrics = self._metrics(top)
         log = self._log(top)
         ignore = _ignore_list(top, DEFAULT_IGNORE)
         watches = self._watches(top, root, ignore)
@@ -88,7 +90,22 @@ class ConfigBuilder:
             rescan_interval=rescan_interval,
             stuck_worker_seconds=stuck,
             hash_name=hash_name,
+            metrics=metrics,
         )
+
+    def _metrics(self, top: Section) -> Path | None:
+        """`metrics:` the textfile node_exporter's collector reads: named *.prom, in a directory that exists."""
+        if top.raw("metrics") is None:
+            return None
+        path = top.path("metrics", None)
+        if path is None:
+            return None
+        node, key = top.node("metrics"), top.key("metrics")
+        if path.suffix != METRICS_SUFFIX:
+            self.file.problem(node, key, f"{path}: the textfile collector reads only files named *{METRICS_SUFFIX}")
+        elif self.check_filesystem and not path.parent.is_dir():
+            self.file.problem(node, key, f"{path.parent} is not a directory (node_exporter's textfile directory?)")
+        return path
 
     def _log(self, top: Section) -> LogSettings:
         default_path = resolve(self.file.dir, DEFAULT_LOG_PATH)
