@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml  # type: ignore[import-untyped]  # (no stubs installed)
+import yaml
 
 from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
 from syncd.adapters.keys import compile_filter, compile_rule
