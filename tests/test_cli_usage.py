@@ -18,8 +18,9 @@ from conftest import MNIST_BPK, REPO
 from convcheck import assert_one_line_error, run_cli
 from safetensors.torch import save_file
 
-from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import STATUSES
+from syncd.formats.fileio import FileStamp
 
 NOBODY = 65534  # a user that is not the daemon's: as a member of its group, it may read but not write
 
@@ -37,7 +38,7 @@ def _failed(root: Path, name: str) -> Path:
     source = root / "runs" / name
     source.write_bytes(b"not a checkpoint")
     with StateDB(root / "state") as state:
-        state.record_failure(source, FileVersion.of(source), "refused: not a checkpoint", transient=False)
+        state.record_failure(source, FileStamp.of_path(source), "refused: not a checkpoint", transient=False)
     return source
 
 

@@ -1,11 +1,17 @@
 """Whose file is a destination? Where an output goes, and what may happen to a file already there.
 
 syncd replaces only what it can prove is its own: the output it published from this very source, unchanged
-since (the state database recorded its identity, and its `syncd.source` metadata names the source). A file
-that already holds this source's conversion (its recorded source hash matches) is in sync. Anything else is
-someone else's file, which the watch's `on_exists` decides about. Every file is opened confined, without
-following symlinks and without blocking (a FIFO or a symlink to a device renamed onto any of the names must
-not hang a worker).
+since (a record syncd made says so: the state database recorded its identity -- device, inode, size, mtime
+and ctime, which every write, truncate, chmod or utime changes -- and its `syncd.source` names the source).
+A file's own metadata is a hint, never proof: a user who loads syncd's output, edits it and saves it with the
+metadata kept owns that file. Without a record (state lost), a destination is in sync only if its bytes are
+exactly the conversion of the current source: the conversion is run and the publish compares bytes
+(`Action.VERIFY`), a file that differs being someone else's, which the watch's `on_exists` decides about.
+On a shared filesystem the record may be another node's: the claim file beside the output holds the last
+publish (`syncd.daemon.claims.Published`), which proves the same thing by the same identity (without the
+device number, which differs between clients); an output so proven is adopted without reading the source.
+Every file is opened confined, without following symlinks and without blocking (a FIFO or a symlink to a
+device renamed onto any of the names must not hang a worker).
 """
 
 from __future__ import annotations
@@ -16,14 +22,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from syncd.daemon.claims import Published, Stamp, stamp_of
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
-from syncd.daemon.state import FileVersion, StateDB
-from syncd.engine import carry, hashing
-from syncd.engine.convert import source_digest
-from syncd.engine.publish import FileIdentity
+from syncd.daemon.state import StateDB
+from syncd.engine import carry
+from syncd.engine.directions import converts_to
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint
+from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import INDEX_SUFFIX
 
@@ -35,7 +42,7 @@ def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
         index = _set_destination(watch, source)
         if index is not None:
             return index
-    return watch.output_dir_for(source) / (source.stem + BY_NAME[from_format.converts_to].extension)
+    return watch.output_dir_for(source) / (source.stem + converts_to(from_format).extension)
 
 
 def set_destination(watch: Watch, index: Path) -> Path:
@@ -50,23 +57,36 @@ class Action(StrEnum):
     REPLACE = "replace"  # replace syncd's own earlier output, provided it is still exactly `replace_if`
     OVERWRITE = "overwrite"  # replace someone else's file (on_exists: overwrite)
     IN_SYNC = "in_sync"  # the destination already holds this source's conversion: nothing to write
+    # no record, but the file names this source: convert, and publish nothing -- the destination is in sync
+    # if it holds exactly the bytes converted, else it is someone else's file (`on_exists` decides)
+    VERIFY = "verify"
     SKIP = "skip"  # someone else's file, left alone (on_exists: skip)
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
-    replace_if: FileIdentity | None = None  # for REPLACE: the identity of our output being replaced
+    replace_if: FileStamp | None = None  # for REPLACE: the identity of our output being replaced
 
 
-def decide(state: StateDB, watch: Watch, source: Path, dest: Path) -> Decision:
-    """What to do about `dest` before converting `source` into it.
+def decide(
+    state: StateDB,
+    watch: Watch,
+    source: Path,
+    version: FileStamp,
+    dest: Path,
+    published: Published | None = None,
+) -> Decision:
+    """What to do about `dest` before converting `source` (at `version`) into it; `published` is the record
+    in the output's claim file, on a shared filesystem.
 
-    syncd's own earlier output of this source is replaced (`updated`) whatever `on_exists` says; a file
-    that already holds this source's conversion is in sync; anything else is someone else's file, which
-    `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but never a
-    file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap two
-    users' files; that raises ConflictError).
+    syncd's own earlier output of this source (proven by the state's record, or by the publishing node's) is
+    replaced (`updated`) whatever `on_exists` says, or adopted as it is when the record shows it is the
+    conversion of this very version of the source; a file whose metadata names this source is verified
+    against the conversion (in sync only if it holds exactly those bytes); anything else is someone else's
+    file, which `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but
+    never a file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap
+    two users' files; that raises ConflictError).
     """
     if not os.path.lexists(dest):
         return Decision(Action.CREATE)
@@ -74,8 +94,37 @@ def decide(state: StateDB, watch: Watch, source: Path, dest: Path) -> Decision:
     ours = own_earlier_output(state, source, dest, root)
     if ours is not None:
         return Decision(Action.REPLACE, ours)
-    if carries_source(dest, source, root, watch.path):
-        return Decision(Action.IN_SYNC)
+    if published is not None:
+        proven = published_by_syncd(published, source, dest)
+        if proven is not None:
+            if published.source_stamp == source_stamp(version):
+                return Decision(Action.IN_SYNC)
+            return Decision(Action.REPLACE, proven)
+    if names_source(dest, source, root):
+        return Decision(Action.VERIFY)
+    return someone_elses(watch, dest)
+
+
+def source_stamp(version: FileStamp) -> Stamp:
+    """A source version as a record names it: without the device number, the same on every node."""
+    return (version.ino, version.size, version.mtime_ns, version.ctime_ns)
+
+
+def published_by_syncd(published: Published, source: Path, dest: Path) -> FileStamp | None:
+    """The identity of `dest` if it still is exactly the file a node recorded publishing from `source`."""
+    if published.source != carry.file_label(source.name):
+        return None
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or stamp_of(info) != published.dest_stamp:
+        return None
+    return FileStamp.of(info)
+
+
+def someone_elses(watch: Watch, dest: Path) -> Decision:
+    """What `on_exists` says about a file at `dest` that is not syncd's output of the source."""
     if watch.on_exists == "skip":
         return Decision(Action.SKIP)
     if watch.on_exists == "overwrite":
@@ -100,7 +149,7 @@ def is_own_output_converted_back(watch: Watch, source: Path, dest: Path) -> bool
     return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
 
 
-def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileIdentity | None:
+def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileStamp | None:
     """The identity of `dest` if it provably is the output syncd published from `source` and nobody changed
     it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
     of `source`, and its `syncd.source` names `source`."""
@@ -113,28 +162,19 @@ def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> 
         info = os.lstat(dest)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(info.st_mode) or not row.dest_version.same_as(FileVersion.from_stat(info)):
+    if not stat.S_ISREG(info.st_mode) or row.dest_version.changed(FileStamp.of(info)):
         return None
     if not row.dest_version.ctime_ns:
         return None  # recorded before ctimes were: not proof enough to replace it
     if _source_named_in(dest, root) != carry.file_label(source.name):
         return None
-    return FileIdentity.of(info)
+    return FileStamp.of(info)
 
 
-def carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path) -> bool:
-    """True if `dest` is a syncd output of exactly this `source` content (name and recorded hash match: XXH3-128,
-    or sha256 in outputs of older versions and with `hash: sha256`; of a sharded set, the hash covers the
-    index and every shard, as the conversion records it)."""
-    try:
-        with open_checkpoint(dest, dest_root) as reader:
-            metadata = reader.header.metadata
-    except SyncdError:
-        return False
-    recorded = hashing.recorded_source_hash(metadata)
-    if metadata.get(carry.SOURCE) != carry.file_label(source.name) or recorded is None:
-        return False
-    return recorded.hexdigest == source_digest(source, source_root, recorded.name)
+def names_source(dest: Path, source: Path, root: Path) -> bool:
+    """A hint, never proof: `dest`'s `syncd.source` metadata names `source` (a user's edit that kept the
+    metadata names it too, so this only says the file is worth comparing with the conversion)."""
+    return _source_named_in(dest, root) == carry.file_label(source.name)
 
 
 def _source_named_in(dest: Path, root: Path) -> str | None:

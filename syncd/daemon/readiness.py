@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from syncd.daemon.state import FileVersion
 from syncd.errors import FormatError, IncompleteFileError, SyncdError, one_line
+from syncd.formats.fileio import FileStamp
 
 # A file that does not read, was not seen closed and changed less than this long ago may still be being
 # written (when open_for_writing cannot tell): it is looked at again rather than refused.
@@ -94,7 +94,7 @@ class Readiness:
         info = stats[0]
         assert info is not None
         present = [st for st in stats if st is not None]
-        if len(present) < len(stats) and recently_changed(FileVersion.from_stat(info)):
+        if len(present) < len(stats) and recently_changed(FileStamp.of(info)):
             return self.busy_retry
         return max(self.settle_wait(watch_root, index, st, closed and st is info) for st in present)
 
@@ -123,7 +123,7 @@ class Readiness:
                 self._warn(watch_root, path, f"modification time {-age:.0f} s in the future; treated as now")
         return time.monotonic() - self._future[key]
 
-    def not_ready_after(self, path: Path, version: FileVersion, exc: BaseException, finished: bool) -> NotYet | None:
+    def not_ready_after(self, path: Path, version: FileStamp, exc: BaseException, finished: bool) -> NotYet | None:
         """A conversion failed: was the file simply not ready (changed while read, shorter than its header says
         while still growing, unreadable while a writer not known to be done may still be at it)? None: it
         was ready, the failure is to be reported."""
@@ -194,11 +194,12 @@ def anyone_writing(paths: list[Path]) -> bool:
     return any(open_for_writing(p) for p in paths if os.path.lexists(p))
 
 
-def recently_changed(version: FileVersion) -> bool:
+def recently_changed(version: FileStamp) -> bool:
     return time.time() - version.mtime_ns / 1e9 < INCOMPLETE_GRACE_SECONDS
 
 
-def set_version(stats: list[os.stat_result]) -> FileVersion:
+def set_version(stats: list[os.stat_result]) -> FileStamp:
     """One version for a whole set: the index's identity, the total size, the latest change of any file."""
     index = stats[0]
-    return FileVersion(index.st_dev, index.st_ino, sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats))
+    size, mtime_ns = sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats)
+    return FileStamp(index.st_dev, index.st_ino, size, mtime_ns, max(st.st_ctime_ns for st in stats))

@@ -17,8 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-from syncd.daemon import notify
+from syncd.daemon import claims, notify
+from syncd.daemon.claims import is_claim_name
 from syncd.daemon.config import Config, Watch, load_config
+from syncd.daemon.fstype import shared_filesystem
 from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
@@ -27,13 +29,16 @@ from syncd.daemon.status import SHOWN_WAITING, Activity
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
-from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
+from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_if_stale, remove_stale_scratch
 from syncd.errors import SyncdError, one_line
+from syncd.formats.fileio import FileStamp
 
 log = logging.getLogger("syncd")
 
 STOP_GRACE_SECONDS = 3.0  # systemd's TimeoutStopSec is larger; tests expect an exit within 5 s
 TICK_SECONDS = 1.0
+# an empty scratch file younger than this may be between its creation and its lock: a scan leaves it alone
+SCRATCH_GRACE_SECONDS = 10.0
 
 
 class Daemon:
@@ -50,6 +55,7 @@ class Daemon:
         self.syncer.config_path = config.path
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
+        self.shared: dict[Path, str] = {}  # watches other nodes write to -> their filesystem's name
         self._wake = threading.Event()
         self._stop = False
         self._reload = False
@@ -103,17 +109,31 @@ class Daemon:
         queued = self._scan_all()
         self.synclog.log(
             Status.STARTED,
-            reason=f"watching {len(self.config.watches)} tree(s); {queued} file(s) to check",
+            reason=f"watching {len(self.config.watches)} tree(s){self._how_watched()}; {queued} file(s) to check",
             config=str(self.config.path),
         )
         notify.ready(self._status())
 
     def _start_watcher(self) -> None:
         """Watch every tree of the current configuration (at start-up and after a reload)."""
-        self.watcher = Watcher(self.config, self)
+        self.shared = shared_watches(self.config)
+        self.syncer.shared = frozenset(self.shared)
+        self.syncer.claim_retry_max = self.config.cluster.poll_interval
+        self.watcher = Watcher(self.config, self, self.shared)
         self.watcher.start()
         interval = self.config.rescan_interval
         self._next_safety_rescan = None if interval is None else time.monotonic() + interval
+
+    def _how_watched(self) -> str:
+        """For the `started` and `reloaded` lines: which watches are shared with other nodes, and how."""
+        if not self.shared:
+            return ""
+        names = sorted(set(self.shared.values()))
+        return (
+            f"; {len(self.shared)} on a shared filesystem ({', '.join(names)}): inotify for this node's writes, "
+            f"polled every {self.config.cluster.poll_interval:g} s for other nodes', outputs claimed before "
+            "converting"
+        )
 
     def _clean_stale_scratch(self) -> None:
         directories: set[Path] = set()
@@ -134,6 +154,7 @@ class Daemon:
         queued = 0
         for path in walk_files(root, watch.recursive, on_limit=self._walk_limit):
             if not is_candidate(watch, path):
+                self._remove_if_left_over(path)
                 continue
             if not self.queue.put(watch, path, closed=False, delay=0.0):
                 self.synclog.log(
@@ -145,6 +166,22 @@ class Daemon:
                 break
             queued += 1
         return queued
+
+    def _remove_if_left_over(self, path: Path) -> None:
+        """A scratch file no living process holds, or a claim file whose output is gone: what a syncd that
+        died (on this node or another) left behind, removed at the next scan rather than at its next start."""
+        if is_scratch_name(path.name):
+            if remove_if_stale(path, min_age=SCRATCH_GRACE_SECONDS):
+                self.synclog.log(Status.REMOVED, source=str(path), reason="a stale scratch file of a syncd that died")
+        elif is_claim_name(path.name):
+            claims.remove_if_orphaned(path)
+
+    def _clean_mirrors(self) -> None:
+        """The outputs of a mirrored watch are not below it: the safety rescan looks there for leftovers."""
+        for watch in self.config.watches:
+            if watch.mirror is not None:
+                for path in walk_files(watch.mirror, watch.recursive):
+                    self._remove_if_left_over(path)
 
     def serve(self) -> None:
         interval = notify.watchdog_interval()
@@ -188,6 +225,7 @@ class Daemon:
             self._next_safety_rescan = time.monotonic() + (self.config.rescan_interval or 0.0)
             for watch in self.config.watches:
                 self._request_rescan(watch.path)
+            self._clean_mirrors()
         if self.queue.overflowed and self.queue.pending() < self.queue.capacity // 2:
             self.queue.overflowed = False
             for watch in self.config.watches:
@@ -236,7 +274,7 @@ class Daemon:
         # refusals a setting decides (ambiguous layout, missing module map, on_exists) are looked at again
         self._retry_config_failures()
         queued = self._scan_all()
-        reason = f"watching {len(new.watches)} tree(s); {queued} file(s) to check"
+        reason = f"watching {len(new.watches)} tree(s){self._how_watched()}; {queued} file(s) to check"
         if pending:
             reason += f"; {', '.join(pending)} changed but take effect only after a restart"
         self.synclog.log(Status.RELOADED, reason=reason, config=str(new.path))
@@ -293,13 +331,26 @@ class Daemon:
         self._wake.set()
 
 
-def _file_stamp(path: Path) -> tuple[int, ...] | None:
+def _file_stamp(path: Path) -> FileStamp | None:
     """What changes when a file is edited or replaced (None if it cannot be stat'ed)."""
     try:
-        info = os.stat(path)
+        return FileStamp.of_path(path)
     except OSError:
         return None
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def shared_watches(config: Config) -> dict[Path, str]:
+    """The watches other nodes write to as well (their path -> the filesystem's name): by `cluster.shared`,
+    or on `auto` those whose tree or mirror is on a network filesystem."""
+    shared: dict[Path, str] = {}
+    for watch in config.watches:
+        if config.cluster.shared is True:
+            shared[watch.path] = shared_filesystem(watch.path, watch.mirror) or "shared: true"
+        elif config.cluster.shared == "auto":
+            name = shared_filesystem(watch.path, watch.mirror)
+            if name is not None:
+                shared[watch.path] = name
+    return shared
 
 
 def run_daemon(config_path: Path) -> int:

@@ -2,11 +2,14 @@
 
 The decisions live beside this module: `readiness` (is the file settled, complete, nobody writing it) and
 `ownership` (where the output goes, whose file is there). This module puts them in order, calls the engine,
-records the outcome in the state database and writes the sync log line.
+records the outcome in the state database and writes the sync log line. On a tree shared with other nodes
+(`claims`), the output's claim is taken before anything is decided about it, held through the publish and
+the record of it, and a claim someone else holds means "look again later".
 
 Every decision ends in exactly one sync log line, except the silent ones a person would not want to read
-(an up-to-date file seen again, our own output, an ignored name, a file still being written). A file that
-failed is logged once per version: the state database remembers the failure until the file changes.
+(an up-to-date file seen again, our own output, an ignored name, a file still being written, a claim held
+by another node, another node's output adopted from its record). A file that failed is logged once per
+version: the state database remembers the failure until the file changes.
 """
 
 from __future__ import annotations
@@ -19,25 +22,30 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from syncd.adapters.keys import TensorFilter, compile_rule
-from syncd.daemon import ownership
+from syncd.daemon import claims, ownership
 from syncd.daemon.config import Watch
+from syncd.daemon.config.schema import DEFAULT_CLUSTER_POLL_INTERVAL
 from syncd.daemon.names import is_candidate
 from syncd.daemon.ownership import Action
 from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS, Readiness, anyone_writing, set_version
-from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.synclog import SyncLog
+from syncd.engine import carry
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
+from syncd.engine.publish import remove_if_stale, scratch_target
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
     AmbiguousLayoutError,
+    ConflictError,
     FormatError,
     IncompleteFileError,
     SyncdError,
@@ -46,6 +54,7 @@ from syncd.errors import (
     one_line,
 )
 from syncd.formats import SAFETENSORS, Format, format_for_path
+from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import index_listing, is_index_name, looks_like_shard, member_files
 
@@ -53,6 +62,24 @@ log = logging.getLogger("syncd.sync")
 
 MAX_BACKOFF_SECONDS = 60.0
 STATE_RETRY_SECONDS = 5.0
+CLAIM_FIRST_RETRY = 0.25  # a claim held by someone else is tried again this soon, then less and less often
+
+
+@dataclass
+class _Job:
+    """One conversion being decided: what every step of it needs."""
+
+    watch: Watch
+    path: Path
+    version: FileStamp
+    dest: Path
+    from_format: Format
+    finished: bool
+    started: float
+    base: dict = field(default_factory=dict)  # the sync log fields every line about it carries
+
+
+_HELD = object()  # the claim is someone else's
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,11 @@ class Syncer:
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
+        # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
+        self.shared: frozenset[Path] = frozenset()
+        self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
+        self._claim_waits: dict[Path, int] = {}  # output -> times its claim was found held in a row
+        self._no_locks_said: set[Path] = set()
 
     @property
     def settle_seconds(self) -> float:
@@ -126,7 +158,7 @@ class Syncer:
         wait = self.readiness.settle_wait(watch.path, path, info, closed)
         if wait > 0:
             return later(wait)
-        version = FileVersion.from_stat(info)
+        version = FileStamp.of(info)
         from_format = format_for_path(path)
         assert from_format is not None  # is_candidate checked it
         dest = ownership.destination_for(watch, path, from_format)
@@ -150,7 +182,7 @@ class Syncer:
         info = _lstat(index)
         if info is None or not stat.S_ISREG(info.st_mode):
             return self._not_regular(watch, index, info)
-        if self.state.is_own_output(index, FileVersion.from_stat(info)):
+        if self.state.is_own_output(index, FileStamp.of(info)):
             return SILENT
         members = _members(index)
         stats = [info, *(_lstat(member) for member in members)]
@@ -165,7 +197,7 @@ class Syncer:
             return later(self.readiness.busy_retry)
         return self._convert(watch, index, version, dest, BY_NAME[SAFETENSORS], finished=True)
 
-    def _done_already(self, path: Path, version: FileVersion, dest: Path) -> bool:
+    def _done_already(self, path: Path, version: FileStamp, dest: Path) -> bool:
         """Up to date, or failed already in this version (which was said once)."""
         return self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version)
 
@@ -174,7 +206,7 @@ class Syncer:
             return SILENT  # gone again (a scratch renamed away, a deleted file)
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-        version = FileVersion.from_stat(info)
+        version = FileStamp.of(info)
         if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
             self.synclog.log(Status.SKIPPED, watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
         return Outcome(Status.SKIPPED)
@@ -182,29 +214,119 @@ class Syncer:
     # -- converting
 
     def _convert(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: Format, *, finished: bool
+        self, watch: Watch, path: Path, version: FileStamp, dest: Path, from_format: Format, *, finished: bool
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
-        open for writing); otherwise a file that does not read may be one still being written."""
-        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
-        base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
-        started = time.monotonic()
+        open for writing); otherwise a file that does not read may be one still being written. On a shared
+        filesystem the output's claim is taken first: while another node (or worker) holds it, nothing is
+        done and the file is looked at again later."""
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
+        job = _Job(watch, path, version, dest, from_format, finished, time.monotonic())
+        job.base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         try:
             if ownership.is_own_output_converted_back(watch, path, dest):
                 return SILENT
-            decision = ownership.decide(self.state, watch, path, dest)
+            claim = self._claim(job) if watch.path in self.shared else None
+        except Exception as exc:
+            return self._failed_or_later(path, version, exc, job.base, job.started, finished)
+        if claim is _HELD:
+            return later(self._claim_wait(dest))
+        if not isinstance(claim, claims.Claim):
+            return self._decide_and_convert(job, None)
+        with claim:
+            self._claim_waits.pop(dest, None)
+            self._remove_abandoned_scratch(dest)
+            return self._decide_and_convert(job, claim)
+
+    def _decide_and_convert(self, job: _Job, claim: claims.Claim | None) -> Outcome:
+        watch, path, version, dest, base = job.watch, job.path, job.version, job.dest, job.base
+        try:
+            decision = ownership.decide(
+                self.state, watch, path, version, dest, claim.published() if claim is not None else None
+            )
             if decision.action is Action.IN_SYNC:
+                # another node's output, proven by its record: adopted without reading the source, quietly
                 self.state.record(path, version, dest, status="in_sync")
-                self.synclog.log(Status.IN_SYNC, **base, reason="destination already holds this source's conversion")
+                log.debug("in_sync %s: %s published by another syncd, as its record shows", path, dest)
                 return Outcome(Status.IN_SYNC)
             if decision.action is Action.SKIP:
-                if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
-                    self.synclog.log(Status.SKIPPED, **base, reason="destination exists (on_exists: skip)")
-                return Outcome(Status.SKIPPED)
-            result = self._run_engine(watch, path, dest, from_format, decision)
+                return self._skipped(path, version, base, "destination exists (on_exists: skip)")
+            if decision.action is Action.VERIFY:
+                result, decision = self._verify(watch, path, dest, job.from_format)
+                if result is None:
+                    reason = "destination exists and is not this source's conversion (on_exists: skip)"
+                    return self._skipped(path, version, base, reason)
+            else:
+                result = self._run_engine(watch, path, dest, job.from_format, decision)
         except Exception as exc:
-            return self._failed_or_later(path, version, exc, base, started, finished)
-        return self._converted(path, version, dest, result, base, started, updated=decision.action is Action.REPLACE)
+            return self._failed_or_later(path, version, exc, base, job.started, job.finished)
+        updated = decision.action is Action.REPLACE
+        return self._converted(path, version, dest, result, base, job.started, updated=updated, claim=claim)
+
+    def _claim(self, job: _Job) -> claims.Claim | object | None:
+        """The output's claim, _HELD while someone else has it, or None where the filesystem has no locks
+        (said once per watch: every node then converts for itself, which the publish keeps safe)."""
+        try:
+            claim = claims.try_claim(job.dest)
+        except claims.ClaimError as exc:
+            if job.watch.path not in self._no_locks_said:
+                self._no_locks_said.add(job.watch.path)
+                self.synclog.log(
+                    Status.ERROR,
+                    watch=str(job.watch.path),
+                    dest=str(job.dest),
+                    error=f"{exc.strerror}: claims cannot be taken, so every node converts every checkpoint",
+                    reason="mount the filesystem with file locks shared by every node (Lustre: -o flock)",
+                )
+            return None
+        except OSError as exc:
+            raise SyncdError.from_os_error(
+                "cannot take the output's claim", str(claims.claim_path(job.dest)), exc
+            ) from exc
+        return _HELD if claim is None else claim
+
+    def _claim_wait(self, dest: Path) -> float:
+        """Seconds until a claim held by someone else is tried again: soon at first (a conversion on this
+        node ends any moment), backing off to the cluster's poll interval."""
+        if len(self._claim_waits) > 10_000:
+            self._claim_waits.clear()
+        tries = self._claim_waits.get(dest, 0)
+        self._claim_waits[dest] = tries + 1
+        return min(self.claim_retry_max, CLAIM_FIRST_RETRY * 2.0**tries)
+
+    def _remove_abandoned_scratch(self, dest: Path) -> None:
+        """Scratch files of `dest` no living process holds: a node that died converting it left them, and
+        whoever takes its claim next removes them (only the claim holder writes scratch for `dest`)."""
+        try:
+            entries = list(os.scandir(dest.parent))
+        except OSError:
+            return
+        for entry in entries:
+            if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path)):
+                self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
+
+    def _skipped(self, path: Path, version: FileStamp, base: dict, reason: str) -> Outcome:
+        if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
+            self.synclog.log(Status.SKIPPED, **base, reason=reason)
+        return Outcome(Status.SKIPPED)
+
+    def _verify(
+        self, watch: Watch, path: Path, dest: Path, from_format: Format
+    ) -> tuple[ConvertResult | None, ownership.Decision]:
+        """A destination that names this source but has no record of ours: converted without replacing
+        anything, the publish compares bytes -- the same bytes are in sync (and from now on ours); other bytes
+        make it someone else's file, which `on_exists` decides about (None: skip it). Returns the result and
+        the decision it was published under."""
+        create = ownership.Decision(Action.CREATE)
+        try:
+            return self._run_engine(watch, path, dest, from_format, create), create
+        except ConflictError:
+            decision = ownership.someone_elses(watch, dest)
+            if decision.action is Action.SKIP:
+                return None, decision
+            if decision.action is not Action.OVERWRITE:
+                raise
+        return self._run_engine(watch, path, dest, from_format, decision), decision
 
     def _run_engine(
         self, watch: Watch, path: Path, dest: Path, from_format: Format, decision: ownership.Decision
@@ -216,7 +338,7 @@ class Syncer:
             ConvertRequest(
                 source=path,
                 dest=dest,
-                to_format=from_format.converts_to,
+                to_format=converts_to(from_format).name,
                 layout=watch.layout,
                 module_map=watch.module_map,
                 overwrite=decision.action is Action.OVERWRITE,
@@ -233,19 +355,29 @@ class Syncer:
     def _converted(
         self,
         path: Path,
-        version: FileVersion,
+        version: FileStamp,
         dest: Path,
         result: ConvertResult,
         base: dict,
         started: float,
         *,
         updated: bool,
+        claim: claims.Claim | None = None,
     ) -> Outcome:
         if result.status == "in_sync":
             status = Status.IN_SYNC
         else:
             status = Status.UPDATED if updated and result.status == "replaced" else Status.CONVERTED
-        self.state.record(path, version, dest, status="in_sync" if status is Status.IN_SYNC else "converted")
+        published = os.lstat(dest)  # the output as published: the record every later decision proves against
+        dest_version = FileStamp.of(published)
+        recorded = "in_sync" if status is Status.IN_SYNC else "converted"
+        self.state.record(path, version, dest, dest_version=dest_version, status=recorded)
+        if claim is not None:
+            stamps = ownership.source_stamp(version), claims.stamp_of(published)
+            try:
+                claim.record(claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node()))
+            except OSError as exc:  # published all the same: the other nodes then verify it by converting
+                log.warning("%s: cannot record the publish of %s (%s)", claim.path, dest, exc.strerror)
         self.readiness.converted(path)
         self.synclog.log(
             status,
@@ -259,7 +391,7 @@ class Syncer:
         return Outcome(status)
 
     def _failed_or_later(
-        self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float, finished: bool
+        self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float, finished: bool
     ) -> Outcome:
         not_yet = self.readiness.not_ready_after(path, version, exc, finished)
         if not_yet is not None:
@@ -267,7 +399,7 @@ class Syncer:
             return later(not_yet.retry_in)
         return self._failed(path, version, exc, base, started)
 
-    def _failed(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float) -> Outcome:
+    def _failed(self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float) -> Outcome:
         status, transient = classify(exc)
         text = one_line(exc)
         kind = exc.kind if isinstance(exc, SyncdError) else "environment" if isinstance(exc, OSError) else None

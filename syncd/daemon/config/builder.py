@@ -20,6 +20,8 @@ from syncd.adapters.keys import compile_filter, compile_rule
 from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.config.safety import check_file_mode
 from syncd.daemon.config.schema import (
+    CLUSTER_KEYS,
+    DEFAULT_CLUSTER_POLL_INTERVAL,
     DEFAULT_DIRECTION,
     DEFAULT_HASH_NAME,
     DEFAULT_IGNORE,
@@ -31,6 +33,7 @@ from syncd.daemon.config.schema import (
     DEFAULT_ON_EXISTS,
     DEFAULT_RESCAN_INTERVAL,
     DEFAULT_SETTLE_SECONDS,
+    DEFAULT_SHARED,
     DEFAULT_STATE_DIR,
     DEFAULT_STUCK_WORKER_SECONDS,
     DEFAULT_WORKERS,
@@ -38,16 +41,18 @@ from syncd.daemon.config.schema import (
     LOG_LEVELS,
     METRICS_SUFFIX,
     ON_EXISTS,
+    SHARED_CHOICES,
     TENSOR_FILTER_KEYS,
     TOP_LEVEL_KEYS,
     WATCH_KEYS,
+    ClusterSettings,
     Config,
     LogSettings,
     Watch,
 )
 from syncd.daemon.config.yamlfile import MISSING, Section, YamlFile, describe, resolve
+from syncd.engine.directions import DIRECTIONS
 from syncd.engine.hashing import HASH_CHOICES
-from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import parse_shard_size
 
 
@@ -76,6 +81,7 @@ class ConfigBuilder:
         state_dir = top.path("state_dir", DEFAULT_STATE_DIR)
         metrics = self._metrics(top)
         log = self._log(top)
+        cluster = self._cluster(top)
         ignore = _ignore_list(top, DEFAULT_IGNORE)
         watches = self._watches(top, root, ignore)
         assert state_dir is not None and settle is not None and stuck is not None
@@ -91,6 +97,7 @@ class ConfigBuilder:
             stuck_worker_seconds=stuck,
             hash_name=hash_name,
             metrics=metrics,
+            cluster=cluster,
         )
 
     def _metrics(self, top: Section) -> Path | None:
@@ -125,6 +132,20 @@ class ConfigBuilder:
             backups=section.integer("backups", DEFAULT_LOG_BACKUPS, minimum=0),
             level=section.choice("level", DEFAULT_LOG_LEVEL, LOG_LEVELS),
         )
+
+    def _cluster(self, top: Section) -> ClusterSettings:
+        node = top.node("cluster")
+        if node is None or top.raw("cluster") is None:
+            return ClusterSettings()
+        items = self.file.entries(node, "cluster")
+        if items is None:
+            return ClusterSettings()
+        self.file.unknown_keys(items, CLUSTER_KEYS, "cluster")
+        section = Section(self.file, items, "cluster")
+        shared = section.value_in("shared", DEFAULT_SHARED, SHARED_CHOICES, "auto, true or false")
+        interval = section.number("poll_interval", DEFAULT_CLUSTER_POLL_INTERVAL, minimum=0.0, strictly_positive=True)
+        assert interval is not None
+        return ClusterSettings(shared=shared, poll_interval=interval)
 
     def _watches(self, top: Section, root: yaml.Node, ignore: tuple[str, ...]) -> tuple[Watch, ...]:
         node = top.node("watches")

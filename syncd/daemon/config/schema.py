@@ -38,6 +38,12 @@ DEFAULT_LOG_BACKUPS = DEFAULT_BACKUPS
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "info"
 
+# cluster: (one syncd per node on a shared filesystem; syncd.daemon.claims, syncd.daemon.fstype)
+SHARED_CHOICES = ("auto", True, False)  # auto: watches on a network filesystem are shared
+DEFAULT_SHARED = "auto"
+DEFAULT_CLUSTER_POLL_INTERVAL = 10.0  # seconds between polls of a shared watch, for other nodes' files
+CLUSTER_KEYS = ("shared", "poll_interval")
+
 # watches[]:
 DEFAULT_INCLUDE = tuple(f"*{fmt.extension}" for fmt in FORMATS)
 # File-name globs ignored when neither the watch nor the config sets `ignore:` (`.~*` is inside `.*`, and is
@@ -58,6 +64,7 @@ TOP_LEVEL_KEYS = (
     "ignore",
     "hash",
     "metrics",
+    "cluster",
     "watches",
 )
 LOG_KEYS = ("path", "max_bytes", "backups", "level")
@@ -91,6 +98,17 @@ class LogSettings:
     max_bytes: int = DEFAULT_LOG_MAX_BYTES
     backups: int = DEFAULT_LOG_BACKUPS
     level: str = DEFAULT_LOG_LEVEL
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """How a watch on a filesystem other nodes write to is served: claims beside the outputs (each checkpoint
+    converted once in the cluster) and inotify for this node's writes plus a poll every `poll_interval`
+    seconds for other nodes'. `shared`: "auto" (watches on a network filesystem), True (every watch, for a
+    filesystem statfs does not tell apart) or False (none)."""
+
+    shared: str | bool = DEFAULT_SHARED
+    poll_interval: float = DEFAULT_CLUSTER_POLL_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -142,6 +160,7 @@ class Config:
     stuck_worker_seconds: float = DEFAULT_STUCK_WORKER_SECONDS
     hash_name: str = DEFAULT_HASH_NAME
     metrics: Path | None = None  # a Prometheus textfile (`*.prom`) rewritten every second; None: none
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
     def polling_interval_for(self, watch: Watch) -> float | None:
         """Seconds between polls when `watch` must be polled, None when inotify serves it."""

@@ -232,6 +232,10 @@ class Section:
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         return self._get(name, default, lambda v: v in choices, f"one of {', '.join(choices)}", choices)
 
+    def value_in(self, name: str, default: Any, values: tuple[Any, ...], expected: str) -> Any:
+        """One of `values` compared by type and value (so `true` is not `1`)."""
+        return self._get(name, default, lambda v: any(type(v) is type(x) and v == x for x in values), expected)
+
     def string_list(self, name: str, default: tuple[str, ...]) -> tuple[str, ...]:
         def accept(v: Any) -> bool:
             return isinstance(v, list) and all(isinstance(item, str) and item for item in v)
