@@ -348,13 +348,30 @@ def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -
     output.close()
 
 
+class _WatchedTurn(threading.Condition):
+    """A pass's turn condition that says when a job first waits on it for its turn to hash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()  # set holding the lock: whoever takes it next finds this job waiting
+        return super().wait(timeout)
+
+
 def test_a_failing_job_releases_the_jobs_waiting_for_their_turn(tmp_path: Path) -> None:
     source = _source(tmp_path)
 
     class FailsEarly(OnePass):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self._turn = _WatchedTurn()
+
         def _copy_block(self, slot: object, move: Move, rel: int, n: int) -> None:
-            if move.name == "a.weight" or rel == 0:
-                time.sleep(0.2)  # let later jobs read and queue up for their turn
+            if move.name == "a.weight" and rel == 0:  # the first block: every later job waits behind it
+                # fail only once a later job has read its block and waits for its turn: the failure must wake it
+                assert self._turn.waited.wait(60), "no later job waited for its turn"  # type: ignore[attr-defined]
                 self._free.put(slot)  # type: ignore[arg-type]
                 raise FormatError("injected failure", self.src_path)
             super()._copy_block(slot, move, rel, n)  # type: ignore[arg-type]
