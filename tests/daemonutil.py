@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,18 @@ def _become(capabilities: list[int], user: int | None) -> None:
         os.setgroups([])
         os.setgid(user)
         os.setuid(user)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` is in the stopped state (`T` in /proc/PID/task/TID/stat)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        if stat.rsplit(")", 1)[1].split()[0] != "T":
+            return False
+    return True
 
 
 def scratch_files(*roots: Path) -> list[Path]:
@@ -168,6 +180,20 @@ class DaemonRun:
     def send(self, signum: int) -> None:
         assert self.proc is not None
         self.proc.send_signal(signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The daemon stopped (SIGSTOP) for the block: none of its threads runs, so nothing reads its inotify
+        queue or looks at a file until the block ends (SIGCONT). A signal arrives asynchronously: the block
+        starts only once every thread is seen stopped."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        self.send(signal.SIGSTOP)
+        try:
+            wait_until(lambda: _all_threads_stopped(pid), START_TIMEOUT, "every thread of the daemon stopped")
+            yield
+        finally:
+            self.send(signal.SIGCONT)
 
     def stop(self, timeout: float = 60.0) -> tuple[int | None, float]:
         """SIGTERM; returns (exit status or None if it did not exit within `timeout`, seconds taken)."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -571,16 +572,13 @@ def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     live = wait_until(lambda: scratch_files(runs), 60, "the first daemon's scratch file")
     # held mid-conversion (alive, its flock held) while the second daemon starts and scans: a conversion that
     # finished first would leave nothing to test
-    first.send(signal.SIGSTOP)
-    try:
+    with first.held():
         # a second daemon on the same tree (another state), as a container or another host would run one
         (first.root.parent / "d1").mkdir()
         second = make_daemon([{"path": os.fspath(runs), "direction": "bpk->safetensors"}])
         second.start(wrapper=OWN_PID_NAMESPACE)
         second.quiet(1.0)
         assert scratch_files(runs) == live
-    finally:
-        first.send(signal.SIGCONT)
     first.wait_for("converted", [source], timeout=120)
     assert second.statuses("removed") == [], second.log_text()
     stop_wrapped(second)
@@ -696,6 +694,14 @@ def test_a_file_that_stays_truncated_is_refused_once_saying_so(make_daemon: Call
     stop_cleanly(run)
 
 
+def holds(path: Path, data: bytes) -> bool:
+    """`path` exists and holds exactly `data`."""
+    try:
+        return path.read_bytes() == data
+    except FileNotFoundError:
+        return False
+
+
 def save_then_rename(temporary: Path, final: Path, epochs: range, delay: Callable[[int], float]) -> None:
     """A writer that saves each epoch under `temporary` and renames it to `final` `delay(epoch)` s later."""
     for epoch in epochs:
@@ -705,23 +711,35 @@ def save_then_rename(temporary: Path, final: Path, epochs: range, delay: Callabl
         time.sleep(0.1)
 
 
-def test_a_source_renamed_away_before_its_conversion_starts_is_not_reported(
+def test_a_source_renamed_away_before_the_daemon_looks_at_it_is_not_reported(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     run, runs = started_one_way(make_daemon)
     x, y = runs / "x.safetensors", runs / "y.safetensors"
-    # renamed at once (within the few ms a close is given to settle): x is never converted, never named
-    save_then_rename(x, y, range(1, 21), lambda epoch: 0.002 * (epoch % 20))
-    expected = conversion_of(checkpoint(20), y.name, tmp_path / "expected")
-    wait_until(lambda: (runs / "y.bpk").exists() and (runs / "y.bpk").read_bytes() == expected, 60, "y.bpk")
+    for epoch in range(1, 6):
+        # saved and renamed while the daemon is held: it sees x's close only once x is gone
+        with run.held():
+            write_file(x, checkpoint(epoch))
+            os.rename(x, y)
+        expected = conversion_of(checkpoint(epoch), y.name, tmp_path / "expected")
+        wait_until(partial(holds, runs / "y.bpk", expected), 60, f"y.bpk of epoch {epoch}")
     run.quiet(2.0)
     assert [r for r in run.records() if r.get("source") == str(x)] == [], run.log_text()
     assert sorted(p.name for p in runs.iterdir()) == ["y.bpk", "y.safetensors"], run.log_text()
-    # renamed while the daemon's first look at x is under way (its settle check, lease probe and open): x may
-    # have been converted when it sat closed long enough, but a vanished x is never reported as a failure
+    stop_cleanly(run)
+
+
+def test_a_source_renamed_away_while_the_daemon_first_looks_at_it_is_never_a_failure(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run, runs = started_one_way(make_daemon)
+    x, y = runs / "x.safetensors", runs / "y.safetensors"
+    # renamed 40-100 ms after its close, while the daemon's first look at x may be under way (its settle
+    # check, lease probe and open): x may have been converted when it sat closed long enough, but a vanished
+    # x is never reported as a failure
     save_then_rename(x, y, range(21, 61), lambda epoch: 0.04 + 0.0015 * (epoch % 40))
     expected = conversion_of(checkpoint(60), y.name, tmp_path / "expected")
-    wait_until(lambda: (runs / "y.bpk").read_bytes() == expected, 60, "y.bpk of the last save")
+    wait_until(lambda: (runs / "y.bpk").exists() and (runs / "y.bpk").read_bytes() == expected, 60, "y.bpk")
     run.quiet(2.0)
     assert {r["status"] for r in run.records() if r.get("source") == str(x)} <= {"converted", "updated"}, run.log_text()
     assert not [r for r in run.records() if r["status"] in ("refused", "error", "conflict", "skipped")], run.log_text()

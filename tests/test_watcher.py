@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -110,16 +109,6 @@ def test_the_ignore_setting_replaces_the_default(make_daemon: Callable[..., Daem
 # ------------------------------------------------------------------------------------------ lost events
 
 
-@contextlib.contextmanager
-def stopped(run: DaemonRun) -> Iterator[None]:
-    """The daemon held with SIGSTOP: nothing reads its inotify queue until the block ends."""
-    run.send(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        run.send(signal.SIGCONT)
-
-
 def test_a_real_inotify_queue_overflow_is_caught_up_by_a_rescan(make_daemon: Callable[..., DaemonRun]) -> None:
     """While the daemon is stopped, more files appear than the kernel queues events for (each new file makes
     at least two: create and close); the checkpoints written last find the queue full and their events are
@@ -133,7 +122,7 @@ def test_a_real_inotify_queue_overflow_is_caught_up_by_a_rescan(make_daemon: Cal
     run.quiet(0.5)  # the new directory is watched
     flood = int(MAX_QUEUED_EVENTS.read_text()) + 1000
     data = {runs / f"late-{index}.safetensors": checkpoint(index) for index in range(5)}
-    with stopped(run):
+    with run.held():
         for index in range(flood):
             (noise / f"{index}.txt").touch()
         for path, content in data.items():
