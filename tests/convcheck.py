@@ -103,17 +103,24 @@ def transposed(data: bytes, shape: tuple[int, ...], itemsize: int) -> bytes:
     return np.frombuffer(data, dtype=f"V{itemsize}").reshape(shape).T.copy().tobytes()
 
 
-def run_cli(*args: object, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`syncd ARGS` in a fresh interpreter, as a user runs it."""
+def cli_env() -> dict[str, str]:
+    """The environment a `syncd` subprocess gets: this checkout's code, no debugging tracebacks."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("SYNCD_DEBUG", None)
+    return env
+
+
+def run_cli(
+    *args: object, cwd: str | os.PathLike[str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`syncd ARGS` in a fresh interpreter, as a user runs it (`timeout` catches a hang)."""
     return subprocess.run(
         [sys.executable, "-m", "syncd", *map(str, args)],
         cwd=cwd,
-        env=env,
+        env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 

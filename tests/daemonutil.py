@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,34 @@ def _all_threads_stopped(pid: int) -> bool:
 def scratch_files(*roots: Path) -> list[Path]:
     """syncd's scratch files (`.<name>.syncd-<pid>-<n>.tmp`) anywhere below `roots`."""
     return [path for root in roots for path in root.rglob("*") if is_scratch_name(path.name)]
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write `data` as a writer saving a checkpoint does: one open, one write, one close (one close event)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def mentioning(records: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The sync log records in which `text` appears anywhere."""
+    return [r for r in records if text in json.dumps(r)]
+
+
+def runnable_by_others() -> None:
+    """Let other users reach this checkout and the interpreter (o+x along their paths): a daemon started
+    as another user runs the code from here."""
+    for path in (REPO, Path(sys.executable).resolve().parent, Path(sys.prefix)):
+        for directory in [path, *path.parents]:
+            mode = os.stat(directory).st_mode
+            if not mode & stat.S_IXOTH:
+                os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
+
+
+def stop_cleanly(run: DaemonRun, *roots: Path) -> None:
+    """SIGTERM, and the daemon exits 0 leaving no scratch file below `roots` (default: its own directory)."""
+    code, seconds = run.stop()
+    assert code == 0, f"exit status {code} after {seconds:.1f} s\n{run.stderr()}"
+    assert scratch_files(*(roots or (run.root,))) == []
 
 
 class DaemonRun:

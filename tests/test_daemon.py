@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES
-from daemonutil import CAP_LEASE, REPO, DaemonRun, scratch_files, wait_until
+from daemonutil import CAP_LEASE, REPO, DaemonRun, mentioning, scratch_files, stop_cleanly, wait_until, write_file
 from safetensors.torch import load_file, save
 
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
@@ -90,11 +90,6 @@ def check_mnist_safetensors(path: Path) -> None:
     assert tensors["conv1.norm.weight"].numpy().tobytes() == burn_gamma
 
 
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-
-
 def write_slowly(
     path: Path,
     data: bytes,
@@ -127,10 +122,6 @@ def only(records: list[dict], status: str, source: Path) -> list[dict]:
     return [r for r in records if r["status"] == status and r.get("source") == str(source)]
 
 
-def mentioning(records: list[dict], text: str) -> list[dict]:
-    return [r for r in records if text in json.dumps(r)]
-
-
 # ------------------------------------------------------------------------------------------ fixtures
 
 
@@ -139,13 +130,6 @@ def daemon(make_daemon: Callable[..., DaemonRun]) -> DaemonRun:
     run = make_daemon()
     run.start()
     return run
-
-
-def stop_cleanly(run: DaemonRun, *roots: Path) -> None:
-    code, seconds = run.stop()
-    assert code == 0, f"exit status {code} after {seconds:.1f} s\n{run.stderr()}"
-    assert seconds < STOP_BOUND
-    assert scratch_files(*(roots or (run.root,))) == []
 
 
 # ------------------------------------------------------------------------------------------ systemd, signals

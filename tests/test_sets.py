@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from convcheck import run_cli
 from daemonutil import REPO, DaemonRun, scratch_files
 from hfsets import LLAMA_MODULES, save_llama
 from safetensors.torch import load_file
@@ -48,10 +49,8 @@ PORT_RULES = [
 
 
 def syncd(*args: str | Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-m", "syncd", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
-    )
+    """`syncd ARGS`, which must succeed (`ok`) or fail with one line."""
+    result = run_cli(*args, timeout=300)
     if ok:
         assert result.returncode == 0, result.stderr
     else:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
-from daemonutil import CAP_LEASE, DaemonRun, scratch_files, wait_until
+from convcheck import cli_env, run_cli
+from daemonutil import CAP_LEASE, DaemonRun, scratch_files, stop_cleanly, wait_until, write_file
 from hfsets import save_llama
 from safetensors.numpy import save
 
@@ -34,11 +34,6 @@ def checkpoint(seed: int, layers: int = 2, width: int = 8) -> bytes:
         tensors[f"layers.{i}.weight"] = rng.standard_normal((width, width * 3 // 4), dtype=np.float32)
         tensors[f"layers.{i}.bias"] = rng.standard_normal(width, dtype=np.float32)
     return save(tensors)
-
-
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
 
 
 def rewrite_in_place(path: Path, data: bytes, keep_times: os.stat_result | None = None) -> None:
@@ -102,12 +97,6 @@ def started_one_way(make_daemon: Callable[..., DaemonRun]) -> tuple[DaemonRun, P
     return run, runs
 
 
-def stop_cleanly(run: DaemonRun) -> None:
-    code, _ = run.stop()
-    assert code == 0, run.stderr()
-    assert scratch_files(run.root) == []
-
-
 # ------------------------------------------------------------------------------------------ 1. rewritten in place
 
 BIG = {"layers": 6, "width": 2048}  # 6 x 12 MiB transposed weights: the conversion takes long enough to meet
@@ -138,9 +127,8 @@ def test_a_source_rewritten_in_place_during_its_conversion_is_never_published_mi
 def test_syncd_convert_refuses_a_source_changed_while_it_converts(tmp_path: Path) -> None:
     source = tmp_path / "model.safetensors"
     write_file(source, checkpoint(1, **BIG))
-    env = {**os.environ, "PYTHONPATH": os.fspath(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "syncd", "convert", os.fspath(source)], env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "syncd", "convert", os.fspath(source)], env=cli_env(), stderr=subprocess.PIPE, text=True
     )
     wait_until(lambda: has_open(proc.pid, source) or proc.poll() is not None, 60, "syncd convert opening it")
     size = source.stat().st_size
@@ -292,13 +280,7 @@ def test_a_reload_with_a_config_the_parser_chokes_on_keeps_the_daemon(
     run, runs = started_one_way(make_daemon)
     good = run.config_path.read_text()
     run.write_config_text(text)
-    check = subprocess.run(
-        [sys.executable, "-m", "syncd", "check-config", os.fspath(run.config_path)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    check = run_cli("check-config", os.fspath(run.config_path), timeout=60)
     assert check.returncode == 2 and "internal error" not in check.stdout + check.stderr
     assert (check.stdout + check.stderr).count("\n") == 1, check
     run.send(signal.SIGHUP)
@@ -345,14 +327,7 @@ def test_a_second_daemon_on_the_same_state_exits_1_naming_the_first(make_daemon:
     run = make_daemon([{"path": "runs"}])
     run.start()
     assert run.proc is not None
-    second = subprocess.run(
-        [sys.executable, "-m", "syncd", "run", "-c", os.fspath(run.config_path)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=run.root,
-    )
+    second = run_cli("run", "-c", os.fspath(run.config_path), cwd=run.root, timeout=60)
     assert second.returncode == 1, second
     assert second.stderr.count("\n") == 1 and f"pid {run.proc.pid}" in second.stderr, second.stderr
     assert [r["status"] for r in run.records()] == ["started"]
@@ -504,13 +479,7 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
     write_file(source, checkpoint(1))
     run.wait_for("error", [source])
     (run.root / "mirror" / "sub").unlink()  # fixed by the administrator; the source itself did not change
-    retry = subprocess.run(
-        [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), os.fspath(source)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    retry = run_cli("retry", "-c", os.fspath(run.config_path), os.fspath(source), timeout=60)
     assert retry.returncode == 0, retry.stderr
     assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
     run.wait_for("converted", [source])
@@ -756,13 +725,7 @@ def test_syncd_retry_all_failed_looks_again_with_the_fixed_configuration(make_da
     run.wait_for("refused", [source])
     # the administrator adds the module map, with no SIGHUP; the source itself does not change
     run.write_config([{"path": "runs", "direction": "safetensors->bpk", "modules": SQUARE_ONLY, "layout": "pytorch"}])
-    retry = subprocess.run(
-        [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), "--all-failed"],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    retry = run_cli("retry", "-c", os.fspath(run.config_path), "--all-failed", timeout=60)
     assert retry.returncode == 0, retry.stderr
     assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
     run.wait_for("converted", [source])

@@ -5,14 +5,13 @@ inotify, real signals; see daemonutil.py for the harness."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from daemonutil import DaemonRun, scratch_files
+from daemonutil import DaemonRun, mentioning, stop_cleanly, write_file
 from safetensors.torch import save
 
 from syncd.formats import BURNPACK, open_checkpoint
@@ -26,11 +25,6 @@ def checkpoint(seed: int) -> bytes:
     return save({"fc.weight": torch.randn(4, 3, generator=generator), "fc.bias": torch.randn(4, generator=generator)})
 
 
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-
-
 def check_converted(source: Path, data: bytes) -> None:
     """`source`'s output beside it is the Burn form of `data` (the Linear weight transposed)."""
     with open_checkpoint(source.with_suffix(".bpk")) as reader:
@@ -42,16 +36,6 @@ def check_converted(source: Path, data: bytes) -> None:
 
 def names(directory: Path) -> set[str]:
     return {path.name for path in directory.iterdir()}
-
-
-def mentioning(run: DaemonRun, text: str) -> list[dict]:
-    return [r for r in run.records() if text in json.dumps(r)]
-
-
-def stop_cleanly(run: DaemonRun) -> None:
-    code, seconds = run.stop()
-    assert code == 0, f"exit status {code} after {seconds:.1f} s\n{run.stderr()}"
-    assert scratch_files(run.root) == []
 
 
 # ------------------------------------------------------------------------------------------ temporary names
@@ -82,7 +66,7 @@ def test_a_writers_temporary_names_are_never_converted(make_daemon: Callable[...
     for final, content in data.items():
         check_converted(runs / final, content)
     for temporary in [*settled, ".quick"]:
-        assert mentioning(run, temporary) == []
+        assert mentioning(run.records(), temporary) == []
     stop_cleanly(run)
 
 
