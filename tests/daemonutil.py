@@ -113,6 +113,8 @@ def stop_cleanly(run: DaemonRun, *roots: Path) -> None:
 class DaemonRun:
     """One daemon with its own files under `root`. Use as a context manager: leaving kills what is left."""
 
+    starts = 0  # daemons started in this process: conftest checks that a test starting one is marked `daemon`
+
     def __init__(self, root: Path, watches: list[dict[str, Any]] | None = None, **settings: Any) -> None:
         self.root = root
         self.config_path = root / "syncd.yaml"
@@ -174,6 +176,7 @@ class DaemonRun:
         env.pop("WATCHDOG_USEC", None)
         env.update(extra)
         started_at = len(self.notifications)
+        DaemonRun.starts += 1
         dropped = list(drop_capabilities)
         if user is not None:  # the daemon must reach systemd's socket as that user
             os.chmod(self._socket_dir, 0o755)

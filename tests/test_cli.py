@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 from syncd.daemon.synclog import SyncLog
 from syncd.formats.burnpack import MAGIC
 
+pytestmark = pytest.mark.torch
+
 
 def _ambiguous(path: Path) -> Path:
     """A square bias-free 2-D weight: Linear or Embedding? The tensors alone do not say."""

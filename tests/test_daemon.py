@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save
 
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
 
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
+
 # SIGTERM must not wait for an in-flight conversion to finish; generous, so a loaded machine does not fail it.
 STOP_BOUND = 30.0
 NOBODY = 65534
@@ -217,6 +219,7 @@ def memory_dir(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_large_conversion(memory_dir: Path) -> None:
     """The files live on tmpfs: what is timed is the daemon's stop, not the disk. (On a disk, the kernel frees
     an abandoned scratch file's blocks as the process exits; with an ext4 mounted `-o discard` under load that
@@ -268,6 +271,7 @@ def test_checkpoint_written_slowly_in_place_is_converted_once_when_complete(daem
     stop_cleanly(daemon)
 
 
+@pytest.mark.root
 def test_slow_writer_of_a_file_the_daemon_does_not_own(make_daemon: Callable[..., DaemonRun]) -> None:
     """As the service runs: its own user, without CAP_LEASE, so it cannot ask the kernel whether the file is
     still open for writing. Until the file has been seen closed, a file that does not read yet is not refused."""

@@ -79,6 +79,7 @@ def report(name: str, counts: Counter, started: float) -> None:
 # ------------------------------------------------------------------------------------------------ readers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_reader_structured(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -96,6 +97,7 @@ def test_reader_structured(kind: str, tmp_path: Path) -> None:
     assert counts["ok"] > EXAMPLES // 20, "the generator should produce some valid files"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_reader_mutated(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -134,6 +136,7 @@ def _options(kind: str, option: tuple[str | None, str]) -> tuple[str | None, str
     return (kind if to_format == "same" else None), layout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_convert_structured(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -150,6 +153,7 @@ def test_convert_structured(kind: str, tmp_path: Path) -> None:
     assert sum(counts.values()) >= CONVERT_EXAMPLES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_convert_mutated(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -172,6 +176,7 @@ def test_convert_mutated(kind: str, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_cli_subprocess(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -203,6 +208,7 @@ def test_corpus_is_listed() -> None:
     assert [p.name for p in CORPUS if p.name not in readme] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CORPUS, ids=[p.name for p in CORPUS])
 def test_corpus_replay(path: Path, tmp_path: Path) -> None:
     blob = path.read_bytes()
@@ -250,6 +256,7 @@ LARGE_HEADERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LARGE_HEADERS))
 def test_large_headers_within_the_limits(name: str, tmp_path: Path) -> None:
     """Still a SyncdError (or success) within the time and memory budget, never a MemoryError."""
@@ -266,6 +273,7 @@ def test_header_too_big_to_decode_is_a_format_error(tmp_path: Path) -> None:
     assert check_reader(blob, ".safetensors", tmp_path, memory=64 * MIB) == "FormatError"
 
 
+@pytest.mark.slow
 def test_cbor_amplification_is_bounded(tmp_path: Path) -> None:
     """An 8 MiB burnpack header of empty arrays (Burn allows 100 MiB) read with no address-space limit: the
     reader's peak RSS grows by less than MEMORY_LIMIT (decoding it would take ~570 MB: it is priced first and

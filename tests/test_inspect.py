@@ -11,6 +11,8 @@ from conftest import MNIST_BPK, MNIST_ST
 from convcheck import run_cli
 from hfsets import save_llama
 
+pytestmark = pytest.mark.torch
+
 
 def test_json_lists_every_tensor_with_param_ids_as_decimal_strings() -> None:
     result = run_cli("inspect", str(MNIST_BPK), "--json")

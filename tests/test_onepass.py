@@ -102,6 +102,7 @@ def assert_pass_fails(
     output.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("workers", "slot_bytes", "block_bytes"),
     [(1, onepass.SLOT_BYTES, onepass.BLOCK_BYTES), (2, 8192, 4096), (4, 4000, 1000), (3, 1 << 20, 7)],

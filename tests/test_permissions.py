@@ -20,6 +20,8 @@ from conftest import REPO
 from convcheck import run_cli
 from daemonutil import DaemonRun, runnable_by_others
 
+pytestmark = [pytest.mark.daemon, pytest.mark.root]
+
 TRAINER = pwd.getpwnam("nobody")  # the training user
 OTHER = pwd.getpwnam("daemon")  # a system user like `syncd`, not the files' owner
 

@@ -211,6 +211,8 @@ def test_concurrent_publishers_exactly_one_wins_each_round(tmp_path: Path) -> No
     assert all(proc.exitcode == 0 for proc in procs)
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_sigkill_at_random_moments_never_leaves_a_partial_destination(tmp_path: Path) -> None:
     size = 4 * MIB
     rng = random.Random(20240604)
@@ -285,6 +287,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mount_point)], check=True)
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("replace", [False, True])
 def test_enospc_midway_keeps_previous_destination(small_fs: Path, replace: bool) -> None:
     dest = small_fs / "model.bpk"

@@ -10,10 +10,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import safetensors.numpy
 from daemonutil import DaemonRun, runnable_by_others, scratch_files, stop_cleanly, wait_until
 
 from syncd.formats import open_checkpoint
+
+pytestmark = pytest.mark.daemon
 
 
 def write_checkpoint(path: Path, seed: int = 0, mode: int | None = None) -> Path:
@@ -125,6 +128,7 @@ def test_a_tree_deeper_than_the_limit_is_reported_and_the_rest_served(tmp_path: 
         stop_cleanly(run)
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_files_do_not_exhaust_memory(tmp_path: Path) -> None:
     with DaemonRun(tmp_path / "d") as run:
         runs = run.watch_dir()
@@ -142,6 +146,7 @@ def test_a_hundred_thousand_files_do_not_exhaust_memory(tmp_path: Path) -> None:
         stop_cleanly(run)
 
 
+@pytest.mark.root
 def test_running_out_of_inotify_watches_falls_back_to_polling_and_says_so(tmp_path: Path) -> None:
     limit_file = Path("/proc/sys/fs/inotify/max_user_watches")
     original = limit_file.read_text()
@@ -175,6 +180,8 @@ def _peak_rss_kib(pid: int) -> int:
 NOBODY = 65534
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tmp_path: Path) -> None:
     assert os.geteuid() == 0, "this test runs the daemon as another user: run the suite as root, as CI does"
     runnable_by_others()

@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 from syncd.daemon.status import CONVERTING_AFTER, STATUS_FILE, Activity
 from syncd.engine.convert import ConvertRequest, convert
 
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
+
 
 @pytest.fixture
 def run(tmp_path: Path) -> Iterator[DaemonRun]:

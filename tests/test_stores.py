@@ -9,6 +9,8 @@ from syncd.adapters import ModuleMap, TensorRef, plan_conversion
 from syncd.adapters.keys import NameCollisionError, TensorFilter, compile_rule
 from syncd.engine.options import StoreOptions, apply_options, undo_renames
 
+pytestmark = pytest.mark.torch
+
 DTYPES = {"torch.float32": "F32"}
 
 

@@ -22,6 +22,8 @@ from safetensors.numpy import save
 
 from syncd.engine.convert import ConvertRequest, convert
 
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
+
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -102,6 +104,7 @@ def started_one_way(make_daemon: Callable[..., DaemonRun]) -> tuple[DaemonRun, P
 BIG = {"layers": 6, "width": 2048}  # 6 x 12 MiB transposed weights: the conversion takes long enough to meet
 
 
+@pytest.mark.slow
 def test_a_source_rewritten_in_place_during_its_conversion_is_never_published_mixed(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -266,6 +269,7 @@ def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
 # ------------------------------------------------------------------------------------------ 5. reloads, lost log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "text",
     [
@@ -388,6 +392,7 @@ def _heal(fault: str, out: Path, disk: Tmpfs) -> None:
         (disk.path / "junk").unlink()
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("fault", FAULTS)
 def test_environment_errors_are_retried_until_they_heal_also_across_a_restart(
     make_daemon: Callable[..., DaemonRun], fault: str
@@ -415,6 +420,7 @@ def test_environment_errors_are_retried_until_they_heal_also_across_a_restart(
         stop_cleanly(run)
 
 
+@pytest.mark.root
 def test_a_full_disk_under_the_state_database_is_logged_and_retried(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}], state_dir="statefs/state")
     runs = run.watch_dir()
@@ -492,6 +498,8 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
 NOBODY = 65534
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_a_presized_file_filled_in_with_pauses_is_not_taken_for_complete_without_leases(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -530,6 +538,8 @@ def stop_wrapped(run: DaemonRun) -> None:
     assert scratch_files(run.root) == []
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
@@ -554,6 +564,8 @@ def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     stop_cleanly(first)
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
@@ -592,6 +604,7 @@ def test_a_source_renamed_away_during_its_conversion_leaves_no_output(make_daemo
     stop_cleanly(run)
 
 
+@pytest.mark.slow
 def test_a_directory_moved_out_of_the_tree_mid_conversion_keeps_no_scratch(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
@@ -698,6 +711,7 @@ def test_a_source_renamed_away_before_the_daemon_looks_at_it_is_not_reported(
     stop_cleanly(run)
 
 
+@pytest.mark.slow
 def test_a_source_renamed_away_while_the_daemon_first_looks_at_it_is_never_a_failure(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:

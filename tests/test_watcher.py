@@ -10,11 +10,14 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from daemonutil import DaemonRun, mentioning, stop_cleanly, write_file
 from safetensors.torch import save
 
 from syncd.formats import BURNPACK, open_checkpoint
+
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
 
 MAX_QUEUED_EVENTS = Path("/proc/sys/fs/inotify/max_queued_events")
 
@@ -93,6 +96,7 @@ def test_the_ignore_setting_replaces_the_default(make_daemon: Callable[..., Daem
 # ------------------------------------------------------------------------------------------ lost events
 
 
+@pytest.mark.root
 def test_a_real_inotify_queue_overflow_is_caught_up_by_a_rescan(make_daemon: Callable[..., DaemonRun]) -> None:
     """While the daemon is stopped, more files appear than the kernel queues events for (each new file makes
     at least two: create and close); the checkpoints written last find the queue full and their events are
@@ -130,6 +134,7 @@ def bind_mounted(source: Path, target: Path) -> Iterator[None]:
         subprocess.run(["umount", os.fspath(target)], check=True)
 
 
+@pytest.mark.root
 def test_the_safety_rescan_finds_files_no_event_announced(make_daemon: Callable[..., DaemonRun]) -> None:
     """A directory mounted over a watched subdirectory: inotify watches the directory underneath, so files
     written into the mounted one make no event at all. Only the periodic rescan finds them."""
