@@ -41,7 +41,7 @@ class SyncdUnderTest:
 
     def kernel_name(self) -> str:
         """Which transpose kernel this syncd uses: compiled or numpy (syncd/kernels)."""
-        code = "from syncd import kernels; print(kernels.KERNEL_NAME)"
+        code = "from syncd.engine.write import kernels; print(kernels.KERNEL_NAME)"
         if self.snapshot is not None:
             unhook = "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]"
             argv = [PYTHON, "-c", f"import sys; {unhook}; sys.path.insert(0, {str(self.snapshot)!r}); {code}"]

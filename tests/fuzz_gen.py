@@ -1808,6 +1808,7 @@ def check_convert(blob: bytes, ext: str, workdir: Path, to_format: str | None = 
     """The conversion property: success and a re-readable output, or a one-line SyncdError and nothing
     published (no output, no scratch file). Returns "ok" or the error class name."""
     from syncd.engine.convert import ConvertRequest, convert
+    from syncd.engine.directions import converts_to
     from syncd.formats.registry import BY_EXTENSION, BY_NAME
 
     source = workdir / f"source{ext}"
@@ -1816,7 +1817,7 @@ def check_convert(blob: bytes, ext: str, workdir: Path, to_format: str | None = 
     out_dir.mkdir(exist_ok=True)
     for leftover in out_dir.iterdir():
         leftover.unlink()
-    target = BY_NAME[to_format] if to_format else BY_NAME[BY_EXTENSION[ext].converts_to]
+    target = BY_NAME[to_format] if to_format else converts_to(BY_EXTENSION[ext])
     dest = out_dir / f"dest{target.extension}"
     outcome = "ok"
     try:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from syncd.cli.check_config import run_check_config
 from syncd.daemon.config import (
     DEFAULT_POLL_INTERVAL,
     check_config,
     load_config,
-    run_check_config,
 )
 from syncd.errors import ConfigError
 
@@ -51,7 +51,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path, runs: Path) -> 
     assert watch.recursive is True
     assert watch.include == ("*.bpk", "*.safetensors")
     assert watch.exclude == ()
-    assert (watch.direction, watch.output, watch.on_exists, watch.layout) == ("both", "beside", "skip", "auto")
+    assert (watch.direction, watch.mirror, watch.on_exists, watch.layout) == ("both", None, "skip", "auto")
     assert dict(watch.modules) == {} and watch.poll is False
     assert config.polling_interval_for(watch) is None
 

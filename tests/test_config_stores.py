@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from test_config import write_config
 
-from syncd.daemon.config import check_config, load_config, run_check_config
+from syncd.cli.check_config import run_check_config
+from syncd.daemon.config import check_config, load_config
 
 GOOD = r"""
 watches:

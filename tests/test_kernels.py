@@ -128,7 +128,7 @@ def test_the_compiled_kernel_refuses_what_does_not_fit(compiled: Kernel) -> None
 
 def test_the_fallback_is_chosen_when_asked_and_gives_the_same_bytes() -> None:
     code = (
-        "import numpy as np; from syncd import kernels; a = np.arange(12, dtype=np.uint32).reshape(3, 4); "
+        "import numpy as np; from syncd.engine.write import kernels; a = np.arange(12, dtype=np.uint32).reshape(3, 4); "
         "o = np.empty((4, 3), np.uint32); kernels.transpose(a, o); print(kernels.KERNEL_NAME, o.tobytes().hex())"
     )
     env = {"PYTHONPATH": str(REPO), "SYNCD_KERNEL": "numpy"}

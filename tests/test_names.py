@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from syncd.daemon.config import DEFAULT_RESCAN_INTERVAL, Watch, load_config
-from syncd.daemon.names import DEFAULT_IGNORE, is_candidate
+from syncd.daemon.config import DEFAULT_IGNORE, DEFAULT_RESCAN_INTERVAL, Watch, load_config
+from syncd.daemon.names import is_candidate
 from syncd.errors import ConfigError
 
 ROOT = Path("/srv/runs")

@@ -48,7 +48,7 @@ def test_inspect_reads_a_table_without_numpy_yaml_or_the_daemon() -> None:
 def test_the_log_command_still_gets_its_options() -> None:
     status, modules = _imports("log", "--help")
     assert status == 0
-    assert "syncd.daemon.logview" in modules
+    assert "syncd.cli.log" in modules
 
 
 def test_a_conversion_without_transposes_does_not_import_numpy_or_yaml(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from syncd.daemon.state import DB_NAME, SCHEMA_VERSION, FileVersion, StateDB
+from syncd.daemon.state import DB_NAME, SCHEMA_VERSION, StateDB
+from syncd.formats.fileio import FileStamp
 
 
 @pytest.fixture
@@ -44,13 +46,13 @@ def test_fresh_database_is_created_with_wal_and_schema_version(tmp_path: Path) -
 
 def test_recorded_conversion_is_up_to_date_until_source_or_dest_changes(db: StateDB, pair: tuple[Path, Path]) -> None:
     source, dest = pair
-    version = FileVersion.of(source)
+    version = FileStamp.of_path(source)
     assert not db.is_up_to_date(source, version, dest)
     db.record(source, version, dest)
     assert db.is_up_to_date(source, version, dest)
     assert not db.is_up_to_date(source, version, dest.with_suffix(".other"))  # another output
     bump_mtime(source)
-    assert not db.is_up_to_date(source, FileVersion.of(source), dest)
+    assert not db.is_up_to_date(source, FileStamp.of_path(source), dest)
     assert db.is_up_to_date(source, version, dest)
     dest.write_bytes(b"edited by someone")  # the published output changed
     assert not db.is_up_to_date(source, version, dest)
@@ -61,31 +63,32 @@ def test_recorded_conversion_is_up_to_date_until_source_or_dest_changes(db: Stat
 
 def test_replaced_source_with_same_size_and_mtime_is_a_new_version(db: StateDB, pair: tuple[Path, Path]) -> None:
     source, dest = pair
-    old = FileVersion.of(source)
+    old = FileStamp.of_path(source)
     db.record(source, old, dest)
     replacement = source.with_name("incoming.bpk")
     replacement.write_bytes(b"other bytes!")  # same length
     os.utime(replacement, ns=(old.mtime_ns, old.mtime_ns))
     os.replace(replacement, source)  # a new inode, as an atomic save makes
-    assert not db.is_up_to_date(source, FileVersion.of(source), dest)
+    assert not db.is_up_to_date(source, FileStamp.of_path(source), dest)
 
 
-def test_sha256_is_compared_when_both_sides_know_it(db: StateDB, pair: tuple[Path, Path]) -> None:
+def test_ctime_is_compared_when_both_sides_know_it(db: StateDB, pair: tuple[Path, Path]) -> None:
+    """A chmod, or a rewrite whose mtime was set back, shows only in ctime; a row from before schema 2 has none."""
     source, dest = pair
-    db.record(source, FileVersion.of(source, sha256="aa" * 32), dest)
-    assert db.is_up_to_date(source, FileVersion.of(source), dest)
-    assert db.is_up_to_date(source, FileVersion.of(source, sha256="aa" * 32), dest)
-    assert not db.is_up_to_date(source, FileVersion.of(source, sha256="bb" * 32), dest)
+    version = FileStamp.of_path(source)
+    db.record(source, version, dest)
+    assert db.is_up_to_date(source, dataclasses.replace(version, ctime_ns=0), dest)
+    assert not db.is_up_to_date(source, dataclasses.replace(version, ctime_ns=version.ctime_ns + 1), dest)
 
 
 def test_get_returns_what_was_recorded(db: StateDB, pair: tuple[Path, Path]) -> None:
     source, dest = pair
-    version = FileVersion.of(source, sha256="cd" * 32)
+    version = FileStamp.of_path(source)
     db.record(source, version, dest, status="in_sync")
     state = db.get(source)
     assert state is not None
     assert (state.source, state.dest, state.status) == (str(source), str(dest), "in_sync")
-    assert state.version == version and state.dest_version == FileVersion.of(dest)
+    assert state.version == version and state.dest_version == FileStamp.of_path(dest)
     assert state.error is None and state.attempts == 0
     with pytest.raises(ValueError):
         db.record(source, version, dest, status="failed")
@@ -93,16 +96,16 @@ def test_get_returns_what_was_recorded(db: StateDB, pair: tuple[Path, Path]) -> 
 
 def test_own_outputs_are_recognised_until_modified(db: StateDB, pair: tuple[Path, Path]) -> None:
     source, dest = pair
-    db.record(source, FileVersion.of(source), dest)
-    assert db.is_own_output(dest, FileVersion.of(dest))
-    assert not db.is_own_output(source, FileVersion.of(source))
+    db.record(source, FileStamp.of_path(source), dest)
+    assert db.is_own_output(dest, FileStamp.of_path(dest))
+    assert not db.is_own_output(source, FileStamp.of_path(source))
     dest.write_bytes(b"the user's own edit")
-    assert not db.is_own_output(dest, FileVersion.of(dest))
+    assert not db.is_own_output(dest, FileStamp.of_path(dest))
 
 
 def test_failure_is_reported_once_per_version(db: StateDB, pair: tuple[Path, Path]) -> None:
     source, _ = pair
-    version = FileVersion.of(source)
+    version = FileStamp.of_path(source)
     assert not db.failed_same_version(source, version)
     assert db.record_failure(source, version, "FormatError: bad magic", transient=False) is True
     assert db.failed_same_version(source, version)
@@ -111,14 +114,14 @@ def test_failure_is_reported_once_per_version(db: StateDB, pair: tuple[Path, Pat
     assert state is not None and state.status == "failed" and state.attempts == 2
     assert state.error == "FormatError: bad magic" and state.dest is None
     bump_mtime(source)
-    new_version = FileVersion.of(source)
+    new_version = FileStamp.of_path(source)
     assert not db.failed_same_version(source, new_version)
     assert db.record_failure(source, new_version, "FormatError: still bad", transient=False) is True
 
 
 def test_transient_failures_are_retried_but_logged_once(db: StateDB, pair: tuple[Path, Path]) -> None:
     source, dest = pair
-    version = FileVersion.of(source)
+    version = FileStamp.of_path(source)
     assert db.record_failure(source, version, "OSError: disk full", transient=True) is True
     assert not db.failed_same_version(source, version)  # retry it
     assert db.record_failure(source, version, "OSError: disk full", transient=True) is False
@@ -135,7 +138,7 @@ def test_state_survives_reopening_and_keys_non_utf8_paths_exactly(tmp_path: Path
         file.write(b"x")
     with open(dest, "wb") as file:
         file.write(b"y")
-    version = FileVersion.of(source)
+    version = FileStamp.of_path(source)
     with StateDB(tmp_path / "state") as db:
         db.record(source, version, dest)
     with StateDB(tmp_path / "state") as db:
@@ -148,7 +151,7 @@ def test_state_survives_reopening_and_keys_non_utf8_paths_exactly(tmp_path: Path
 
 def test_unsigned_64_bit_device_and_inode_numbers_round_trip(db: StateDB, pair: tuple[Path, Path]) -> None:
     source, dest = pair
-    huge = FileVersion(dev=2**64 - 1, ino=2**63 + 5, size=12, mtime_ns=1)
+    huge = FileStamp(dev=2**64 - 1, ino=2**63 + 5, size=12, mtime_ns=1, ctime_ns=2)
     db.record(source, huge, dest)
     state = db.get(source)
     assert state is not None and state.version == huge
@@ -163,7 +166,7 @@ def test_threads_share_one_database(db: StateDB, tmp_path: Path) -> None:
     def work(worker: int) -> None:
         try:
             for index in range(50):
-                version = FileVersion(worker, index, index, index)
+                version = FileStamp(worker, index, index, index, index)
                 db.record(f"/src/{worker}/{index}", version, dest)
                 assert db.is_up_to_date(f"/src/{worker}/{index}", version, dest)
         except BaseException as exc:  # handed to the main thread
@@ -185,7 +188,7 @@ def test_corrupt_database_is_moved_aside_and_replaced(tmp_path: Path, caplog: py
     (state_dir / DB_NAME).write_bytes(garbage)
     with caplog.at_level(logging.WARNING, logger="syncd.state"), StateDB(state_dir) as db:
         assert db.get("/anything") is None
-        db.record_failure("/anything", FileVersion(1, 2, 3, 4), "written to the new database", transient=False)
+        db.record_failure("/anything", FileStamp(1, 2, 3, 4, 5), "written to the new database", transient=False)
         assert db.get("/anything") is not None
     aside = [p for p in state_dir.iterdir() if p.name.startswith(f"{DB_NAME}.corrupt-")]
     assert len(aside) == 1 and aside[0].read_bytes() == garbage
@@ -197,7 +200,7 @@ def test_damaged_pages_are_detected_and_the_database_replaced(tmp_path: Path, pa
     state_dir = tmp_path / "state"
     with StateDB(state_dir) as db:
         for index in range(300):
-            db.record(f"/src/{index:04d}/" + "x" * 100, FileVersion.of(source), dest)
+            db.record(f"/src/{index:04d}/" + "x" * 100, FileStamp.of_path(source), dest)
     path = state_dir / DB_NAME
     with sqlite3.connect(path) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -208,8 +211,8 @@ def test_damaged_pages_are_detected_and_the_database_replaced(tmp_path: Path, pa
     path.write_bytes(bytes(data))
     with StateDB(state_dir) as db:
         assert db.get(f"/src/0001/{'x' * 100}") is None
-        db.record(source, FileVersion.of(source), dest)
-        assert db.is_up_to_date(source, FileVersion.of(source), dest)
+        db.record(source, FileStamp.of_path(source), dest)
+        assert db.is_up_to_date(source, FileStamp.of_path(source), dest)
     assert any(p.name.startswith(f"{DB_NAME}.corrupt-") for p in state_dir.iterdir())
 
 

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from convcheck import run_cli
 from daemonutil import DaemonRun, wait_until
 from safetensors.torch import save_file
 
+from syncd.cli.status import render_status
+from syncd.daemon.journal import journal_line
 from syncd.daemon.status import CONVERTING_AFTER, STATUS_FILE, Activity
 from syncd.engine.convert import ConvertRequest, convert
 
@@ -101,7 +104,7 @@ def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
     shown = run_cli("status", "-c", run.config_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"syncd: running; pid {run.proc.pid}")
-    assert "since start: 1 converted, 0 in_sync, 2 refused, 1 conflict, 0 error, 0 skipped" in shown.stdout
+    assert "since start: 1 converted, 0 updated, 0 in_sync, 2 refused, 1 conflict, 0 error, 0 skipped" in shown.stdout
     assert "queued: 0" in shown.stdout and "converting: nothing" in shown.stdout
     assert "recent failures: 3" in shown.stdout
     assert f"refused  {files['not_a_checkpoint']}: not a safetensors or burnpack file" in shown.stdout
@@ -194,3 +197,37 @@ def test_a_long_conversion_is_announced_and_reported(tmp_path: Path, caplog: pyt
     activity.tick(queued=0)
     assert json.loads((state_dir / STATUS_FILE).read_text())["running"] == []
     assert (tmp_path / "big.bpk").exists()
+
+
+def test_status_text_counts_updated_outputs() -> None:
+    doc = {"alive": True, "counts": {"converted": 1, "updated": 2}, "running": [], "queued": 0}
+    (line,) = [text for text in render_status(doc) if text.startswith("since start:")]
+    assert "2 updated" in line and "1 converted" in line
+
+
+def test_an_updated_line_carries_tensors_size_and_time_like_a_converted_one() -> None:
+    fields = {"source": "/srv/runs/a.bpk", "dest": "/srv/runs/a.safetensors", "tensors": 8, "bytes": 2048}
+    for status in ("converted", "updated"):
+        line = journal_line({"status": status, **fields, "duration_ms": 12.0})
+        assert line == f"{status} /srv/runs/a.bpk -> a.safetensors (8 tensors, 2.0 KiB, 12 ms)", line
+
+
+def test_a_refused_reload_says_what_was_refused(run: DaemonRun) -> None:
+    run.start()
+    run.write_config_text("watches:\n  - path: runs\n    direction: sideways\n")
+    run.send(signal.SIGHUP)
+    run.wait_for("error")
+    (error,) = run.statuses("error")
+    assert error["config"] == str(run.config_path) and "reload refused" in error["reason"]
+
+    def listed() -> str | None:
+        shown = run_cli("status", "-c", run.config_path).stdout  # the running config: the edited one is invalid
+        return shown if "recent failures: 1" in shown else None
+
+    run.write_config([{"path": "runs"}, {"path": "strict", "direction": "safetensors->bpk", "on_exists": "error"}])
+    shown = wait_until(listed, 30, "the refused reload among the recent failures")
+    assert f"  error  {run.config_path}: reload refused, keeping the running configuration: " in shown, shown
+    assert "None" not in shown
+    journal = [line for line in run.stderr().splitlines() if "reload refused" in line]
+    assert len(journal) == 1 and f" error {run.config_path}: reload refused" in journal[0], journal
+    assert "ERROR: error" not in journal[0]

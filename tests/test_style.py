@@ -1,4 +1,4 @@
-"""The code stays `ruff` clean: checked as part of the suite so CI catches it."""
+"""The code stays `ruff` clean, `ruff format`ted and `mypy` clean: checked as part of the suite so CI catches it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_ruff_check_is_clean() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    result = run_tool("ruff", "check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_applied() -> None:
+    result = run_tool("ruff", "format", "--check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_is_clean() -> None:
+    result = run_tool("mypy")  # what it checks and how: [tool.mypy] in pyproject.toml
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from syncd.daemon.logview import (
+from syncd.cli.log import (
     add_log_arguments,
     human_bytes,
     human_duration,

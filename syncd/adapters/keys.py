@@ -208,10 +208,6 @@ class TensorFilter:
     def of(cls, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> TensorFilter:
         return cls(tuple(compile_filter(p) for p in include), tuple(compile_filter(p) for p in exclude))
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.include and not self.exclude
-
     def keeps(self, name: str) -> bool:
         included = not self.include or any(p.search(name) for p in self.include)
         return included and not any(p.search(name) for p in self.exclude)

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncd.errors import AmbiguousLayoutError
-from syncd.formats.registry import BURN_LAYOUT, PYTORCH_LAYOUT
 
-# Layout names. A file is in one layout (a converter never mixes them inside one file).
-PYTORCH = PYTORCH_LAYOUT  # the layout names belong to the formats (registry.py), whose native layouts they are
-BURN = BURN_LAYOUT
+# Layout names: which side of a Linear weight is [out], norm parameter names... A file is in one layout (a
+# converter never mixes them inside one file); each target format is written in its own (engine/targets.py).
+PYTORCH = "pytorch"
+BURN = "burn"
 KEEP = "keep"  # to_layout only: copy names and shapes as they are
 AUTO = "auto"  # source_layout only: decide from the tensors
 # source_layout of a plan whose file holds nothing that differs between the layouts (only convs, buffers,
@@ -125,7 +125,7 @@ class PlanEntry:
 
     @property
     def is_piecewise(self) -> bool:
-        """Made of a row range or of several tensors (the one-pass writer handles these; see passwrite)."""
+        """Made of a row range or of several tensors (the engine's one-pass writer handles these)."""
         return self.rows is not None or bool(self.parts)
 
 

@@ -143,6 +143,7 @@ def _pytorch_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[
             continue  # left unchanged as stated: the other rules see them as plain tensors
         own = {split_name(t.name)[1]: t for t in tensors if split_name(t.name)[0] == path}
         packed = {leaf: t for leaf, t in own.items() if PACKED_PYTORCH_LEAF.fullmatch(leaf)}
+        kind: str | None
         if any(_MHA_LEAF.fullmatch(leaf) for leaf in packed):
             out_proj = {f"out_proj.{leaf}": by_name.get(_full(path, f"out_proj.{leaf}")) for leaf in ("weight", "bias")}
             packed.update({rel: t for rel, t in out_proj.items() if t is not None})
@@ -235,15 +236,15 @@ def _split_rnn(module: PackedModule) -> list[PlanEntry]:
     for suffix, field_name in _DIRECTIONS if bidirectional else _DIRECTIONS[:1]:
         for param in ("weight", "bias"):
             for side, transform in _TRANSFORMS.items():
-                tensor = _direction_tensor(module, f"{param}_{side}_l0{suffix}", param == "weight")
-                if tensor is None:
+                packed = _direction_tensor(module, f"{param}_{side}_l0{suffix}", param == "weight")
+                if packed is None:
                     continue
                 _chunk_rows(
-                    tensor, chunks, f"{param}_{side}_l0 [{chunks}H{', ...' if param == 'weight' else ''}]", hidden
+                    packed, chunks, f"{param}_{side}_l0 [{chunks}H{', ...' if param == 'weight' else ''}]", hidden
                 )
                 within = f"{field_name}." if bidirectional else ""
                 targets = [f"{within}{gate}.{transform}.{param}" for gate in GATES[module.kind]]
-                entries += _row_pieces(module, tensor, targets, hidden, transpose=param == "weight")
+                entries += _row_pieces(module, packed, targets, hidden, transpose=param == "weight")
     return entries
 
 
@@ -305,7 +306,8 @@ def _whole(module: PackedModule, tensor: TensorRef, target: str, *, transpose: b
 
 def _burn_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[PackedModule]:
     by_name = {t.name: t for t in tensors}
-    modules, taken = [], set()
+    modules: list[PackedModule] = []
+    taken: set[TensorRef] = set()
     for root, candidate in _burn_candidates(tensors).items():
         module = _burn_module(root, candidate, by_name, sources)
         if module is not None and not taken & set(module.tensors.values()):

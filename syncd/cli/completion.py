@@ -18,13 +18,15 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _choices(parser: argparse.ArgumentParser) -> tuple[dict[str, list[str]], list[str]]:
-    """(option -> its fixed choices, e.g. --to -> bpk safetensors; the first positional's choices)."""
+    """(option -> its fixed choices, e.g. --to -> bpk safetensors, or the values it offers, as `log --status`;
+    the first positional's choices)."""
     options: dict[str, list[str]] = {}
     positional: list[str] = []
     for action in parser._actions:
-        if not action.choices or isinstance(action, argparse._SubParsersAction):
+        offered = getattr(action, "completions", None) or action.choices  # `completions`: offered, not enforced
+        if not offered or isinstance(action, argparse._SubParsersAction):
             continue
-        values = [str(choice) for choice in action.choices]
+        values = [str(choice) for choice in offered]
         for flag in action.option_strings:
             options[flag] = values
         if not action.option_strings and not positional:

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any, NoReturn
 
 # syncd never multiplies matrices: an idle OpenBLAS thread pool only spins on the other core. Set before
 # numpy is first imported (it is imported lazily, by the commands that need it).
@@ -21,11 +22,17 @@ from syncd import __version__
 from syncd.errors import SyncdError, UsageError, one_line
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 1  # usage (2) and exists (3) come from the errors' exit_code
+EXIT_CODES = """exit status:
+  0    success
+  1    bad input, a refused or failed conversion; for `status`: the daemon does not run
+  2    usage or configuration error
+  3    the destination already exists (convert without --overwrite)
+  130  interrupted (Ctrl-C)"""
 SHOWN_CARRIED = 3  # carried tensors listed by name without -v
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own usage errors: one line, status 2
+    def error(self, message: str) -> NoReturn:  # argparse's own usage errors: one line, status 2
         command = self.prog.removeprefix("syncd").strip()
         hint = f" (see syncd {command} --help)" if command else " (see syncd --help)"
         raise UsageError(f"{command + ': ' if command else ''}{message}{hint}")
@@ -34,52 +41,70 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; with `command`, only that command's options are filled in, so a command imports
     nothing another one needs (`convert`'s choices come from the adapters, `status` and `log` from the daemon)."""
-    parser = _Parser(prog="syncd", description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.")
+    parser = _Parser(
+        prog="syncd",
+        description="Keep Burn (.bpk) and PyTorch (.safetensors) checkpoints in sync.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"syncd {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    convert = commands.add_parser("convert", help="convert one checkpoint to the other format and layout")
+    convert = _add_command(commands, "convert", help="convert one checkpoint to the other format and layout")
     if command in (None, "convert"):
         _add_convert_arguments(convert)
 
-    inspect = commands.add_parser("inspect", help="show a checkpoint's header, metadata and tensors")
-    inspect.add_argument("file", type=Path)
+    inspect = _add_command(commands, "inspect", help="show a checkpoint's header, metadata and tensors")
+    inspect.add_argument("file", type=Path, help="a .bpk or .safetensors file, or a sharded set's index or directory")
     inspect.add_argument("--json", action="store_true", help="one JSON document")
     inspect.add_argument("--hash", action="store_true", help="add a sha256 per tensor")
 
-    run = commands.add_parser("run", help="run the daemon")
-    run.add_argument("-c", "--config", type=Path, required=True)
+    run = _add_command(commands, "run", help="run the daemon")
+    run.add_argument("-c", "--config", type=Path, required=True, help="the daemon's YAML configuration file")
 
-    status = commands.add_parser("status", help="what the running daemon does now, what waits, what failed")
+    status = _add_command(commands, "status", help="what the running daemon does now, what waits, what failed")
     if command in (None, "status"):
         from syncd.daemon.config import DEFAULT_CONFIG_PATH
 
         status.add_argument("-c", "--config", type=Path, default=Path(DEFAULT_CONFIG_PATH), help="daemon config")
         status.add_argument("--json", action="store_true", help="one JSON document")
 
-    retry = commands.add_parser("retry", help="look again at files that failed, once their cause is fixed")
-    retry.add_argument("-c", "--config", type=Path, required=True)
+    retry = _add_command(commands, "retry", help="look again at files that failed, once their cause is fixed")
+    retry.add_argument("-c", "--config", type=Path, required=True, help="the running daemon's configuration file")
     retry.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="source files to look at again")
     retry.add_argument("--all-failed", action="store_true", help="every file that failed")
 
-    check = commands.add_parser("check-config", help="validate a configuration file")
+    check = _add_command(commands, "check-config", help="validate a configuration file")
     check.add_argument("config", type=Path)
     check.add_argument("--user", help="warn about what this user (the service's) cannot read or write (needs root)")
 
-    log = commands.add_parser("log", help="show the sync log")
+    log = _add_command(commands, "log", help="show the sync log")
     if command in (None, "log"):
-        from syncd.daemon.logview import add_log_arguments
+        from syncd.cli.log import add_log_arguments
 
         add_log_arguments(log)
-    completion = commands.add_parser("completion", help="print a shell completion script")
+    completion = _add_command(commands, "completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash"])
+    return parser
+
+
+def _add_command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with the exit statuses."""
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )
     return parser
 
 
 def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     from syncd.adapters import AUTO, LAYOUT_CHOICES
+    from syncd.engine.hashing import DEFAULT_HASH, HASH_CHOICES
     from syncd.formats.registry import BY_SHORT
 
-    convert.add_argument("source", type=Path)
+    convert.add_argument(
+        "source",
+        type=Path,
+        help="the checkpoint to convert: a .bpk or .safetensors file, or a sharded set's index or directory",
+    )
     convert.add_argument("-o", "--output", type=Path, help="destination (default: SOURCE with the other extension)")
     convert.add_argument(
         "--to", choices=list(BY_SHORT), help="output format (default: from -o's extension, else the other one)"
@@ -113,9 +138,9 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     convert.add_argument("--overwrite", action="store_true", help="replace the destination if it exists")
     convert.add_argument(
         "--hash",
-        choices=["xxh3_128", "sha256"],
-        default="xxh3_128",
-        help="source hash recorded in the output (default xxh3_128, near memory speed; sha256 is cryptographic)",
+        choices=HASH_CHOICES,
+        default=DEFAULT_HASH,
+        help=f"source hash recorded in the output (default {DEFAULT_HASH}, near memory speed; sha256 is cryptographic)",
     )
     convert.add_argument(
         "--verify",
@@ -162,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report(as_json, EXIT_BAD_INPUT, f"internal error: {type(exc).__name__}: {exc}", None, None)
 
 
-def _report(as_json: bool, code: int, message: str, path: object, details: str | None) -> int:
+def _report(as_json: bool, code: int, message: str, path: str | os.PathLike[str] | None, details: str | None) -> int:
     """An error for the user: one line on stderr (then any details), or one JSON document on stdout."""
     line = one_line(message) or "error"
     try:
@@ -204,19 +229,19 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_daemon(args.config)
     if args.command == "status":
-        from syncd.daemon.status import run_status_command
+        from syncd.cli.status import run_status_command
 
         return run_status_command(args.config, as_json=args.json)
     if args.command == "retry":
-        from syncd.daemon.service import run_retry
+        from syncd.cli.retry import run_retry
 
         return run_retry(args.config, args.paths, all_failed=args.all_failed)
     if args.command == "check-config":
-        from syncd.daemon.config import run_check_config
+        from syncd.cli.check_config import run_check_config
 
         return run_check_config(args.config, user=args.user)
     if args.command == "log":
-        from syncd.daemon.logview import run_log_command
+        from syncd.cli.log import run_log_command
 
         return run_log_command(args)
     if args.command == "completion":
@@ -229,8 +254,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from syncd.engine.inspect import describe, print_json, print_table
+    from syncd.formats.shards import find_index
 
-    doc = describe(str(args.file), with_hash=args.hash)
+    # a directory holding a sharded set stands for its index, as with `convert DIR`
+    path = find_index(args.file) if args.file.is_dir() else str(args.file)
+    doc = describe(path, with_hash=args.hash)
     (print_json if args.json else print_table)(doc, sys.stdout)
     sys.stdout.flush()  # a closed pipe shows here, inside main's handler, not at the interpreter's exit
     return EXIT_OK
@@ -239,9 +267,16 @@ def _inspect(args: argparse.Namespace) -> int:
 def target_format(to: str | None, output: Path | None) -> str | None:
     """The output format: `--to`, else what `-o`'s extension names, else None (the other format). An
     extension naming the other format than `--to` is refused: the file's name would lie about its bytes."""
-    from syncd.formats.registry import BY_SHORT, format_for_path
+    from syncd.formats.registry import BY_SHORT, FORMATS, format_for_path
+    from syncd.formats.shards import is_index_name
 
     named = format_for_path(output) if output is not None else None
+    if output is not None and named is None and not is_index_name(output) and not output.is_dir():
+        suffixes = " or ".join(fmt.extension for fmt in FORMATS)
+        raise UsageError(
+            f"convert: -o {output}: unknown output suffix {output.suffix or '(none)'!r}; "
+            f"name the file {suffixes}, or give an existing directory"
+        )
     wanted = BY_SHORT[to] if to else None
     if wanted and named and wanted != named:
         raise UsageError(f"--to {to} contradicts the extension of the output {output} ({named.name})")

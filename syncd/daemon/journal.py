@@ -14,21 +14,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from syncd.daemon.statuses import FAILURES, LIFECYCLE, SUCCESSES, Status
 from syncd.daemon.synclog import SyncLog
 from syncd.engine.progress import human_bytes
 
 log = logging.getLogger("syncd")
 
-LEVELS = {
-    "converted": logging.INFO,
-    "in_sync": logging.INFO,
-    "started": logging.INFO,
-    "reloaded": logging.INFO,
-    "stopped": logging.INFO,
-    "skipped": logging.WARNING,
-    "refused": logging.WARNING,
-    "conflict": logging.WARNING,
-    "error": logging.ERROR,
+# the journal priority of each status's line; anything else (a `warning`, a `removed` scratch) is info
+LEVELS: dict[str, int] = {
+    **dict.fromkeys(SUCCESSES | LIFECYCLE, logging.INFO),
+    **dict.fromkeys(FAILURES - {Status.ERROR}, logging.WARNING),
+    Status.ERROR: logging.ERROR,
 }
 _SYSLOG_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -39,7 +35,7 @@ def journal_line(record: dict[str, Any]) -> str:
     source, dest = record.get("source"), record.get("dest")
     what = _files(source, dest) if source else str(record.get("watch") or record.get("config") or "")
     detail = _why(record, source)
-    sizes = _sizes(record) if status in ("converted", "in_sync") else ""
+    sizes = _sizes(record) if status in SUCCESSES else ""
     text = f"{status.replace('_', ' ')} {what}".rstrip()
     if sizes:
         text += f" ({sizes})"
@@ -108,7 +104,9 @@ class _Formatter(logging.Formatter):
         if self.journal:  # journald reads the priority from the prefix and adds its own time
             message = text.split(" ", 1)[1]
             return f"<{_SYSLOG_PRIORITY.get(record.levelno, 6)}>{message}"
-        return text if record.levelno < logging.WARNING else text.replace(" ", f" {record.levelname}: ", 1)
+        if record.levelno < logging.WARNING or record.getMessage().lower().startswith(record.levelname.lower()):
+            return text  # `error ...` says it already: not `ERROR: error ...`
+        return text.replace(" ", f" {record.levelname}: ", 1)
 
 
 def configure_logging(level: str) -> None:

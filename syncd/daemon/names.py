@@ -5,8 +5,8 @@ name that one of them skips is skipped by all three. A candidate:
 
 * announces a format by its extension (`syncd.formats.format_for_path`) that the watch converts in its
   direction;
-* is not one of syncd's own scratch files (`.<name>.syncd-<pid>-<n>.tmp`, `syncd.engine.publish`), whatever the
-  configuration says;
+* is not one of syncd's own scratch files (`.<name>.syncd-<pid>-<n>.tmp`, `syncd.engine.publish`) nor one of
+  its claim files (`.<name>.syncd-claim`, `syncd.daemon.claims`), whatever the configuration says;
 * does not match the watch's `ignore` globs: names that are temporary by convention. By default dotfiles
   (a writer's `.tmp-1.safetensors`, renamed into place when complete), `*.tmp*` (a writer's
   `model.tmp.safetensors`; Burn's own scratch `<name>.<pid>-<n>.tmp`, burn-compat.md §2.2), `*.part` and
@@ -24,19 +24,13 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from syncd.daemon.claims import is_claim_name
+from syncd.daemon.config.schema import Watch
+from syncd.engine.directions import DIRECTIONS
 from syncd.engine.publish import is_scratch_name
 from syncd.formats import format_for_path
-from syncd.formats.registry import DIRECTIONS
 from syncd.formats.shards import INDEX_SUFFIX, is_index_name
-
-if TYPE_CHECKING:
-    from syncd.daemon.config import Watch
-
-# File-name globs ignored when neither the watch nor the config sets `ignore:` (`.~*` is inside `.*`, and is
-# named for when a configuration keeps it but lets other dotfiles through).
-DEFAULT_IGNORE = (".*", "*.tmp*", "*.part", ".~*")
 
 
 def is_candidate(watch: Watch, path: Path) -> bool:
@@ -47,7 +41,7 @@ def is_candidate(watch: Watch, path: Path) -> bool:
     from_format = format_for_path(name)
     if from_format is None or from_format.name not in DIRECTIONS[watch.direction]:
         return False
-    if is_scratch_name(name) or is_ignored(watch, name):
+    if is_scratch_name(name) or is_claim_name(name) or is_ignored(watch, name):
         return False
     return matches_patterns(watch, path)
 

@@ -10,7 +10,6 @@ the scratch files of any it abandons, and exits 0.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -18,22 +17,28 @@ import threading
 import time
 from pathlib import Path
 
-from syncd.daemon import notify
+from syncd.daemon import claims, notify
+from syncd.daemon.claims import is_claim_name
 from syncd.daemon.config import Config, Watch, load_config
+from syncd.daemon.fstype import shared_filesystem
 from syncd.daemon.journal import JournalingSyncLog, configure_logging
 from syncd.daemon.names import is_candidate
 from syncd.daemon.queue import WorkQueue
-from syncd.daemon.state import StateDB, lock_holder, lock_state_dir
+from syncd.daemon.state import StateDB, lock_state_dir
 from syncd.daemon.status import SHOWN_WAITING, Activity
+from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
-from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_stale_scratch
-from syncd.errors import SyncdError, UsageError, one_line
+from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_if_stale, remove_stale_scratch
+from syncd.errors import SyncdError, one_line
+from syncd.formats.fileio import FileStamp
 
 log = logging.getLogger("syncd")
 
 STOP_GRACE_SECONDS = 3.0  # systemd's TimeoutStopSec is larger; tests expect an exit within 5 s
 TICK_SECONDS = 1.0
+# an empty scratch file younger than this may be between its creation and its lock: a scan leaves it alone
+SCRATCH_GRACE_SECONDS = 10.0
 
 
 class Daemon:
@@ -48,6 +53,7 @@ class Daemon:
         self.syncer.progress_for = self.activity.progress_for
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
+        self.shared: dict[Path, str] = {}  # watches other nodes write to -> their filesystem's name
         self._wake = threading.Event()
         self._stop = False
         self._reload = False
@@ -56,8 +62,6 @@ class Daemon:
         self._rescan: set[Path] = set()
         self._rescan_lock = threading.Lock()
         self._next_safety_rescan: float | None = None
-        self.counts = {"converted": 0, "failed": 0}
-        self.lock_fd: int | None = None
         self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
 
     # -- wiring
@@ -65,10 +69,6 @@ class Daemon:
     def _work(self, watch: Watch, path: Path, closed: bool) -> float | None:
         with self.activity.working(path):
             outcome = self.syncer.process(watch, path, closed)
-        if outcome.status in ("converted", "updated", "in_sync"):
-            self.counts["converted"] += 1
-        elif outcome.status in ("refused", "error", "conflict"):
-            self.counts["failed"] += 1
         return outcome.retry_in
 
     # the watcher's listener (syncd.daemon.watcher.WatchListener), called from observer threads
@@ -83,15 +83,15 @@ class Daemon:
 
     def on_overflow(self, watch: Watch) -> None:
         self.synclog.log(
-            "error", watch=str(watch.path), reason="inotify event queue overflowed (events were lost); rescanning"
+            Status.ERROR, watch=str(watch.path), reason="inotify event queue overflowed (events were lost); rescanning"
         )
         self._request_rescan(watch.path)
 
     def on_fallback(self, watch: Watch, reason: str) -> None:
-        self.synclog.log("error", watch=str(watch.path), reason=reason)
+        self.synclog.log(Status.ERROR, watch=str(watch.path), reason=reason)
 
     def _walk_limit(self, directory: Path, reason: str) -> None:
-        self.synclog.log("skipped", source=str(directory), reason=reason)
+        self.synclog.log(Status.SKIPPED, source=str(directory), reason=reason)
 
     def _request_rescan(self, path: Path) -> None:
         with self._rescan_lock:
@@ -106,18 +106,32 @@ class Daemon:
         self.queue.start()
         queued = self._scan_all()
         self.synclog.log(
-            "started",
-            reason=f"watching {len(self.config.watches)} tree(s); {queued} file(s) to check",
+            Status.STARTED,
+            reason=f"watching {len(self.config.watches)} tree(s){self._how_watched()}; {queued} file(s) to check",
             config=str(self.config.path),
         )
         notify.ready(self._status())
 
     def _start_watcher(self) -> None:
         """Watch every tree of the current configuration (at start-up and after a reload)."""
-        self.watcher = Watcher(self.config, self)
+        self.shared = shared_watches(self.config)
+        self.syncer.shared = frozenset(self.shared)
+        self.syncer.claim_retry_max = self.config.cluster.poll_interval
+        self.watcher = Watcher(self.config, self, self.shared)
         self.watcher.start()
         interval = self.config.rescan_interval
         self._next_safety_rescan = None if interval is None else time.monotonic() + interval
+
+    def _how_watched(self) -> str:
+        """For the `started` and `reloaded` lines: which watches are shared with other nodes, and how."""
+        if not self.shared:
+            return ""
+        names = sorted(set(self.shared.values()))
+        return (
+            f"; {len(self.shared)} on a shared filesystem ({', '.join(names)}): inotify for this node's writes, "
+            f"polled every {self.config.cluster.poll_interval:g} s for other nodes', outputs claimed before "
+            "converting"
+        )
 
     def _clean_stale_scratch(self) -> None:
         directories: set[Path] = set()
@@ -126,7 +140,9 @@ class Daemon:
                 directories.update(p.parent for p in walk_files(root, watch.recursive) if is_scratch_name(p.name))
         for directory in directories:
             for removed in remove_stale_scratch(directory):
-                self.synclog.log("removed", source=str(removed), reason="a stale scratch file of a syncd that died")
+                self.synclog.log(
+                    Status.REMOVED, source=str(removed), reason="a stale scratch file of a syncd that died"
+                )
 
     def _scan_all(self) -> int:
         return sum(self._scan(watch, watch.path) for watch in self.config.watches)
@@ -136,10 +152,11 @@ class Daemon:
         queued = 0
         for path in walk_files(root, watch.recursive, on_limit=self._walk_limit):
             if not is_candidate(watch, path):
+                self._remove_if_left_over(path)
                 continue
             if not self.queue.put(watch, path, closed=False, delay=0.0):
                 self.synclog.log(
-                    "error",
+                    Status.ERROR,
                     watch=str(watch.path),
                     reason=f"work queue full at {self.queue.capacity} files; the rest waits for a rescan",
                 )
@@ -147,6 +164,22 @@ class Daemon:
                 break
             queued += 1
         return queued
+
+    def _remove_if_left_over(self, path: Path) -> None:
+        """A scratch file no living process holds, or a claim file whose output is gone: what a syncd that
+        died (on this node or another) left behind, removed at the next scan rather than at its next start."""
+        if is_scratch_name(path.name):
+            if remove_if_stale(path, min_age=SCRATCH_GRACE_SECONDS):
+                self.synclog.log(Status.REMOVED, source=str(path), reason="a stale scratch file of a syncd that died")
+        elif is_claim_name(path.name):
+            claims.remove_if_orphaned(path)
+
+    def _clean_mirrors(self) -> None:
+        """The outputs of a mirrored watch are not below it: the safety rescan looks there for leftovers."""
+        for watch in self.config.watches:
+            if watch.mirror is not None:
+                for path in walk_files(watch.mirror, watch.recursive):
+                    self._remove_if_left_over(path)
 
     def serve(self) -> None:
         interval = notify.watchdog_interval()
@@ -173,7 +206,7 @@ class Daemon:
             if (worker, path) not in self._stuck_reported:
                 self._stuck_reported.add((worker, path))
                 self.synclog.log(
-                    "error",
+                    Status.ERROR,
                     source=str(path),
                     reason=f"{worker} busy with this file for {seconds:.0f} s (stuck_worker_seconds: "
                     f"{self.config.stuck_worker_seconds:g}); watchdog pings withheld",
@@ -190,6 +223,7 @@ class Daemon:
             self._next_safety_rescan = time.monotonic() + (self.config.rescan_interval or 0.0)
             for watch in self.config.watches:
                 self._request_rescan(watch.path)
+            self._clean_mirrors()
         if self.queue.overflowed and self.queue.pending() < self.queue.capacity // 2:
             self.queue.overflowed = False
             for watch in self.config.watches:
@@ -214,26 +248,34 @@ class Daemon:
         try:
             new = load_config(self.config.path)
         except Exception as exc:
-            self.synclog.log("error", reason=f"reload refused, keeping the running configuration: {one_line(exc)}")
+            self.synclog.log(
+                Status.ERROR,
+                config=str(self.config.path),
+                reason=f"reload refused, keeping the running configuration: {one_line(exc)}",
+            )
             notify.ready(self._status())
             return
         pending = self.config.restart_settings_changed(new)
-        new = _keeping(new, self.config)
+        new = new.keeping_restart_settings(self.config)
         try:
             self._apply(new)
         except Exception as exc:
             log.exception("reload failed")
-            self.synclog.log("error", reason=f"reload failed, keeping the running configuration: {one_line(exc)}")
+            self.synclog.log(
+                Status.ERROR,
+                config=str(self.config.path),
+                reason=f"reload failed, keeping the running configuration: {one_line(exc)}",
+            )
             self._apply(self.config)
             notify.ready(self._status())
             return
         # refusals a setting decides (ambiguous layout, missing module map, on_exists) are looked at again
         self._retry_config_failures()
         queued = self._scan_all()
-        reason = f"watching {len(new.watches)} tree(s); {queued} file(s) to check"
+        reason = f"watching {len(new.watches)} tree(s){self._how_watched()}; {queued} file(s) to check"
         if pending:
             reason += f"; {', '.join(pending)} changed but take effect only after a restart"
-        self.synclog.log("reloaded", reason=reason, config=str(new.path))
+        self.synclog.log(Status.RELOADED, reason=reason, config=str(new.path))
         notify.ready(self._status())
 
     def _apply(self, new: Config) -> None:
@@ -248,7 +290,7 @@ class Daemon:
         try:
             self.state.retry_failures(kind="config")
         except SyncdError as exc:
-            self.synclog.log("error", reason=f"cannot mark refusals for another look: {one_line(exc)}")
+            self.synclog.log(Status.ERROR, reason=f"cannot mark refusals for another look: {one_line(exc)}")
 
     def _look_again(self) -> None:
         """What `syncd retry` asks for: the failures it marked are looked at again by a scan. A configuration
@@ -271,7 +313,7 @@ class Daemon:
         finished = self.queue.stop(STOP_GRACE_SECONDS)
         abandoned = [] if finished else abandon_open_scratches()
         reason = "finished in-flight work" if finished else f"abandoned {len(abandoned)} conversion(s) in flight"
-        self.synclog.log("stopped", reason=reason)
+        self.synclog.log(Status.STOPPED, reason=reason)
         self._status(state="stopped")
         self.synclog.close()
         if finished:
@@ -286,48 +328,33 @@ class Daemon:
         self._wake.set()
 
 
-def _file_stamp(path: Path) -> tuple[int, ...] | None:
+def _file_stamp(path: Path) -> FileStamp | None:
     """What changes when a file is edited or replaced (None if it cannot be stat'ed)."""
     try:
-        info = os.stat(path)
+        return FileStamp.of_path(path)
     except OSError:
         return None
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
-def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
-    """`syncd retry`: mark failures in the state database for another look, then ask the running daemon
-    (SIGUSR1) to scan; without a daemon, its next start does. One line of output."""
-    if bool(paths) == all_failed:
-        raise UsageError("syncd retry: give the PATHs to look at again, or --all-failed")
-    config = load_config(config_path, check_filesystem=False)
-    with StateDB(config.state_dir) as state:
-        marked = state.retry_failures([os.path.abspath(p) for p in paths] if paths else None)
-    holder = lock_holder(config.state_dir)
-    if holder is not None:
-        os.kill(holder, signal.SIGUSR1)
-        print(f"{len(marked)} failed file(s) marked for another look; the daemon (pid {holder}) is scanning")
-    else:
-        print(f"{len(marked)} failed file(s) marked for another look; no daemon runs: its next start looks")
-    return 0
-
-
-def _keeping(new: Config, running: Config) -> Config:
-    """`new` with the settings a running daemon cannot change taken from `running`."""
-    return dataclasses.replace(
-        new,
-        workers=running.workers,
-        state_dir=running.state_dir,
-        log=dataclasses.replace(new.log, path=running.log.path),
-    )
+def shared_watches(config: Config) -> dict[Path, str]:
+    """The watches other nodes write to as well (their path -> the filesystem's name): by `cluster.shared`,
+    or on `auto` those whose tree or mirror is on a network filesystem."""
+    shared: dict[Path, str] = {}
+    for watch in config.watches:
+        if config.cluster.shared is True:
+            shared[watch.path] = shared_filesystem(watch.path, watch.mirror) or "shared: true"
+        elif config.cluster.shared == "auto":
+            name = shared_filesystem(watch.path, watch.mirror)
+            if name is not None:
+                shared[watch.path] = name
+    return shared
 
 
 def run_daemon(config_path: Path) -> int:
     config = load_config(config_path)
     configure_logging(config.log.level)
-    lock = lock_state_dir(config.state_dir)  # held until the process ends; a second daemon stops here
+    lock_state_dir(config.state_dir)  # its descriptor stays open until the process ends; a second daemon stops here
     daemon = Daemon(config)
-    daemon.lock_fd = lock
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     signal.signal(signal.SIGHUP, daemon.request_reload)

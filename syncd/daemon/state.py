@@ -1,8 +1,9 @@
 """What the daemon has done, kept across restarts: a small sqlite database in `state_dir/state.sqlite3`.
 
-For each source path it remembers the version it last handled (device, inode, size, mtime; sha256 when
-known), the output it published and that output's version, the outcome, and for failures the error, so a
-file that keeps failing is reported once per version instead of on every event.
+For each source path it remembers the version it last handled (a FileStamp: device, inode, size, mtime,
+ctime), the output it published and that output's version, the outcome, and for failures the error, so a
+file that keeps failing is reported once per version instead of on every event. (The `sha256` columns of the
+first schema were never filled; they stay so that existing databases need no migration.)
 
 Paths are stored as bytes (os.fsencode), so names that are not valid UTF-8 round-trip exactly. One
 connection serves all threads behind a lock: the statements are tiny and the daemon's work is elsewhere.
@@ -17,7 +18,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import TypeVar
 
 from syncd.daemon.synclog import utc_timestamp
 from syncd.errors import SyncdError
+from syncd.formats.fileio import FileStamp
 
 log = logging.getLogger("syncd.state")
 
@@ -87,42 +89,14 @@ def _from_sqlite(number: int) -> int:
 
 
 @dataclass(frozen=True)
-class FileVersion:
-    """Identifies one version of a file's content without reading it; sha256 when it was computed."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    sha256: str | None = None
-    ctime_ns: int = 0  # 0: not known (rows from before schema 2)
-
-    @classmethod
-    def of(cls, path: PathArg, sha256: str | None = None) -> FileVersion:
-        return cls.from_stat(os.stat(path), sha256)
-
-    @classmethod
-    def from_stat(cls, st: os.stat_result, sha256: str | None = None) -> FileVersion:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256, st.st_ctime_ns)
-
-    def same_as(self, other: FileVersion) -> bool:
-        """Same file and metadata; the digests and ctimes are compared only when both are known."""
-        if (self.dev, self.ino, self.size, self.mtime_ns) != (other.dev, other.ino, other.size, other.mtime_ns):
-            return False
-        if self.ctime_ns and other.ctime_ns and self.ctime_ns != other.ctime_ns:
-            return False
-        return self.sha256 is None or other.sha256 is None or self.sha256 == other.sha256
-
-
-@dataclass(frozen=True)
 class SourceState:
     """The stored row for one source."""
 
     source: str
-    version: FileVersion
+    version: FileStamp
     status: str  # converted | in_sync | failed
     dest: str | None
-    dest_version: FileVersion | None
+    dest_version: FileStamp | None
     error: str | None
     transient: bool
     attempts: int  # consecutive failures of this version
@@ -144,40 +118,41 @@ class StateDB:
         row = self._run(lambda db: db.execute("SELECT * FROM sources WHERE source = ?", (_key(source),)).fetchone())
         return None if row is None else _row_to_state(row)
 
-    def is_up_to_date(self, source: PathArg, version: FileVersion, dest: PathArg) -> bool:
+    def is_up_to_date(self, source: PathArg, version: FileStamp, dest: PathArg) -> bool:
         """True if this version of `source` was converted to `dest` and `dest` is still what was published."""
         state = self.get(source)
-        if state is None or state.status not in SUCCESS_STATUSES or not state.version.same_as(version):
+        if state is None or state.status not in SUCCESS_STATUSES or state.version.changed(version):
             return False
         if state.dest is None or _key(state.dest) != _key(dest):
             return False
         try:
-            current_dest = FileVersion.of(dest)
+            current_dest = FileStamp.of_path(dest)
         except FileNotFoundError:
             return False
-        return state.dest_version is None or state.dest_version.same_as(current_dest)
+        return state.dest_version is None or not state.dest_version.changed(current_dest)
 
-    def is_own_output(self, path: PathArg, version: FileVersion) -> bool:
+    def is_own_output(self, path: PathArg, version: FileStamp) -> bool:
         """True if `path`, as it is now, is an output this daemon published (so not a new source)."""
         rows = self._run(lambda db: db.execute("SELECT * FROM sources WHERE dest = ?", (_key(path),)).fetchall())
-        return any(
-            state.dest_version is not None and state.dest_version.same_as(version) for state in map(_row_to_state, rows)
-        )
+        versions = [state.dest_version for state in map(_row_to_state, rows)]
+        return any(ours is not None and not ours.changed(version) for ours in versions)
 
-    def failed_same_version(self, source: PathArg, version: FileVersion) -> bool:
+    def failed_same_version(self, source: PathArg, version: FileStamp) -> bool:
         """True if this exact version already failed for a reason retrying will not fix."""
         state = self.get(source)
-        return state is not None and state.status == "failed" and not state.transient and state.version.same_as(version)
+        if state is None or state.status != "failed" or state.transient:
+            return False
+        return not state.version.changed(version)
 
     # -------------------------------------------------------------------------------------- updates
 
     def record(
         self,
         source: PathArg,
-        version: FileVersion,
+        version: FileStamp,
         dest: PathArg,
         *,
-        dest_version: FileVersion | None = None,
+        dest_version: FileStamp | None = None,
         status: str = "converted",
     ) -> None:
         """Remember a success: `source` at `version` is published as `dest` (whose version is stat'ed now
@@ -185,7 +160,7 @@ class StateDB:
         if status not in SUCCESS_STATUSES:
             raise ValueError(f"record() is for {', '.join(SUCCESS_STATUSES)}; use record_failure() for failures")
         if dest_version is None:
-            dest_version = FileVersion.of(dest)
+            dest_version = FileStamp.of_path(dest)
         values = {
             **_version_columns("", version),
             **_version_columns("dest_", dest_version),
@@ -201,7 +176,7 @@ class StateDB:
         self._upsert(values)
 
     def record_failure(
-        self, source: PathArg, version: FileVersion, error: str, *, transient: bool, kind: str | None = None
+        self, source: PathArg, version: FileStamp, error: str, *, transient: bool, kind: str | None = None
     ) -> bool:
         """Remember a failure; True if it is the first for this version of `source` (so worth logging).
 
@@ -209,7 +184,7 @@ class StateDB:
         retried until the file changes (see failed_same_version).
         """
         previous = self.get(source)
-        repeated = previous is not None and previous.status == "failed" and previous.version.same_as(version)
+        repeated = previous is not None and previous.status == "failed" and not previous.version.changed(version)
         # the output last published from this source stays known as ours: a later save replaces it
         values = {
             **_version_columns("", version),
@@ -226,13 +201,14 @@ class StateDB:
         self._upsert(values)
         return not repeated
 
-    def retry_failures(self, sources: list[PathArg] | None = None, *, kind: str | None = None) -> list[str]:
+    def retry_failures(self, sources: Sequence[PathArg] | None = None, *, kind: str | None = None) -> list[str]:
         """Make failures retryable (all, those of `sources`, or those of one `kind`); returns their paths.
 
         Their status becomes "retry": the next look is a first look (a failure that repeats is logged again,
         which is what asking again means).
         """
-        where, params = "status = 'failed' AND transient = 0", []
+        where = "status = 'failed' AND transient = 0"
+        params: list[str | bytes] = []
         if kind is not None:
             where += " AND kind = ?"
             params.append(kind)
@@ -394,28 +370,26 @@ def _migrate(conn: sqlite3.Connection) -> None:
             raise
 
 
-def _version_columns(prefix: str, version: FileVersion | None) -> dict[str, object]:
+def _version_columns(prefix: str, version: FileStamp | None) -> dict[str, object]:
     if version is None:
-        return {f"{prefix}{name}": None for name in ("dev", "ino", "size", "mtime_ns", "sha256", "ctime_ns")}
+        return {f"{prefix}{name}": None for name in ("dev", "ino", "size", "mtime_ns", "ctime_ns")}
     return {
         f"{prefix}dev": _to_sqlite(version.dev),
         f"{prefix}ino": _to_sqlite(version.ino),
         f"{prefix}size": version.size,
         f"{prefix}mtime_ns": version.mtime_ns,
-        f"{prefix}sha256": version.sha256,
         f"{prefix}ctime_ns": version.ctime_ns,
     }
 
 
-def _row_version(row: sqlite3.Row, prefix: str) -> FileVersion | None:
+def _row_version(row: sqlite3.Row, prefix: str) -> FileStamp | None:
     if row[f"{prefix}dev"] is None:
         return None
-    return FileVersion(
+    return FileStamp(
         dev=_from_sqlite(row[f"{prefix}dev"]),
         ino=_from_sqlite(row[f"{prefix}ino"]),
         size=row[f"{prefix}size"],
         mtime_ns=row[f"{prefix}mtime_ns"],
-        sha256=row[f"{prefix}sha256"],
         ctime_ns=row[f"{prefix}ctime_ns"] or 0,
     )
 

@@ -5,7 +5,7 @@ callback), the sync log's records (counts since start, recent failures), and the
 second the daemon calls `tick()`, which rewrites `<state_dir>/status.json` atomically (a scratch file then
 rename: a reader sees the old or the new document, never half of one) and logs a `converting` line for a
 conversion that has run longer than CONVERTING_AFTER seconds (again every CONVERTING_EVERY seconds).
-`syncd status -c FILE` reads that file.
+`read_status` reads that file back (for `syncd status -c FILE`).
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ import errno
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from syncd.daemon.statuses import FAILURES, LIFECYCLE, SUCCESSES
 from syncd.daemon.synclog import utc_timestamp
-from syncd.engine.progress import ProgressCallback, ProgressState, describe, human_bytes, human_seconds
+from syncd.engine.progress import ProgressCallback, ProgressState, describe, human_bytes
 from syncd.errors import SyncdError
 
 log = logging.getLogger("syncd")
@@ -36,8 +36,6 @@ CONVERTING_AFTER = 5.0  # seconds before a running conversion gets a journal lin
 CONVERTING_EVERY = 60.0  # and then how often
 RECENT_FAILURES = 10
 SHOWN_WAITING = 10  # queued files listed by name, due first
-FAILURE_STATUSES = ("refused", "error", "conflict", "skipped")
-LIFECYCLE = ("started", "stopped", "reloaded")  # not work: not counted
 STALE_AFTER = 30.0  # a status older than this (the daemon rewrites it every second) means no daemon
 
 
@@ -99,12 +97,12 @@ class Activity:
             return
         with self._lock:
             self.counts[status] += 1
-            if status in FAILURE_STATUSES:
+            if status in FAILURES:
                 why = str(record.get("error") or str(record.get("reason") or "").split("\n")[0])
-                why = why.removeprefix(f"{record.get('source')}: ")  # the error names the file listed beside it
-                self.failures.append(
-                    {"time": record.get("time"), "status": status, "source": record.get("source"), "error": why}
-                )
+                # what failed: a source, else the configuration (a refused reload) or a watched tree
+                what = record.get("source") or record.get("config") or record.get("watch")
+                why = why.removeprefix(f"{what}: ")  # the error names the file listed beside it
+                self.failures.append({"time": record.get("time"), "status": status, "source": what, "error": why})
 
     # -- the main thread, once a second
 
@@ -158,8 +156,8 @@ class Activity:
 def status_line(doc: dict[str, Any]) -> str:
     """One line for systemd's STATUS=: counts, queue, and each running conversion's progress."""
     counts = doc["counts"]
-    done = counts.get("converted", 0) + counts.get("in_sync", 0)
-    failed = sum(counts.get(status, 0) for status in ("refused", "error", "conflict"))
+    done = sum(counts.get(status, 0) for status in SUCCESSES)
+    failed = sum(counts.get(status, 0) for status in FAILURES)
     text = f"converted {done}; failed {failed}; queue {doc['queued']}"
     for item in doc["running"]:
         percent = item["percent"] or 0.0
@@ -207,42 +205,3 @@ def _alive(doc: dict[str, Any]) -> bool:
     except OSError as exc:
         return exc.errno == errno.EPERM  # alive, as another user
     return True
-
-
-def render_status(doc: dict[str, Any]) -> list[str]:
-    state = "running" if doc["alive"] else f"not running (last status {doc.get('updated')}, {doc.get('state')})"
-    lines = [f"syncd: {state}; pid {doc.get('pid')}, started {doc.get('started')}, config {doc.get('config')}"]
-    counts = doc["counts"]
-    order = ("converted", "in_sync", "refused", "conflict", "error", "skipped")
-    lines.append("since start: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in order))
-    lines.append(f"queued: {doc.get('queued', 0)}")
-    for item in doc.get("waiting") or []:  # absent from a status written by an older daemon
-        due = f"due in {human_seconds(item['due_in'])}" if (item.get("due_in") or 0) >= 1 else "due now"
-        lines.append(f"  {item.get('source')}  {due}")
-    running = doc.get("running") or []
-    lines.append(f"converting: {len(running) if running else 'nothing'}")
-    for item in running:
-        rate = f"{human_bytes(item['rate'])}/s" if item.get("rate") else "-"
-        eta = f"{human_seconds(item['eta'])} left" if item.get("eta") is not None else ""
-        lines.append(
-            f"  {item['source']}  {item.get('percent') or 0:.0f}% of {human_bytes(item['total'])}  {rate}  {eta}"
-        )
-    failures = doc.get("recent_failures") or []
-    lines.append(f"recent failures: {len(failures) if failures else 'none'}")
-    lines.extend(f"  {f.get('time')}  {f.get('status')}  {f.get('source')}: {f.get('error')}" for f in failures)
-    return [line.rstrip() for line in lines]
-
-
-def run_status_command(config_path: Path, as_json: bool = False, out: TextIO | None = None) -> int:
-    """`syncd status -c FILE`: 0 when the daemon runs, 1 when its last status says it does not."""
-    from syncd.daemon.config import load_config
-
-    out = out or sys.stdout
-    config = load_config(config_path, check_filesystem=False)
-    doc = read_status(config.state_dir)
-    if as_json:
-        out.write(json.dumps(doc) + "\n")
-    else:
-        out.write("\n".join(render_status(doc)) + "\n")
-    out.flush()
-    return 0 if doc["alive"] else 1

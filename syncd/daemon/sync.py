@@ -1,35 +1,45 @@
 """What the daemon does with one candidate path: decide, convert, record, log.
 
+The decisions live beside this module: `readiness` (is the file settled, complete, nobody writing it) and
+`ownership` (where the output goes, whose file is there). This module puts them in order, calls the engine,
+records the outcome in the state database and writes the sync log line. On a tree shared with other nodes
+(`claims`), the output's claim is taken before anything is decided about it, held through the publish and
+the record of it, and a claim someone else holds means "look again later".
+
 Every decision ends in exactly one sync log line, except the silent ones a person would not want to read
-(an up-to-date file seen again, our own output, an ignored name, a file still being written). A file that
-failed is logged once per version: the state database remembers the failure until the file changes.
+(an up-to-date file seen again, our own output, an ignored name, a file still being written, a claim held
+by another node, another node's output adopted from its record). A file that failed is logged once per
+version: the state database remembers the failure until the file changes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
-import signal
 import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from syncd.adapters.keys import TensorFilter, compile_rule
+from syncd.daemon import claims, ownership
 from syncd.daemon.config import Watch
+from syncd.daemon.config.schema import DEFAULT_CLUSTER_POLL_INTERVAL
 from syncd.daemon.names import is_candidate
-from syncd.daemon.state import FileVersion, StateDB
+from syncd.daemon.ownership import Action
+from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS, Readiness, anyone_writing, set_version
+from syncd.daemon.state import StateDB
+from syncd.daemon.statuses import Status
 from syncd.daemon.synclog import SyncLog
-from syncd.engine import carry, hashing
-from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
+from syncd.engine import carry
+from syncd.engine.convert import ConvertRequest, ConvertResult, convert
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import FileIdentity
+from syncd.engine.publish import remove_if_stale, scratch_target
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
@@ -42,62 +52,80 @@ from syncd.errors import (
     VerificationError,
     one_line,
 )
-from syncd.formats import BURNPACK, SAFETENSORS, Format, format_for_path, open_checkpoint
+from syncd.formats import SAFETENSORS, Format, format_for_path
+from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import (
-    INDEX_SUFFIX,
-    index_listing,
-    is_index_name,
-    looks_like_shard,
-    member_files,
-)
+from syncd.formats.shards import index_listing, is_index_name, looks_like_shard, member_files
 
 log = logging.getLogger("syncd.sync")
 
-# A file that does not read, was not seen closed and changed less than this long ago may still be being
-# written (when open_for_writing cannot tell): it is looked at again rather than refused.
-INCOMPLETE_GRACE_SECONDS = 60.0
-BUSY_RETRY_SECONDS = 1.0  # how soon a file still being written is looked at again (its close comes sooner)
-# Without a lease (no CAP_LEASE and not the file's owner, or a file system without leases) a file whose close
-# was not seen must be this long without any change before it is taken as complete (README: Reliability).
-UNLEASED_SETTLE_SECONDS = 10.0
-FUTURE_SLACK_SECONDS = 2.0  # clock skew tolerated before a modification time counts as "in the future"
 MAX_BACKOFF_SECONDS = 60.0
-# A file shorter than its header says (a writer that closes after every chunk) is looked at again, quietly,
-# with backoff from INCOMPLETE_FIRST_RETRY up to INCOMPLETE_MAX_RETRY seconds, while it changed less than
-# INCOMPLETE_GRACE_SECONDS ago; one unchanged for longer is refused once, saying so.
-INCOMPLETE_FIRST_RETRY = 0.25
-INCOMPLETE_MAX_RETRY = 8.0
 STATE_RETRY_SECONDS = 5.0
+CLAIM_FIRST_RETRY = 0.25  # a claim held by someone else is tried again this soon, then less and less often
 
 
 @dataclass
+class _Job:
+    """One conversion being decided: what every step of it needs."""
+
+    watch: Watch
+    path: Path
+    version: FileStamp
+    dest: Path
+    from_format: Format
+    finished: bool
+    started: float
+    base: dict = field(default_factory=dict)  # the sync log fields every line about it carries
+
+
+_HELD = object()  # the claim is someone else's
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What happened to a candidate: `retry_in` asks the queue to look again later."""
 
-    status: str | None  # the sync log status written, or None for a silent decision
+    status: Status | None  # the sync log status written, or None for a silent decision
     retry_in: float | None = None
 
 
-def destination_for(watch: Watch, source: Path, to_format: Format) -> Path:
-    return watch.output_dir_for(source) / (source.stem + to_format.extension)
+SILENT = Outcome(None)  # nothing to do, nothing to say
+
+
+def later(seconds: float | None) -> Outcome:
+    """Not ready yet: nothing said, looked at again after `seconds`."""
+    return Outcome(None, retry_in=seconds)
 
 
 class Syncer:
     """Holds what every decision needs; one instance serves all workers (state and log are thread-safe)."""
 
-    def __init__(self, state: StateDB, synclog: SyncLog, settle_seconds: float, hash_name: str = "xxh3_128") -> None:
+    def __init__(self, state: StateDB, synclog: SyncLog, settle_seconds: float, hash_name: str) -> None:
         self.state = state
         self.synclog = synclog
-        self.settle_seconds = settle_seconds
+        self.readiness = Readiness(settle_seconds, self._warn)
+        self.hash_name = hash_name
         # who wants to follow a conversion's bytes (the daemon's status); called with the source path
         self.progress_for: Callable[[Path], ProgressCallback | None] = lambda _path: None
-        self._future: dict[tuple[Path, int], float] = {}  # (path, mtime_ns) in the future -> first seen
-        self._incomplete: dict[Path, int] = {}  # path seen shorter than its header says -> looks so far
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
-        self.hash_name = hash_name
+        # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
+        self.shared: frozenset[Path] = frozenset()
+        self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
+        self._claim_waits: dict[Path, int] = {}  # output -> times its claim was found held in a row
+        self._no_locks_said: set[Path] = set()
+
+    @property
+    def settle_seconds(self) -> float:
+        return self.readiness.settle_seconds
+
+    @settle_seconds.setter
+    def settle_seconds(self, value: float) -> None:
+        self.readiness.settle_seconds = value
+
+    def _warn(self, watch_root: Path, path: Path, reason: str) -> None:
+        self.synclog.log(Status.WARNING, watch=str(watch_root), source=str(path), reason=reason)
 
     # -- the decision
 
@@ -108,48 +136,36 @@ class Syncer:
         except SyncdError as exc:
             if exc.kind != "environment":
                 raise
-            self.synclog.log("error", watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry")
-            return Outcome("error", retry_in=STATE_RETRY_SECONDS)
+            self.synclog.log(
+                Status.ERROR, watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry"
+            )
+            return Outcome(Status.ERROR, retry_in=STATE_RETRY_SECONDS)
 
     def _process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
+        """One file: a candidate, present and regular, settled, not already done, nobody writing it."""
         if not is_candidate(watch, path):
-            return Outcome(None)
-        if is_index_name(path):
-            return self._process_set(watch, path, closed)
+            return SILENT
+        index = _set_index_of(path)
+        if index is not None:  # a shard is converted with its set, through the set's index
+            return self._process_set(watch, index, closed=closed and index == path)
+        if _awaits_index(path):
+            return SILENT  # save_pretrained writes the index last: its arrival brings the set
+        info = _lstat(path)
+        if info is None or not stat.S_ISREG(info.st_mode):
+            return self._not_regular(watch, path, info)
+        wait = self.readiness.settle_wait(watch.path, path, info, closed)
+        if wait > 0:
+            return later(wait)
+        version = FileStamp.of(info)
         from_format = format_for_path(path)
         assert from_format is not None  # is_candidate checked it
-        if from_format.name == SAFETENSORS:
-            index = index_listing(path)
-            if index is not None:  # a shard is converted with its set, through the set's index
-                return self._process_set(watch, Path(index), closed=False)
-            if looks_like_shard(path.name):
-                return Outcome(None)  # save_pretrained writes the index last: its arrival brings the set
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            return Outcome(None)  # gone again (a scratch renamed away, a deleted file)
-        if not stat.S_ISREG(info.st_mode):
-            return self._not_regular(watch, path, info)
-        wait = self._settle_wait(watch, path, info, closed)
+        dest = ownership.destination_for(watch, path, from_format)
+        if self._done_already(path, version, dest) or self.state.is_own_output(path, version):
+            return SILENT
+        wait, finished = self.readiness.writer_wait(path, info, closed)
         if wait > 0:
-            return Outcome(None, retry_in=wait)
-        version = FileVersion.from_stat(info)
-        dest = destination_for(watch, path, BY_NAME[from_format.converts_to])
-        if from_format.name == BURNPACK:
-            dest = _set_destination(watch, path) or dest
-        if self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version):
-            return Outcome(None)
-        if self.state.is_own_output(path, version):
-            return Outcome(None)
-        writing = open_for_writing(path)
-        if writing:
-            # a writer pausing longer than the settle time; its close brings the file back at once
-            return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
-        if writing is None and not closed:
-            wait = self._unleased_wait(path, info)
-            if wait > 0:
-                return Outcome(None, retry_in=wait)
-        return self._convert(watch, path, version, dest, from_format, finished=closed or writing is False)
+            return later(wait)
+        return self._convert(watch, path, version, dest, from_format, finished=finished)
 
     def _process_set(self, watch: Watch, index: Path, closed: bool) -> Outcome:
         """The index is the set's commit point: the set is converted once the index and every shard it lists
@@ -161,140 +177,206 @@ class Syncer:
             return self._process_set_locked(watch, index, closed)
 
     def _process_set_locked(self, watch: Watch, index: Path, closed: bool) -> Outcome:
-        try:
-            info = os.lstat(index)
-        except FileNotFoundError:
-            return Outcome(None)
-        if not stat.S_ISREG(info.st_mode):
+        info = _lstat(index)
+        if info is None or not stat.S_ISREG(info.st_mode):
             return self._not_regular(watch, index, info)
-        if self.state.is_own_output(index, FileVersion.from_stat(info)):
-            return Outcome(None)
-        try:
-            members = [Path(p) for p in member_files(index)]
-        except SyncdError:
-            members = []  # a broken (or half-written) index: the conversion reports it, or it is retried
-        stats = [info]
-        for member in members:
-            try:
-                stats.append(os.lstat(member))
-            except FileNotFoundError:
-                if _recently_changed(FileVersion.from_stat(info)):
-                    return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
-        wait = max(self._settle_wait(watch, index, st, closed and st is info) for st in stats)
+        if self.state.is_own_output(index, FileStamp.of(info)):
+            return SILENT
+        members = _members(index)
+        stats = [info, *(_lstat(member) for member in members)]
+        wait = self.readiness.set_wait(watch.path, index, stats, closed)
         if wait > 0:
-            return Outcome(None, retry_in=wait)
-        version = _set_version(stats)
-        dest = watch.output_dir_for(index) / (index.name.removesuffix(INDEX_SUFFIX) + BY_NAME[BURNPACK].extension)
-        if self.state.is_up_to_date(index, version, dest) or self.state.failed_same_version(index, version):
-            return Outcome(None)
-        if any(open_for_writing(p) for p in [index, *members] if os.path.lexists(p)):
-            return Outcome(None, retry_in=BUSY_RETRY_SECONDS)
+            return later(wait)
+        version = set_version([st for st in stats if st is not None])
+        dest = ownership.set_destination(watch, index)
+        if self._done_already(index, version, dest):
+            return SILENT
+        if anyone_writing([index, *members]):
+            return later(self.readiness.busy_retry)
         return self._convert(watch, index, version, dest, BY_NAME[SAFETENSORS], finished=True)
 
-    def _not_regular(self, watch: Watch, path: Path, info: os.stat_result) -> Outcome:
+    def _done_already(self, path: Path, version: FileStamp, dest: Path) -> bool:
+        """Up to date, or failed already in this version (which was said once)."""
+        return self.state.is_up_to_date(path, version, dest) or self.state.failed_same_version(path, version)
+
+    def _not_regular(self, watch: Watch, path: Path, info: os.stat_result | None) -> Outcome:
+        if info is None:
+            return SILENT  # gone again (a scratch renamed away, a deleted file)
         # symlinks are never followed (they may point out of the tree); FIFOs, sockets, devices never opened
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-        version = FileVersion.from_stat(info)
+        version = FileStamp.of(info)
         if self.state.record_failure(path, version, f"skipped: {kind}", transient=False, kind="input"):
-            self.synclog.log("skipped", watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
-        return Outcome("skipped")
-
-    def _settle_wait(self, watch: Watch, path: Path, info: os.stat_result, closed: bool) -> float:
-        """Seconds until the file has been quiet long enough. A close or rename says the writer is done,
-        so a short check suffices; a bare create/modify must stay unchanged for the full settle time."""
-        window = min(self.settle_seconds, 0.05) if closed else self.settle_seconds
-        return max(0.0, window - self._age(watch, path, info))
-
-    def _unleased_wait(self, path: Path, info: os.stat_result) -> float:
-        """Without a lease nothing tells whether a writer still has the file open: a writer that sets the
-        full size first and fills it in later, pausing, looks complete (and reads, half zeros). Such a file is
-        taken only after UNLEASED_SETTLE_SECONDS without any change (mtime or ctime), unless its close was seen."""
-        changed = max(info.st_mtime_ns, info.st_ctime_ns) / 1e9
-        age = time.time() - changed
-        if age < -FUTURE_SLACK_SECONDS:
-            age = self._age(None, path, info)
-        return max(0.0, max(UNLEASED_SETTLE_SECONDS, self.settle_seconds) - age)
-
-    def _age(self, watch: Watch | None, path: Path, info: os.stat_result) -> float:
-        """How long the file has been quiet. A modification time in the future (a copy from a host whose clock
-        runs ahead) is taken as the moment we first saw it, and said once."""
-        age = time.time() - info.st_mtime
-        if age >= -FUTURE_SLACK_SECONDS:
-            return age
-        key = (path, info.st_mtime_ns)
-        if key not in self._future:
-            if len(self._future) > 10_000:
-                self._future.clear()
-            self._future[key] = time.monotonic()
-            if watch is not None:
-                self.synclog.log(
-                    "warning",
-                    watch=str(watch.path),
-                    source=str(path),
-                    reason=f"modification time {-age:.0f} s in the future; treated as now",
-                )
-        return time.monotonic() - self._future[key]
+            self.synclog.log(Status.SKIPPED, watch=str(watch.path), source=str(path), reason=f"{kind}; not converted")
+        return Outcome(Status.SKIPPED)
 
     # -- converting
 
     def _convert(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, from_format: Format, *, finished: bool
+        self, watch: Watch, path: Path, version: FileStamp, dest: Path, from_format: Format, *, finished: bool
     ) -> Outcome:
         """`finished`: the writer is known to be done (its close or rename was seen, or nobody has the file
-        open for writing); otherwise a file that does not read may be one still being written."""
-        direction = f"{from_format.short}->{BY_NAME[from_format.converts_to].short}"
-        base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
-        started = time.monotonic()
+        open for writing); otherwise a file that does not read may be one still being written. On a shared
+        filesystem the output's claim is taken first: while another node (or worker) holds it, nothing is
+        done and the file is looked at again later."""
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
+        job = _Job(watch, path, version, dest, from_format, finished, time.monotonic())
+        job.base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         try:
-            if self._is_reverse_of_own_output(watch, path, dest):
-                return Outcome(None)
-            replace_if, overwrite = None, False
-            if os.path.lexists(dest):
-                decided = self._existing_destination(watch, path, version, dest, base)
-                if isinstance(decided, Outcome):
-                    return decided
-                replace_if, overwrite = decided
-            if watch.mirror is not None:
-                _make_mirror_dirs(watch, dest.parent)
-            _check_inside(dest.parent, watch.mirror or watch.path)
-            result = convert(
-                ConvertRequest(
-                    source=path,
-                    dest=dest,
-                    to_format=from_format.converts_to,
-                    layout=watch.layout,
-                    module_map=watch.module_map,
-                    overwrite=overwrite,
-                    fail_early_if_exists=False,
-                    within=watch.path,
-                    replace_if=replace_if,
-                    progress=self.progress_for(path),
-                    store=self._store_options(watch),
-                    shard_size=watch.shard_size,
-                    hash_name=self.hash_name,
-                )
-            )
+            if ownership.is_own_output_converted_back(watch, path, dest):
+                return SILENT
+            claim = self._claim(job) if watch.path in self.shared else None
         except Exception as exc:
-            return self._failed_or_later(path, version, exc, base, started, finished)
-        return self._converted(path, version, dest, result, base, started, updated=replace_if is not None)
+            return self._failed_or_later(path, version, exc, job.base, job.started, finished)
+        if claim is _HELD:
+            return later(self._claim_wait(dest))
+        if not isinstance(claim, claims.Claim):
+            return self._decide_and_convert(job, None)
+        with claim:
+            self._claim_waits.pop(dest, None)
+            self._remove_abandoned_scratch(dest)
+            return self._decide_and_convert(job, claim)
+
+    def _decide_and_convert(self, job: _Job, claim: claims.Claim | None) -> Outcome:
+        watch, path, version, dest, base = job.watch, job.path, job.version, job.dest, job.base
+        try:
+            decision = ownership.decide(
+                self.state, watch, path, version, dest, claim.published() if claim is not None else None
+            )
+            if decision.action is Action.IN_SYNC:
+                # another node's output, proven by its record: adopted without reading the source, quietly
+                self.state.record(path, version, dest, status="in_sync")
+                log.debug("in_sync %s: %s published by another syncd, as its record shows", path, dest)
+                return Outcome(Status.IN_SYNC)
+            if decision.action is Action.SKIP:
+                return self._skipped(path, version, base, "destination exists (on_exists: skip)")
+            if decision.action is Action.VERIFY:
+                result, decision = self._verify(watch, path, dest, job.from_format)
+                if result is None:
+                    reason = "destination exists and is not this source's conversion (on_exists: skip)"
+                    return self._skipped(path, version, base, reason)
+            else:
+                result = self._run_engine(watch, path, dest, job.from_format, decision)
+        except Exception as exc:
+            return self._failed_or_later(path, version, exc, base, job.started, job.finished)
+        updated = decision.action is Action.REPLACE
+        return self._converted(path, version, dest, result, base, job.started, updated=updated, claim=claim)
+
+    def _claim(self, job: _Job) -> claims.Claim | object | None:
+        """The output's claim, _HELD while someone else has it, or None where the filesystem has no locks
+        (said once per watch: every node then converts for itself, which the publish keeps safe)."""
+        try:
+            claim = claims.try_claim(job.dest)
+        except claims.ClaimError as exc:
+            if job.watch.path not in self._no_locks_said:
+                self._no_locks_said.add(job.watch.path)
+                self.synclog.log(
+                    Status.ERROR,
+                    watch=str(job.watch.path),
+                    dest=str(job.dest),
+                    error=f"{exc.strerror}: claims cannot be taken, so every node converts every checkpoint",
+                    reason="mount the filesystem with file locks shared by every node (Lustre: -o flock)",
+                )
+            return None
+        except OSError as exc:
+            raise SyncdError.from_os_error(
+                "cannot take the output's claim", str(claims.claim_path(job.dest)), exc
+            ) from exc
+        return _HELD if claim is None else claim
+
+    def _claim_wait(self, dest: Path) -> float:
+        """Seconds until a claim held by someone else is tried again: soon at first (a conversion on this
+        node ends any moment), backing off to the cluster's poll interval."""
+        if len(self._claim_waits) > 10_000:
+            self._claim_waits.clear()
+        tries = self._claim_waits.get(dest, 0)
+        self._claim_waits[dest] = tries + 1
+        return min(self.claim_retry_max, CLAIM_FIRST_RETRY * 2.0**tries)
+
+    def _remove_abandoned_scratch(self, dest: Path) -> None:
+        """Scratch files of `dest` no living process holds: a node that died converting it left them, and
+        whoever takes its claim next removes them (only the claim holder writes scratch for `dest`)."""
+        try:
+            entries = list(os.scandir(dest.parent))
+        except OSError:
+            return
+        for entry in entries:
+            if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path)):
+                self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
+
+    def _skipped(self, path: Path, version: FileStamp, base: dict, reason: str) -> Outcome:
+        if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
+            self.synclog.log(Status.SKIPPED, **base, reason=reason)
+        return Outcome(Status.SKIPPED)
+
+    def _verify(
+        self, watch: Watch, path: Path, dest: Path, from_format: Format
+    ) -> tuple[ConvertResult | None, ownership.Decision]:
+        """A destination that names this source but has no record of ours: converted without replacing
+        anything, the publish compares bytes -- the same bytes are in sync (and from now on ours); other bytes
+        make it someone else's file, which `on_exists` decides about (None: skip it). Returns the result and
+        the decision it was published under."""
+        create = ownership.Decision(Action.CREATE)
+        try:
+            return self._run_engine(watch, path, dest, from_format, create), create
+        except ConflictError:
+            decision = ownership.someone_elses(watch, dest)
+            if decision.action is Action.SKIP:
+                return None, decision
+            if decision.action is not Action.OVERWRITE:
+                raise
+        return self._run_engine(watch, path, dest, from_format, decision), decision
+
+    def _run_engine(
+        self, watch: Watch, path: Path, dest: Path, from_format: Format, decision: ownership.Decision
+    ) -> ConvertResult:
+        if watch.mirror is not None:
+            _make_mirror_dirs(watch, dest.parent)
+        _check_inside(dest.parent, watch.mirror or watch.path)
+        return convert(
+            ConvertRequest(
+                source=path,
+                dest=dest,
+                to_format=converts_to(from_format).name,
+                layout=watch.layout,
+                module_map=watch.module_map,
+                overwrite=decision.action is Action.OVERWRITE,
+                fail_early_if_exists=False,
+                within=watch.path,
+                replace_if=decision.replace_if,
+                progress=self.progress_for(path),
+                store=_store_options(watch),
+                shard_size=watch.shard_size,
+                hash_name=self.hash_name,
+            )
+        )
 
     def _converted(
         self,
         path: Path,
-        version: FileVersion,
+        version: FileStamp,
         dest: Path,
         result: ConvertResult,
         base: dict,
         started: float,
         *,
         updated: bool,
+        claim: claims.Claim | None = None,
     ) -> Outcome:
         if result.status == "in_sync":
-            status = "in_sync"
+            status = Status.IN_SYNC
         else:
-            status = "updated" if updated and result.status == "replaced" else "converted"
-        self.state.record(path, version, dest, status="in_sync" if status == "in_sync" else "converted")
-        self._incomplete.pop(path, None)
+            status = Status.UPDATED if updated and result.status == "replaced" else Status.CONVERTED
+        published = os.lstat(dest)  # the output as published: the record every later decision proves against
+        dest_version = FileStamp.of(published)
+        recorded = "in_sync" if status is Status.IN_SYNC else "converted"
+        self.state.record(path, version, dest, dest_version=dest_version, status=recorded)
+        if claim is not None:
+            stamps = ownership.source_stamp(version), claims.stamp_of(published)
+            try:
+                claim.record(claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node()))
+            except OSError as exc:  # published all the same: the other nodes then verify it by converting
+                log.warning("%s: cannot record the publish of %s (%s)", claim.path, dest, exc.strerror)
+        self.readiness.converted(path)
         self.synclog.log(
             status,
             **base,
@@ -307,108 +389,15 @@ class Syncer:
         return Outcome(status)
 
     def _failed_or_later(
-        self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float, finished: bool
+        self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float, finished: bool
     ) -> Outcome:
-        if isinstance(exc, SyncdError) and exc.kind == "busy":
-            # changed, replaced or removed while we read it: never published; looked at again once quiet
-            log.info("%s", one_line(exc))
-            gone = not os.path.lexists(path)
-            return Outcome(None, retry_in=None if gone else max(self.settle_seconds, BUSY_RETRY_SECONDS))
-        if isinstance(exc, IncompleteFileError):
-            wait = self._incomplete_wait(path)
-            if wait is not None:
-                log.debug("%s is not complete yet, looking again in %.2f s: %s", path, wait, exc)
-                return Outcome(None, retry_in=wait)
-        content_error = isinstance(exc, FormatError) and exc.kind == "input"
-        if content_error and not finished and _recently_changed(version):
-            log.debug("%s does not read yet, looking again later: %s", path, exc)
-            return Outcome(None, retry_in=max(self.settle_seconds, BUSY_RETRY_SECONDS))
+        not_yet = self.readiness.not_ready_after(path, version, exc, finished)
+        if not_yet is not None:
+            log.log(not_yet.level, "%s", not_yet.why)
+            return later(not_yet.retry_in)
         return self._failed(path, version, exc, base, started)
 
-    def _incomplete_wait(self, path: Path) -> float | None:
-        """Seconds until a file shorter than its header says is looked at again, or None once it has been
-        unchanged for INCOMPLETE_GRACE_SECONDS (nobody is still appending: it is refused). A writer that
-        closes after every chunk is not done at its first close; each new chunk's close brings it back
-        sooner than the backoff."""
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            self._incomplete.pop(path, None)
-            return None
-        quiet = self._age(None, path, info)
-        if quiet >= INCOMPLETE_GRACE_SECONDS:
-            self._incomplete.pop(path, None)
-            return None
-        if len(self._incomplete) > 10_000:
-            self._incomplete.clear()
-        looks = self._incomplete.get(path, 0)
-        self._incomplete[path] = looks + 1
-        backoff = min(INCOMPLETE_MAX_RETRY, INCOMPLETE_FIRST_RETRY * 2.0**looks)
-        return min(backoff, INCOMPLETE_GRACE_SECONDS - quiet + 0.1)
-
-    def _is_reverse_of_own_output(self, watch: Watch, path: Path, dest: Path) -> bool:
-        """An output of ours names its source in metadata; converting it back would chase our own tail. Only
-        while that source is there: an output copied alone into a tree is a checkpoint like any other."""
-        try:
-            with open_checkpoint(path, watch.path) as reader:
-                source_name = reader.header.metadata.get(carry.SOURCE)
-        except SyncdError:
-            return False  # a broken file is reported by the conversion itself
-        return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
-
-    def _existing_destination(
-        self, watch: Watch, path: Path, version: FileVersion, dest: Path, base: dict
-    ) -> Outcome | tuple[FileIdentity | None, bool]:
-        """What to do about a destination that exists: an Outcome (done), or (replace_if, overwrite).
-
-        syncd's own earlier output of this source is replaced (`updated`) whatever `on_exists` says; a file
-        that already holds this source's conversion is `in_sync`; anything else is someone else's file, which
-        `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but never a
-        file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap two
-        users' files).
-        """
-        root = watch.mirror or watch.path
-        ours = self._own_earlier_output(path, dest, root)
-        if ours is not None:
-            return ours, False
-        if _carries_source(dest, path, root, watch.path):
-            self.state.record(path, version, dest, status="in_sync")
-            self.synclog.log("in_sync", **base, reason="destination already holds this source's conversion")
-            return Outcome("in_sync")
-        if watch.on_exists == "skip":
-            if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
-                self.synclog.log("skipped", **base, reason="destination exists (on_exists: skip)")
-            return Outcome("skipped")
-        if watch.on_exists == "overwrite" and is_candidate(watch, dest):
-            raise ConflictError(
-                "exists and is itself a checkpoint this watch converts (someone's file, not syncd's output); "
-                "on_exists: overwrite replaces only files that are not sources",
-                str(dest),
-            )
-        return None, watch.on_exists == "overwrite"
-
-    def _own_earlier_output(self, path: Path, dest: Path, root: Path) -> FileIdentity | None:
-        """The identity of `dest` if it provably is the output syncd published from `path` and nobody changed
-        it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
-        of `path`, and its `syncd.source` names `path`."""
-        state = self.state.get(path)
-        if state is None or state.dest is None or state.dest_version is None:
-            return None  # (a failed row keeps the output last published: a failed save does not disown it)
-        if os.fsencode(state.dest) != os.fsencode(dest):
-            return None
-        try:
-            info = os.lstat(dest)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISREG(info.st_mode) or not state.dest_version.same_as(FileVersion.from_stat(info)):
-            return None
-        if not state.dest_version.ctime_ns:
-            return None  # recorded before ctimes were: not proof enough to replace it
-        if _source_named_in(dest, root) != carry.file_label(path.name):
-            return None
-        return FileIdentity.of(info)
-
-    def _failed(self, path: Path, version: FileVersion, exc: BaseException, base: dict, started: float) -> Outcome:
+    def _failed(self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float) -> Outcome:
         status, transient = classify(exc)
         text = one_line(exc)
         kind = exc.kind if isinstance(exc, SyncdError) else "environment" if isinstance(exc, OSError) else None
@@ -426,7 +415,7 @@ class Syncer:
             elif transient:
                 fields["reason"] = "will retry"
             self.synclog.log(status, **fields)
-        if status == "error" and not transient and not isinstance(exc, SyncdError | OSError):
+        if status is Status.ERROR and not transient and not isinstance(exc, SyncdError | OSError):
             # a bug of ours: the traceback goes to the journal (the sync log's line already says what failed)
             log.error("%s: %s", path, text, exc_info=True)
         if transient:
@@ -435,50 +424,23 @@ class Syncer:
             return Outcome(status, retry_in=min(MAX_BACKOFF_SECONDS, 2.0 ** min(attempts, 6)))
         return Outcome(status)
 
-    def _store_options(self, watch: Watch) -> StoreOptions:
-        """The watch's remap/filter/precision settings (validated when the config was loaded)."""
-        return StoreOptions(
-            tuple(compile_rule(p, r) for p, r in watch.remap),
-            watch.map_indices_contiguous,
-            TensorFilter.of(watch.tensor_include, watch.tensor_exclude),
-            watch.precision,
-        )
 
-
-def _set_version(stats: list[os.stat_result]) -> FileVersion:
-    """One version for a whole set: the index's identity, the total size, the latest change of any file."""
-    index = stats[0]
-    return FileVersion(index.st_dev, index.st_ino, sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats))
-
-
-def _set_destination(watch: Watch, path: Path) -> Path | None:
-    """Where a .bpk that carries a sharded set's layout goes back to: that set's index (None otherwise)."""
-    try:
-        with open_checkpoint(path, watch.path) as reader:
-            shards = carry.parse(reader.header.metadata, str(path)).shards
-    except SyncdError:
-        return None  # the conversion reports what is wrong with the file
-    if shards is None or not shards.with_index or watch.shard_size is not None:
-        return None
-    return watch.output_dir_for(path) / shards.index_name
-
-
-def classify(exc: BaseException) -> tuple[str, bool]:
+def classify(exc: BaseException) -> tuple[Status, bool]:
     """(sync log status, transient?) for a failure, read from the kind the error declared where it was raised
     (syncd/errors.py); an OSError that escaped undeclared counts as the environment's."""
     if isinstance(exc, AlreadyExistsError):
-        return "conflict", False
+        return Status.CONFLICT, False
     if isinstance(exc, OSError):
-        return "error", exc.errno in TRANSIENT_ERRNOS
+        return Status.ERROR, exc.errno in TRANSIENT_ERRNOS
     if not isinstance(exc, SyncdError):
-        return "error", False  # a bug: logged with its traceback
+        return Status.ERROR, False  # a bug: logged with its traceback
     if exc.kind == "environment":
         if isinstance(exc, FormatError) and not exc.transient:
-            return "skipped", False  # unreadable for us: reported once, not an error in the file
-        return "error", exc.transient
+            return Status.SKIPPED, False  # unreadable for us: reported once, not an error in the file
+        return Status.ERROR, exc.transient
     if isinstance(exc, FormatError | UnsupportedError | AmbiguousLayoutError | VerificationError):
-        return "refused", exc.transient
-    return "error", exc.transient
+        return Status.REFUSED, exc.transient
+    return Status.ERROR, exc.transient
 
 
 def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
@@ -490,58 +452,48 @@ def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
     return "; ".join(parts) or None
 
 
-def _source_named_in(dest: Path, root: Path) -> str | None:
-    """The `syncd.source` metadata of `dest`, read through the confined, no-follow, non-blocking open."""
+def _lstat(path: Path) -> os.stat_result | None:
+    """The file's own stat (never through a symlink); None when it is gone."""
     try:
-        with open_checkpoint(dest, root) as reader:
-            return reader.header.metadata.get(carry.SOURCE)
-    except SyncdError:
+        return os.lstat(path)
+    except FileNotFoundError:
         return None
 
 
-def _carries_source(dest: Path, source: Path, dest_root: Path, source_root: Path) -> bool:
-    """True if `dest` is a syncd output of exactly this `source` content (name and recorded hash match: XXH3-128,
-    or sha256 in outputs of older versions and with `hash: sha256`; of a sharded set, the hash covers the
-    index and every shard, as the conversion records it). Every file is opened
-    confined, without following symlinks and without blocking (a FIFO or a symlink to a device renamed onto
-    any of the names must not hang a worker)."""
-    try:
-        with open_checkpoint(dest, dest_root) as reader:
-            metadata = reader.header.metadata
-    except SyncdError:
-        return False
-    recorded = hashing.recorded_source_hash(metadata)
-    if metadata.get(carry.SOURCE) != carry.file_label(source.name) or recorded is None:
-        return False
-    return recorded.hexdigest == source_digest(source, source_root, recorded.name)
-
-
-def open_for_writing(path: Path) -> bool | None:
-    """True if some process has `path` open for writing, False if none has, None if we cannot tell.
-
-    The kernel refuses a read lease (EAGAIN) while any descriptor has the file open for writing. Taking one
-    needs the file's owner or CAP_LEASE and a local file system; without them the settle time has to do.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+def _set_index_of(path: Path) -> Path | None:
+    """The index of the sharded set `path` belongs to (`path` itself for an index), None for a single file."""
+    if is_index_name(path):
+        return path
+    from_format = format_for_path(path)
+    if from_format is None or from_format.name != SAFETENSORS:
         return None
+    index = index_listing(path)
+    return None if index is None else Path(index)
+
+
+def _awaits_index(path: Path) -> bool:
+    """A shard no index lists yet: save_pretrained writes the index last, and its arrival brings the set."""
+    from_format = format_for_path(path)
+    return from_format is not None and from_format.name == SAFETENSORS and looks_like_shard(path.name)
+
+
+def _members(index: Path) -> list[Path]:
+    """The shards an index lists; none for a broken (or half-written) index: the conversion reports it, or it
+    is retried."""
     try:
-        # A writer opening the file while we hold the lease waits until we drop it (at once) and the kernel
-        # signals us: SIGURG, which is ignored by default, instead of SIGIO, which would end the process.
-        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-    except OSError as exc:
-        return True if exc.errno == errno.EAGAIN else None
-    else:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        return False
-    finally:
-        os.close(fd)
+        return [Path(p) for p in member_files(index)]
+    except SyncdError:
+        return []
 
 
-def _recently_changed(version: FileVersion) -> bool:
-    return time.time() - version.mtime_ns / 1e9 < INCOMPLETE_GRACE_SECONDS
+def _store_options(watch: Watch) -> StoreOptions:
+    """The watch's remap/filter/precision settings (validated when the config was loaded)."""
+    return StoreOptions(
+        tuple(compile_rule(p, r) for p, r in watch.remap),
+        watch.map_indices_contiguous,
+        TensorFilter.of(watch.tensor_include, watch.tensor_exclude),
+        watch.precision,
+    )
 
 
 def _check_inside(directory: Path, root: Path) -> None:

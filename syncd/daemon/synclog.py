@@ -23,21 +23,8 @@ from typing import Any
 
 log = logging.getLogger("syncd.synclog")
 
-# The statuses the daemon writes. Readers accept any status; this list is for help texts and filters.
-STATUSES = (
-    "converted",  # an output was written and published
-    "updated",  # syncd's own earlier output of a source saved again was replaced by the new conversion
-    "in_sync",  # the output already matches its source
-    "skipped",  # nothing to do by configuration (excluded, output exists and on_exists=skip, ...)
-    "conflict",  # the output exists with different content and was left alone
-    "refused",  # the source cannot be converted safely (unsupported, ambiguous layout, ...)
-    "error",  # the conversion failed
-    "warning",  # something odd that did not stop the work (a modification time in the future)
-    "removed",  # a stale scratch file of a syncd that died was deleted
-    "started",
-    "stopped",
-    "reloaded",
-)
+DEFAULT_MAX_BYTES = 10 * 1024 * 1024  # rotate before a line would take the file past this (0: never)
+DEFAULT_BACKUPS = 5  # rotated files kept: path.1 .. path.5
 
 # the order fields appear in on a line; others follow in the order given
 FIELD_ORDER = (
@@ -97,7 +84,9 @@ class SyncLog:
     someone else moved or removed (logrotate) is noticed and reopened at the next write.
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 10 * 1024 * 1024, backups: int = 5) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.backups = backups

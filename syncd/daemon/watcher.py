@@ -1,5 +1,7 @@
 """Filesystem events in, candidate paths out: watchdog's inotify observer, or polling where configured or
-where inotify cannot serve (watch limit reached, unsupported filesystem).
+where inotify cannot serve (watch limit reached, unsupported filesystem). A watch on a filesystem other nodes
+write to (`shared`, syncd.daemon.fstype) gets both: inotify sees this node's writes at once, and a poll every
+`cluster.poll_interval` seconds finds the files other nodes wrote, of which this kernel hears nothing.
 
 The watcher knows nothing about conversion. It tells its `WatchListener` what happened, by name: a candidate
 file appeared or changed (and whether its writer is known to be done), a directory appeared (its files make
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -123,9 +125,10 @@ class _InotifyObserver(BaseObserver):
 class Watcher:
     """Every watch of a configuration, each with its own observer, reporting to one listener."""
 
-    def __init__(self, config: Config, listener: WatchListener) -> None:
+    def __init__(self, config: Config, listener: WatchListener, shared: Collection[Path] = ()) -> None:
         self.config = config
         self.listener = listener
+        self.shared = shared  # the paths of the watches other nodes write to as well
         self.observers: list[BaseObserver] = []
         self.polled: list[Watch] = []
 
@@ -138,6 +141,9 @@ class Watcher:
         if interval is None:
             reason = self._try_inotify(watch)
             if reason is None:
+                if watch.path in self.shared:  # and other nodes' files, which make no inotify event here
+                    self.polled.append(watch)
+                    self._observe(watch, PollingObserver(timeout=self.config.cluster.poll_interval))
                 return
             self.listener.on_fallback(
                 watch, f"inotify unavailable ({reason}); polling every {FALLBACK_POLL_SECONDS:g} s instead"

@@ -17,18 +17,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncd.adapters import BURN, PYTORCH
 from syncd.errors import FormatError
 from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.burnpack import LAYOUT_ALIGNED, LAYOUT_PACKED, Scalar
 from syncd.formats.dtypes import ITEMSIZE, byte_length
-from syncd.formats.registry import BURN_LAYOUT as BURN
-from syncd.formats.registry import PYTORCH_LAYOUT as PYTORCH
 from syncd.formats.shards import ShardLayout
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
 PREFIX = "syncd."
 SOURCE = "syncd.source"
-SOURCE_SHA256 = "syncd.source_sha256"
 LAYOUT = "syncd.layout"
 PARAM_IDS = "syncd.param_ids"
 DTYPES = "syncd.dtypes"
@@ -83,16 +81,14 @@ def dumps(value: Any) -> str:
 
 
 def encode_scalars(scalars: dict[str, Scalar]) -> str:
-    # floats as hex: exact, including -0.0, inf and nan payload-free values
-    return dumps(
-        {
-            k: [
-                s.kind,
-                s.value.hex() if s.kind == "Float" else str(s.value).lower() if s.kind == "Bool" else str(s.value),
-            ]
-            for k, s in scalars.items()
-        }
-    )
+    return dumps({k: [s.kind, _scalar_text(s)] for k, s in scalars.items()})
+
+
+def _scalar_text(scalar: Scalar) -> str:
+    """Floats as hex: exact, including -0.0, inf and nan payload-free values; bools as true/false."""
+    if scalar.kind == "Float":
+        return float(scalar.value).hex()
+    return str(scalar.value).lower() if scalar.kind == "Bool" else str(scalar.value)
 
 
 def encode_dropped(dropped: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:

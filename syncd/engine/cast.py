@@ -145,7 +145,7 @@ class CastCopy:
             else:
                 expected = np.frombuffer(data, dtype=_UINT[out_item]).reshape(n, cols).T
                 written_t = np.empty((cols, n), dtype=_UINT[out_item])
-                view = memoryview(written_t).cast("B")
+                view = written_t.data.cast("B")
                 for c in range(cols):
                     at = self.at + (c * rows + r0) * out_item
                     output.readinto(target, at, view[c * n * out_item : (c + 1) * n * out_item])

@@ -1,16 +1,14 @@
 """One source checkpoint to one published output: open -> plan -> write -> verify -> publish.
 
-Used by `syncd convert` and by the daemon's workers. The adapters decide names, shapes and transposes
-from the tensor table alone, and the store options (remap rules) may rename their output; the target format's
-type (targets.py) turns the plan into specs and metadata (what it cannot hold travels in `syncd.*` metadata,
-see carry.py). This module moves the bytes in one pass over the source (passwrite.py), checks what was written,
-and only then publishes.
-
-Issue 16: the source may be a sharded safetensors set (its index; formats/shards.py), read in the same one
-pass, shard after shard, into one output; the store options
-(stores.py: tensor filter, remap rules, contiguous indices, precision casts through cast.py) apply to the plan;
-a safetensors output may be written as a set (setout.py), shards first and the index last, each shard
-written in its own pass over the part of the source it takes.
+Used by `syncd convert` and by the daemon's workers. The source (source.py) is one checkpoint file or a
+sharded safetensors set read through its index, in one pass, shard after shard, into one output. The adapters
+decide names, shapes and transposes from the tensor table alone; the store options (options.py: tensor
+filter, remap rules, contiguous indices, precision casts through cast.py) apply to their plan; the target
+format's type (targets.py) turns the plan into specs and metadata (what it cannot hold travels in `syncd.*`
+metadata, see carry.py). `plan` builds all of that once, as a frozen `Conversion`. This module then moves the
+bytes in one pass over the source (write/), checks what was written, and only then publishes. A safetensors
+output may be written as a set (sets.py), shards first and the index last, each shard written in its own
+pass over the part of the source it takes.
 """
 
 from __future__ import annotations
@@ -36,10 +34,12 @@ from syncd.adapters import (
 )
 from syncd.engine import carry, hashing
 from syncd.engine.context import gather_context
+from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import FileIdentity, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
+from syncd.engine.publish import Published, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
 from syncd.engine.sets import set_paths, write_set
+from syncd.engine.source import Source, open_source
 from syncd.engine.targets import TARGETS, Target
 from syncd.engine.write.planned import (
     VERIFY_CHOICES,
@@ -54,31 +54,28 @@ from syncd.engine.write.planned import (
 )
 from syncd.errors import (
     FormatError,
-    SourceChangedError,
     SyncdError,
     UsageError,
     VerificationError,
     one_line,
 )
-from syncd.formats import SAFETENSORS, open_checkpoint
-from syncd.formats.fileio import TensorFileReader, open_regular_file, pwrite_all
+from syncd.formats import SAFETENSORS
+from syncd.formats.fileio import FileStamp, TensorFileReader, open_regular_file, pwrite_all
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
     INDEX_SUFFIX,
-    ShardedReader,
-    ShardIndex,
     ShardLayout,
     find_index,
     is_index_name,
     layout_by_size,
     read_index,
 )
-from syncd.formats.table import TensorInfo, TensorSpec
+from syncd.formats.table import TensorSpec
 
 if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a plain copy does not)
-    from syncd.engine.cast import CastCopy
+    from syncd.engine.cast import CastCopy, JoinedCast
 
-# The key-remapping seam: (source name, output name) pairs in, the same pairs with output names rewritten out.
+    Cast = CastCopy | JoinedCast
 
 
 @dataclass
@@ -92,7 +89,7 @@ class ConvertRequest:
     fail_early_if_exists: bool = True  # the daemon turns this off to tell "already in sync" from a conflict
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
     # replace the destination only if it is still exactly this file (syncd's own earlier output of this source)
-    replace_if: FileIdentity | None = None
+    replace_if: FileStamp | None = None
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision (issue 16)
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
@@ -140,7 +137,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
     if request.verify not in VERIFY_CHOICES:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_CHOICES)}, got {request.verify!r}")
     with open_source(source_path, request.within) as source:
-        to_format = request.to_format or BY_NAME[source.header.format].converts_to
+        to_format = request.to_format or converts_to(BY_NAME[source.header.format]).name
         dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
         conversion = plan(source, request, TARGETS[to_format](), dest)
         for path in conversion.output_paths():
@@ -148,14 +145,14 @@ def convert(request: ConvertRequest) -> ConvertResult:
                 _check_distinct(Path(member), path)
             if request.fail_early_if_exists and not request.overwrite:
                 ensure_destination_free(path)
-        outcome = write_verify_publish(conversion)
+        outcome, size = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,
         source=source_path,
         dest=conversion.dest,
         to_format=to_format,
         tensors=len(conversion.specs),
-        bytes=conversion.output_size,
+        bytes=size,
         seconds=time.monotonic() - started,
         source_layout=conversion.plan.source_layout,
         target_layout=conversion.plan.target_layout,
@@ -173,88 +170,29 @@ def _check_distinct(source: Path, dest: Path) -> None:
         raise UsageError(f"the output would overwrite its own source {source}")
 
 
-# -- open
-
-
-class Source:
-    """The tensors a conversion reads, behind one interface: one checkpoint file, or a sharded safetensors set
-    read through its index (formats/shards.py checks the index and shards agree). `reader_of` says which file
-    holds a tensor; the header (format, metadata, scalars) and the permission bits are the first file's; a
-    set's `path` is its index, and its hash covers the index and then every shard (see source_digest)."""
-
-    def __init__(self, readers: list[TensorFileReader], sharded: ShardedReader | None = None) -> None:
-        self.readers = readers
-        self.primary = readers[0]
-        self.header = self.primary.header
-        self.sharded = sharded
-        self.path = sharded.path if sharded is not None else self.primary.path
-        self.files = [self.path, *(r.path for r in readers)] if sharded is not None else [self.path]
-        self.tensors = [info for reader in readers for info in reader.tensors]
-        self._reader_of = {info.name: reader for reader in readers for info in reader.tensors}
-        if len(self._reader_of) != len(self.tensors):
-            raise FormatError("a tensor name occurs in more than one file of the checkpoint", self.path)
-
-    def reader_of(self, name: str) -> TensorFileReader:
-        return self._reader_of[name]
-
-    def tensor(self, name: str) -> TensorInfo:
-        return self._reader_of[name].tensor(name)
-
-    def read(self, name: str) -> bytes:
-        return self._reader_of[name].read(name)
-
-    def hash_prefix(self) -> bytes:
-        """What the source hash takes before the files' bytes: a set's index, as it was read."""
-        return self.sharded.index.raw if self.sharded is not None else b""
-
-    def check_unchanged(self) -> None:
-        """Every file read is the same, unchanged file it was when opened (a set: every shard and the index)."""
-        for reader in self.readers:
-            check_source_unchanged(reader)
-        if self.sharded is not None:
-            check_index_unchanged(self.sharded.index)
-
-    def close(self) -> None:
-        for reader in self.readers:
-            reader.close()
-
-    def __enter__(self) -> Source:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def open_source(path: Path, within: Path | None) -> Source:
-    if is_index_name(path):
-        sharded = ShardedReader(path, within)
-        return Source([shard.reader for shard in sharded.shards], sharded)
-    return Source([open_checkpoint(path, within)])
-
-
 # -- plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class Conversion:
-    """One planned conversion: what is read, what is written under which name, the output's metadata."""
+    """One planned conversion, built once by `plan` and only read afterwards: what is read, what is written
+    under which name, the output's metadata."""
 
     request: ConvertRequest
     source: Source
     target: Target
-    dest: Path
+    dest: Path  # the output (a set: its index, or the one file of a one-shard split)
     carried: carry.Carried
-    plan: AdapterPlan
-    entries: list[PlanEntry] = field(default_factory=list)  # after renaming, in output data order
-    specs: list[TensorSpec] = field(default_factory=list)
-    metadata: dict[str, str] = field(default_factory=dict)
-    scalars: dict[str, Any] = field(default_factory=dict)
-    restored: list[str] = field(default_factory=list)  # carried tensors written back
-    output_size: int = 0
-    store: StorePlan = field(default_factory=StorePlan.empty)  # what filters, remap rules and casts did
-    casts: dict[str, CastCopy] = field(default_factory=dict)  # output name -> its cast
-    shards: ShardLayout | None = None  # a safetensors output written as a sharded set
-    directory: Path = Path()  # where a set's files go
+    plan: AdapterPlan  # after the store options (final names, filtered)
+    store: StorePlan  # what filters, remap rules and casts did
+    entries: list[PlanEntry]  # in output data order
+    specs: list[TensorSpec]  # the planned tensors, then the carried ones written back (`restored`)
+    metadata: dict[str, str]  # with a placeholder where the source hash goes (known once the source is read)
+    scalars: dict[str, Any]
+    restored: list[str]  # carried tensors written back
+    casts: dict[str, Cast]  # output name -> the cast that fills it
+    shards: ShardLayout | None  # a safetensors output written as a sharded set
+    directory: Path  # where a set's files go
 
     def output_paths(self) -> list[Path]:
         return set_paths(self.shards, self.directory) if self.shards else [self.dest]
@@ -266,50 +204,59 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carried = carry.parse(source.header.metadata, source.path)
     target.check_dtypes(source.tensors, source.path)
     adapted, store = _adapt(source, request, target, carried)
-    c = Conversion(request, source, target, dest, carried, adapted, store=store)
-    c.entries = target.order(adapted.entries, c)
-    c.specs = [_cast_spec(c, entry, target.tensor_spec(c, entry, _fill(c, entry))) for entry in c.entries]
-    c.specs += target.extra_specs(c, {spec.name for spec in c.specs})
-    c.metadata, c.scalars = target.metadata(c)
-    cast = [e.target for e in c.entries if e.source in store.casts]
-    carry.store_facts(
-        c.metadata, _carried_shards(c), store.renames, cast, next(iter(store.casts.values()), None), carried
-    )
+    entries = target.order(adapted.entries, carried)
+    casts = _casts(source, store, entries)
+    specs = [_tensor_spec(source, carried, target, entry, casts.get(entry.target)) for entry in entries]
+    restored = target.extra_specs(source, carried, adapted.target_layout, {spec.name for spec in specs})
+    specs += restored
+    metadata, scalars = target.metadata(source, carried, adapted, entries)
+    cast = [e.target for e in entries if e.source in store.casts]
+    shards_carried = _carried_shards(target, source, carried, adapted, entries)
+    carry.store_facts(metadata, shards_carried, store.renames, cast, next(iter(store.casts.values()), None), carried)
     carry.stamp(
-        c.metadata,
+        metadata,
         adapted.target_layout,
         os.path.basename(source.path),
         hashing.SOURCE_HASH_KEYS[request.hash_name],
         hashing.placeholder(request.hash_name),
     )
-    carry.record_kinds(c.metadata, adapted.target_layout, adapted.kinds)
-    c.shards = _output_shards(c, explicit_dest=request.dest is not None)
-    c.directory = dest if dest.is_dir() else dest.parent
-    if c.shards is not None:
-        c.dest = set_paths(c.shards, c.directory)[-1]  # the index (or the one file of a one-shard split)
+    carry.record_kinds(metadata, adapted.target_layout, adapted.kinds)
+    shards = _output_shards(request, target, source, carried, store, dest, specs)
+    directory = dest if dest.is_dir() else dest.parent
+    if shards is not None:
+        output = set_paths(shards, directory)[-1]  # the index (or the one file of a one-shard split)
     elif dest.is_dir():  # `-o DIR`: the default name, in that directory
-        c.dest = dest / default_destination(Path(source.path), target.format.name).name
-    return c
-
-
-def _source_fill(c: Conversion, entry: PlanEntry) -> FromSource | Joined:
-    """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end."""
-    pieces = tuple(
-        FromSource(c.source.reader_of(piece.source), piece.source, piece.transpose, piece.rows)
-        for piece in entry.pieces
+        output = dest / default_destination(Path(source.path), target.format.name).name
+    else:
+        output = dest
+    return Conversion(
+        request=request,
+        source=source,
+        target=target,
+        dest=output,
+        carried=carried,
+        plan=adapted,
+        store=store,
+        entries=entries,
+        specs=specs,
+        metadata=metadata,
+        scalars=scalars,
+        restored=[spec.name for spec in restored],
+        casts=casts,
+        shards=shards,
+        directory=directory,
     )
-    return Joined(pieces) if entry.parts else pieces[0]
 
 
 def _adapt(
     source: Source, request: ConvertRequest, target: Target, carried: carry.Carried
 ) -> tuple[AdapterPlan, StorePlan]:
     """The layout adapter over the original names (renames a syncd output carried are undone first), then
-    the store options: tensor filter, remap rules, contiguous indices, casts (see stores.py)."""
+    the store options: tensor filter, remap rules, contiguous indices, casts (see options.py)."""
     layout = request.layout
-    to_layout = KEEP if layout == KEEP else target.format.native_layout
+    to_layout = KEEP if layout == KEEP else target.native_layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
-    # our own record of what we wrote, the file's metadata and the config.json beside it (issue 13)
+    # our own record of what we wrote, the file's metadata and the config.json beside it
     context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds)
     try:
         # renames a syncd output carried are undone first: context, maps and inference see the original names
@@ -330,86 +277,65 @@ def _adapt(
 def _with_store(plan: AdapterPlan, store: StorePlan) -> AdapterPlan:
     """The plan as the store options left it: final names, filtered; -v and the sync log list what the filter
     left out, and count renames and casts."""
-    plan.entries = store.entries
-    plan.dropped = store.dropped
-    plan.decisions += [f"left out by the tensor filter: {name}" for name in store.left_out]
+    decisions = plan.decisions + [f"left out by the tensor filter: {name}" for name in store.left_out]
     if store.renames:
-        plan.decisions.append(f"renamed {len(store.renames)} tensors (remap rules, contiguous indices)")
+        decisions.append(f"renamed {len(store.renames)} tensors (remap rules, contiguous indices)")
     if store.restored:
-        plan.decisions.append(f"restored the original names of {len(store.restored)} tensors (carried renames)")
+        decisions.append(f"restored the original names of {len(store.restored)} tensors (carried renames)")
     for dtype in sorted(set(store.casts.values())):
         count = sum(1 for d in store.casts.values() if d == dtype)
-        plan.decisions.append(f"cast {count} tensors to {dtype} (precision)")
-    return plan
+        decisions.append(f"cast {count} tensors to {dtype} (precision)")
+    return replace(plan, entries=store.entries, dropped=store.dropped, decisions=decisions)
 
 
-def _cast_spec(c: Conversion, entry: PlanEntry, spec: TensorSpec) -> TensorSpec:
-    """A tensor the precision option casts is written in its new dtype (filled by its CastCopy)."""
-    copy = c.casts.get(entry.target)
-    if copy is None:
-        return spec
-    return replace(
-        spec, dtype=copy.to_dtype, raw_dtype=None, nbytes=_cast_nbytes(spec.nbytes, copy.from_dtype, copy.to_dtype)
+def _tensor_spec(
+    source: Source, carried: carry.Carried, target: Target, entry: PlanEntry, cast: Cast | None
+) -> TensorSpec:
+    """An entry's spec: filled from the source in the one pass, or, when the precision option casts it, in its
+    new dtype and filled by its cast."""
+    if cast is None:
+        return target.tensor_spec(source, carried, entry, _source_fill(source, entry))
+    spec = target.tensor_spec(source, carried, entry, cast.fill)
+    nbytes = _cast_nbytes(spec.nbytes, cast.from_dtype, cast.to_dtype)
+    return replace(spec, dtype=cast.to_dtype, raw_dtype=None, nbytes=nbytes)
+
+
+def _source_fill(source: Source, entry: PlanEntry) -> FromSource | Joined:
+    """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end."""
+    pieces = tuple(
+        FromSource(source.reader_of(piece.source), piece.source, piece.transpose, piece.rows) for piece in entry.pieces
     )
+    return Joined(pieces) if entry.parts else pieces[0]
+
+
+def _casts(source: Source, store: StorePlan, entries: list[PlanEntry]) -> dict[str, Cast]:
+    """The entries the precision option casts, by output name, each with the cast that fills it (cast.py)."""
+    return {
+        entry.target: _cast(source, store.casts, entry)
+        for entry in entries
+        if any(piece.source in store.casts for piece in entry.pieces)
+    }
+
+
+def _cast(source: Source, dtypes: dict[str, str], entry: PlanEntry) -> Cast:
+    """A cast entry's fill: its pieces end to end (a join's parts), each cast (precision.py casts a packed
+    module whole)."""
+    from syncd.engine.cast import CastCopy, JoinedCast
+
+    copies, at = [], 0
+    for piece in entry.pieces:
+        info = source.tensor(piece.source)
+        to_dtype = dtypes[piece.source]
+        reader = source.reader_of(piece.source)
+        copies.append(CastCopy(reader, piece.source, info.dtype, to_dtype, piece.transpose, piece.rows, at))
+        at += _cast_nbytes(_piece_nbytes(info.nbytes, info.shape, piece.rows), info.dtype, to_dtype)
+    return copies[0] if len(copies) == 1 else JoinedCast(copies)
 
 
 def _cast_nbytes(nbytes: int, from_dtype: str, to_dtype: str) -> int:
     from syncd.engine.cast import cast_nbytes
 
     return cast_nbytes(nbytes, from_dtype, to_dtype)
-
-
-def _carried_shards(c: Conversion) -> ShardLayout | None:
-    """The shard layout a .bpk carries: the set it was converted from (only the tensors kept), or the one
-    its own source carried."""
-    if c.target.format.name == SAFETENSORS:
-        return None
-    if c.source.sharded is None:
-        return c.carried.shards
-    kept = {name for e in c.entries for name in e.sources} | set(c.plan.dropped)
-    sizes = {t.name: t.nbytes for t in c.source.tensors}
-    return ShardLayout.of(c.source.sharded).restricted_to(kept, sizes)
-
-
-def _output_shards(c: Conversion, explicit_dest: bool) -> ShardLayout | None:
-    """The set a safetensors output is written as, or None for one file: `--shard-size` splits anew; a layout
-    carried from the original set is reproduced, unless one file is asked for (`--shard-size none`, or an
-    explicit `-o X.safetensors`)."""
-    one_file = c.request.one_file or (explicit_dest and c.dest.name.endswith(".safetensors"))
-    if c.target.format.name != SAFETENSORS or one_file:
-        return None
-    sizes = [(spec.name, spec.nbytes) for spec in c.specs]
-    if c.request.shard_size is not None:
-        stem = Path(c.source.path).name.removesuffix(INDEX_SUFFIX).removesuffix(".bpk")
-        index_name = c.dest.name if is_index_name(c.dest) else f"{stem}{INDEX_SUFFIX}"
-        return layout_by_size(sizes, c.request.shard_size, index_name)
-    if c.carried.shards is None:
-        return None
-    layout = c.carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))
-    if c.store.casts or c.carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
-        layout = layout.with_total_size(sum(size for _, size in sizes))
-    return layout
-
-
-def _fill(c: Conversion, entry: PlanEntry) -> Callable[[Any], None]:
-    """A tensor's fill: moved from the source in the one pass, or cast on its own (cast.py)."""
-    if not any(piece.source in c.store.casts for piece in entry.pieces):
-        return _source_fill(c, entry)
-    from syncd.engine.cast import CastCopy, JoinedCast
-
-    copies, at = [], 0
-    for piece in entry.pieces:  # a join's parts end to end, each cast (precision.py casts a packed module whole)
-        info = c.source.tensor(piece.source)
-        to_dtype = c.store.casts[piece.source]
-        copies.append(
-            CastCopy(
-                c.source.reader_of(piece.source), piece.source, info.dtype, to_dtype, piece.transpose, piece.rows, at
-            )
-        )
-        at += _cast_nbytes(_piece_nbytes(info.nbytes, info.shape, piece.rows), info.dtype, to_dtype)
-    copy = copies[0] if len(copies) == 1 else JoinedCast(copies)
-    c.casts[entry.target] = copy
-    return copy.fill
 
 
 def _piece_nbytes(nbytes: int, shape: tuple[int, ...], rows: tuple[int, int] | None) -> int:
@@ -419,25 +345,68 @@ def _piece_nbytes(nbytes: int, shape: tuple[int, ...], rows: tuple[int, int] | N
     return nbytes // shape[0] * (rows[1] - rows[0]) if shape and shape[0] else 0
 
 
+def _carried_shards(
+    target: Target, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
+) -> ShardLayout | None:
+    """The shard layout a .bpk carries: the set it was converted from (only the tensors kept), or the one
+    its own source carried."""
+    if target.format.name == SAFETENSORS:
+        return None
+    if source.sharded is None:
+        return carried.shards
+    kept = {name for e in entries for name in e.sources} | set(plan.dropped)
+    sizes = {t.name: t.nbytes for t in source.tensors}
+    return ShardLayout.of(source.sharded).restricted_to(kept, sizes)
+
+
+def _output_shards(
+    request: ConvertRequest,
+    target: Target,
+    source: Source,
+    carried: carry.Carried,
+    store: StorePlan,
+    dest: Path,
+    specs: list[TensorSpec],
+) -> ShardLayout | None:
+    """The set a safetensors output is written as, or None for one file: `--shard-size` splits anew; a layout
+    carried from the original set is reproduced, unless one file is asked for (`--shard-size none`, or an
+    explicit `-o X.safetensors`)."""
+    one_file = request.one_file or (request.dest is not None and dest.name.endswith(".safetensors"))
+    if target.format.name != SAFETENSORS or one_file:
+        return None
+    sizes = [(spec.name, spec.nbytes) for spec in specs]
+    if request.shard_size is not None:
+        stem = Path(source.path).name.removesuffix(INDEX_SUFFIX).removesuffix(".bpk")
+        index_name = dest.name if is_index_name(dest) else f"{stem}{INDEX_SUFFIX}"
+        return layout_by_size(sizes, request.shard_size, index_name)
+    if carried.shards is None:
+        return None
+    layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))
+    if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
+        layout = layout.with_total_size(sum(size for _, size in sizes))
+    return layout
+
+
 # -- write, verify, publish
 
 
-def write_verify_publish(c: Conversion) -> PublishResult:
+def write_verify_publish(c: Conversion) -> tuple[PublishResult, int]:
+    """Write, check and publish the output; what publish did, and the bytes the output takes."""
     return _write_set(c) if c.shards is not None else _write_one_pass(c)
 
 
-def _write_one_pass(c: Conversion) -> PublishResult:
+def _write_one_pass(c: Conversion) -> tuple[PublishResult, int]:
     """One output file: planned, written in one pass over the source (a set: its shards in the index's order),
     which gives the source hash; checked without reading the data back, the hash filled in, then published."""
     mode = os.fstat(c.source.primary.fd).st_mode & 0o777
     with open_scratch(c.dest, mode) as scratch:
         try:
-            header, c.output_size, starts = c.target.lay_out(c)
+            header, size, starts = c.target.lay_out(c.source, c.carried, c.specs, c.metadata, c.scalars)
             written = write_planned(
                 scratch.fd,
                 str(scratch.path),
                 header,
-                c.output_size,
+                size,
                 list(zip(c.specs, starts, strict=True)),
                 c.source.readers,
                 c.request.hash_name,
@@ -446,9 +415,9 @@ def _write_one_pass(c: Conversion) -> PublishResult:
             )
         except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
             raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
-        verify_one_pass(c, scratch.path, scratch.fd, written, c.specs, c.output_size)
+        verify_one_pass(c, scratch.path, scratch.fd, written, c.specs, size)
         _fill_in_source_hash(c, scratch.fd, header, written.source_hash)
-        return _publish(scratch, c)
+        return _publish(scratch, c), size
 
 
 def verify_one_pass(
@@ -465,7 +434,7 @@ def verify_one_pass(
         raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
     with output:
         _verify_table(c, output, specs)
-        c.target.check_written(c, output)
+        c.target.check_written(specs, output, str(c.dest))
         check_written(written.ledger, output, size, fd)
         if c.request.verify == "full":
             check_digests(written.ledger, output)
@@ -478,9 +447,9 @@ def verify_one_pass(
                 c.casts[spec.name].verify(output, spec.name)
 
 
-def _write_set(c: Conversion) -> PublishResult:
+def _write_set(c: Conversion) -> tuple[PublishResult, int]:
     """A sharded safetensors output: every shard written in a pass over the part of the source it takes and
-    checked in its scratch file, then the shards published and the index last (setout.py). A set holds what
+    checked in its scratch file, then the shards published and the index last (sets.py). A set holds what
     save_pretrained writes, so no syncd metadata and no hash."""
     assert c.shards is not None
     progress = _SetProgress(sum(spec.nbytes for spec in c.specs), c.request.progress)
@@ -494,10 +463,10 @@ def _write_set(c: Conversion) -> PublishResult:
         before_publish=c.source.check_unchanged,
         source=Path(c.source.path),
     )
-    c.output_size = sum(os.stat(path).st_size for path in c.output_paths())
+    size = sum(os.stat(path).st_size for path in c.output_paths())
     statuses = {result.status for result in results}
-    status = "in_sync" if statuses == {"in_sync"} else "replaced" if "replaced" in statuses else "published"
-    return PublishResult(status, c.dest)  # type: ignore[arg-type]
+    status: Published = "in_sync" if statuses == {"in_sync"} else "replaced" if "replaced" in statuses else "published"
+    return PublishResult(status, c.dest), size
 
 
 def _write_shard(
@@ -545,7 +514,6 @@ def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, digest: str) -> 
     placeholder = hashing.placeholder(c.request.hash_name).encode("ascii")
     if header.count(placeholder) != 1:
         raise SyncdError("cannot place the source hash in the output header", str(c.dest))
-    c.metadata[hashing.SOURCE_HASH_KEYS[c.request.hash_name]] = digest
     final = header.replace(placeholder, digest.encode("ascii"))
     pwrite_all(fd, final, 0)
     if os.pread(fd, len(final), 0) != final:
@@ -580,43 +548,6 @@ def _publish(scratch: Scratch, c: Conversion) -> PublishResult:
         source=Path(c.source.path),
         before_placing=c.source.check_unchanged,
     )
-
-
-def check_source_unchanged(reader: TensorFileReader) -> None:
-    """Raise SourceChangedError unless the source is the same, unchanged file from the first byte read to now.
-
-    Compared with the fstat taken before the header was read: identity (dev, ino), size, mtime and ctime.
-    The kernel sets ctime on every write, truncate and utime call, so a same-size rewrite whose mtime was
-    set back still shows (Linux >= 6.13 gives a fine-grained ctime to any change after a stat, so a write in
-    the same clock tick as our open is not lost). The path must still name that file: a source replaced or
-    removed meanwhile is not published either (the new file, if any, gets its own conversion).
-    """
-    before, now = reader.stat_at_open, os.fstat(reader.fd)
-    unpublished = "while it was being converted; nothing was published"
-    if _stamp(now) != _stamp(before):
-        raise SourceChangedError(f"changed {unpublished}", reader.path)
-    try:
-        at_path = os.lstat(reader.path)
-    except FileNotFoundError:
-        raise SourceChangedError(f"was removed {unpublished}", reader.path) from None
-    if (at_path.st_dev, at_path.st_ino) != (now.st_dev, now.st_ino):
-        raise SourceChangedError(f"was replaced {unpublished}", reader.path)
-
-
-def check_index_unchanged(index: ShardIndex) -> None:
-    """As check_source_unchanged, for a set's index: read whole when the set was opened (its bytes begin the
-    set's hash), it must still be that file, unchanged, at its path."""
-    unpublished = "while it was being converted; nothing was published"
-    try:
-        now = os.stat(index.path)
-    except FileNotFoundError:
-        raise SourceChangedError(f"was removed {unpublished}", index.path) from None
-    if index.opened is not None and _stamp(now) != _stamp(index.opened):
-        raise SourceChangedError(f"changed {unpublished}", index.path)
-
-
-def _stamp(info: os.stat_result) -> tuple[int, ...]:
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def source_digest(source: Path, within: Path, hash_name: str) -> str | None:

@@ -12,8 +12,6 @@ value `xxhsum -H2 FILE` prints. `--hash sha256` (or `hash: sha256` in the config
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,32 +46,12 @@ def placeholder(name: str) -> str:
     return f"{name}-of-the-source-pending".ljust(HEX_LENGTH[name], "0")
 
 
-def digest_chunks(name: str, chunks: Iterable[Any]) -> str:
-    hasher = new_hasher(name)
-    for chunk in chunks:
-        hasher.update(chunk)
-    return hasher.hexdigest()
-
-
-def file_digest(path: str | os.PathLike[str], name: str = DEFAULT_HASH, chunk: int = 4 << 20) -> str:
-    """The hash of a whole file, read in cache-sized pieces through one reused buffer."""
-    hasher = new_hasher(name)
-    buf = memoryview(bytearray(chunk))
-    with open(path, "rb", buffering=0) as handle:
-        while n := handle.readinto(buf):
-            hasher.update(buf[:n])
-    return hasher.hexdigest()
-
-
 @dataclass(frozen=True)
 class RecordedHash:
     """The source hash an output says it was made from."""
 
     name: str
     hexdigest: str
-
-    def matches_file(self, path: str | os.PathLike[str]) -> bool:
-        return file_digest(path, self.name) == self.hexdigest
 
 
 def recorded_source_hash(metadata: dict[str, str]) -> RecordedHash | None:

@@ -21,7 +21,6 @@ def describe(path: str, with_hash: bool = False) -> dict[str, Any]:
 
 def _describe(reader: TensorFileReader | ShardedReader, with_hash: bool) -> dict[str, Any]:
     header = reader.header
-    sharded = isinstance(reader, ShardedReader)
     tensors = []
     for info in reader.tensors:
         row: dict[str, Any] = {
@@ -33,7 +32,7 @@ def _describe(reader: TensorFileReader | ShardedReader, with_hash: bool) -> dict
             "param_id": None if info.param_id is None else str(info.param_id),
             "offset": info.offset,
         }
-        if sharded:
+        if isinstance(reader, ShardedReader):
             row["shard"] = os.path.basename(reader.reader_for(info.name).path)
         if with_hash:
             row["sha256"] = _tensor_sha256(reader, info.name)
@@ -57,7 +56,7 @@ def _index_facts(reader: TensorFileReader | ShardedReader) -> dict[str, Any]:
     return {"index_total_size": reader.index.total_size, "tensor_bytes": sum(t.nbytes for t in reader.tensors)}
 
 
-def _tensor_sha256(reader: TensorFileReader, name: str) -> str:
+def _tensor_sha256(reader: TensorFileReader | ShardedReader, name: str) -> str:
     import hashlib  # only for --hash
 
     sha = hashlib.sha256()

@@ -29,10 +29,6 @@ class StoreOptions:
     tensors: TensorFilter = field(default_factory=TensorFilter)
     precision: str | None = None  # f16 | bf16 | f32
 
-    @property
-    def renames_names(self) -> bool:
-        return bool(self.remap) or self.map_indices_contiguous
-
 
 @dataclass
 class StorePlan:
@@ -62,7 +58,8 @@ def apply_options(
     plan: AdapterPlan, refs: Sequence[TensorRef], real: dict[str, str], options: StoreOptions
 ) -> StorePlan:
     """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`)."""
-    kept, excluded = [], []
+    kept: list[PlanEntry] = []
+    excluded: list[PlanEntry] = []
     for entry in plan.entries:  # one pass: `e not in kept` compared dataclasses, quadratic in the tensor count
         (kept if all(options.tensors.keeps(real[name]) for name in entry.sources) else excluded).append(entry)
     left_out = list(dict.fromkeys(real[name] for e in excluded for name in e.sources))

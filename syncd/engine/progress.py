@@ -1,7 +1,7 @@
 """Progress of one conversion: a callback the writer feeds with bytes written, a rate/ETA estimate over it,
 and a one-line bar for a terminal.
 
-The conversion's one-pass writer (passwrite.write_planned) calls the callback as its writes land, with
+The conversion's one-pass writer (write/planned.py's write_planned) calls the callback as its writes land, with
 (bytes written so far, bytes to write in all).
 """
 

@@ -44,6 +44,7 @@ import platform
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +52,12 @@ from types import TracebackType
 from typing import Literal
 
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
+from syncd.formats.fileio import FileStamp
 
 __all__ = [
     "SYSTEM_CALLS",
-    "FileIdentity",
     "PlacingCalls",
+    "Published",
     "PublishResult",
     "Scratch",
     "ensure_destination_free",
@@ -63,6 +65,8 @@ __all__ = [
     "open_scratch",
     "publish",
     "remove_stale_scratch",
+    "remove_if_stale",
+    "scratch_target",
     "abandon_open_scratches",
 ]
 
@@ -87,19 +91,8 @@ _open_scratches: set[Path] = set()
 _open_lock = threading.Lock()
 
 
-@dataclass(frozen=True)
-class FileIdentity:
-    """One version of one file as the kernel describes it: any write, truncate, chmod or utime changes ctime."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, info: os.stat_result) -> FileIdentity:
-        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+# What publish did. "in_sync": the destination already held exactly these bytes; nothing changed.
+Published = Literal["published", "in_sync", "replaced"]
 
 
 class PlacingCalls:
@@ -121,9 +114,9 @@ SYSTEM_CALLS = PlacingCalls()
 
 @dataclass(frozen=True)
 class PublishResult:
-    """What publish did. "in_sync": the destination already held exactly these bytes; nothing changed."""
+    """What publish did, and where."""
 
-    status: Literal["published", "in_sync", "replaced"]
+    status: Published
     path: Path
 
 
@@ -221,7 +214,7 @@ def publish(
     scratch: Scratch,
     *,
     replace: bool = False,
-    replace_if: FileIdentity | None = None,
+    replace_if: FileStamp | None = None,
     source: Path | None = None,
     before_placing: Callable[[], None] | None = None,
     calls: PlacingCalls = SYSTEM_CALLS,
@@ -280,9 +273,32 @@ def remove_stale_scratch(directory: Path) -> list[Path]:
     return removed
 
 
+def scratch_target(name: str) -> str | None:
+    """The name of the destination a scratch file named `name` is being built for (None if it is not one;
+    a name shortened to fit NAME_MAX gives its shortened form)."""
+    match = _SCRATCH_RE.fullmatch(name)
+    return None if match is None else match.group("name")
+
+
+def remove_if_stale(path: Path, min_age: float = 0.0) -> bool:
+    """Delete the scratch file `path` if no living process holds it; True if it went. An empty one younger
+    than `min_age` seconds is kept: its writer may be between creating it and locking it (open_scratch), a
+    window worth guarding only when scratch files are looked for while daemons run (not at start-up)."""
+    if _SCRATCH_RE.fullmatch(path.name) is None:
+        return False
+    if min_age > 0:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if info.st_size == 0 and time.time() - info.st_ctime < min_age:
+            return False
+    return _remove_if_unheld(path)
+
+
 def _remove_if_unheld(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_to_lock(path)
     except OSError:
         return False  # gone, a symlink (ELOOP), unreadable: not ours to judge
     try:
@@ -301,6 +317,19 @@ def _remove_if_unheld(path: Path) -> bool:
         return (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino) and _unlink_quietly(path)
     finally:
         os.close(fd)
+
+
+def _open_to_lock(path: Path) -> int:
+    """A descriptor to try `path`'s lock through: open for writing where we may, since NFS carries flock to its
+    lock manager as a whole-file POSIX lock, and an exclusive one needs a descriptor open for writing (a
+    read-only one gets EBADF there, which would keep every dead node's scratch forever)."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if stat.S_ISREG(os.lstat(path).st_mode):  # never open anything else for writing (a device planted there)
+        try:
+            return os.open(path, os.O_RDWR | flags)
+        except PermissionError:
+            pass  # a read-only scratch file (its source's mode) of a daemon not running as root
+    return os.open(path, os.O_RDONLY | flags)
 
 
 def _scratch_name(name: str, pid: int, n: int) -> str:
@@ -325,7 +354,7 @@ def _publish_replacing(scratch: Scratch) -> PublishResult:
 
 
 def _publish_replacing_ours(
-    scratch: Scratch, expected: FileIdentity, source: Path | None, calls: PlacingCalls
+    scratch: Scratch, expected: FileStamp, source: Path | None, calls: PlacingCalls
 ) -> PublishResult:
     """Replace the destination only while it is still the file we published (`expected`); else as new.
 
@@ -337,7 +366,7 @@ def _publish_replacing_ours(
         theirs = os.lstat(scratch.dest)
     except FileNotFoundError:
         return _publish_new(scratch, source, calls)  # gone meanwhile: publish without replacing anything
-    if not stat.S_ISREG(theirs.st_mode) or FileIdentity.of(theirs) != expected:
+    if not stat.S_ISREG(theirs.st_mode) or expected.changed(FileStamp.of(theirs)):
         raise ConflictError(
             "changed since syncd published it (someone else's file now); nothing was replaced", str(scratch.dest)
         )

@@ -3,27 +3,27 @@ tensor becomes a spec of that format, the output's metadata (the `syncd.*` proto
 the layout of the output, and the format-specific checks of the read-back table.
 
 convert.py runs the pipeline and knows no format; `TARGETS` maps a format name (registry.py) to its type.
+Every method is given what it needs (the source, the facts it carried, the plan's values) and returns its
+answer: a target keeps no state and changes nothing it is given.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from syncd.adapters import PlanEntry
+from syncd.adapters import BURN, PYTORCH, AdapterPlan, PlanEntry
 from syncd.engine import carry
+from syncd.engine.source import Source
 from syncd.errors import FormatError, UnsupportedError, VerificationError
 from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.burnpack import LAYOUT_ALIGNED, plan_burnpack
 from syncd.formats.dtypes import DTYPE_TO_SAFETENSORS, byte_length
 from syncd.formats.fileio import TensorFileReader
-from syncd.formats.registry import BY_NAME, PYTORCH_LAYOUT, Format
+from syncd.formats.registry import BY_NAME, Format
 from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.table import TensorInfo, TensorSpec
-
-if TYPE_CHECKING:  # the pipeline's state; convert.py imports this module, not the other way round at run time
-    from syncd.engine.convert import Conversion
 
 Fill = Callable[[Any], None]
 
@@ -32,6 +32,7 @@ class Target(ABC):
     """The per-format half of a conversion. Subclasses set `format` and override what differs."""
 
     format: Format
+    native_layout: str  # the tensor layout a file of this format is converted into (adapters: PYTORCH, BURN)
     missing_dtype = "has no form"  # "<format> has no form for <dtype>"
 
     def check_dtypes(self, tensors: list[TensorInfo], path: str) -> None:
@@ -40,127 +41,163 @@ class Target(ABC):
                 hint = " (quantized tensors stay in .bpk)" if info.dtype == "QFloat" else ""
                 raise UnsupportedError(f"{self.missing_dtype} for {info.dtype} (tensor '{info.name}'){hint}", path)
 
-    def order(self, entries: list[PlanEntry], c: Conversion) -> list[PlanEntry]:
+    def order(self, entries: list[PlanEntry], carried: carry.Carried) -> list[PlanEntry]:
         """The output's data order (default: the source's)."""
         return entries
 
-    def tensor_spec(self, c: Conversion, entry: PlanEntry, fill: Fill) -> TensorSpec:
-        info = c.source.tensor(entry.source)
+    def tensor_spec(self, source: Source, carried: carry.Carried, entry: PlanEntry, fill: Fill) -> TensorSpec:
+        """The spec of a planned tensor, filled by `fill`."""
+        info = source.tensor(entry.source)
         return TensorSpec(entry.target, info.dtype, entry.shape, _nbytes(entry, info), fill)
 
-    def extra_specs(self, c: Conversion, taken: set[str]) -> list[TensorSpec]:
-        """Tensors written besides the planned ones (default: none)."""
+    def extra_specs(
+        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str]
+    ) -> list[TensorSpec]:
+        """Carried tensors written back besides the planned ones (`taken`: their names), for an output in
+        `target_layout` (default: none)."""
         return []
 
     @abstractmethod
-    def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
-        """The output's metadata, and the facts it carries for the way back."""
+    def metadata(
+        self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
+    ) -> tuple[dict[str, str], dict[str, Any]]:
+        """The output's metadata and scalars (before carry.stamp), with the facts it carries for the way back;
+        `entries`: the plan's, in output order."""
 
     @abstractmethod
-    def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
-        """Where everything goes: (the header bytes, the file size, the absolute start of each of c.specs).
-        convert writes it all (passwrite.write_planned)."""
+    def lay_out(
+        self,
+        source: Source,
+        carried: carry.Carried,
+        specs: list[TensorSpec],
+        metadata: dict[str, str],
+        scalars: dict[str, Any],
+    ) -> tuple[bytes, int, list[int]]:
+        """Where everything goes: (the header bytes, the file size, the absolute start of each of `specs`).
+        convert writes it all (write/planned.py)."""
 
     def comparable(self, dtype: str) -> str:
         """A dtype as this format stores it, for comparing the written table with the plan."""
         return dtype
 
-    def check_written(self, c: Conversion, output: TensorFileReader) -> None:
+    def check_written(self, specs: list[TensorSpec], output: TensorFileReader, dest: str) -> None:
         """Format-specific checks of the read-back output, after the table and the tensors (default: none)."""
         return None
 
 
 class BurnpackTarget(Target):
     format = BY_NAME[BURNPACK]
+    native_layout = BURN
     missing_dtype = "Burn has no dtype"
 
-    def order(self, entries: list[PlanEntry], c: Conversion) -> list[PlanEntry]:
+    def order(self, entries: list[PlanEntry], carried: carry.Carried) -> list[PlanEntry]:
         """The carried order of the original burnpack when there is one, else the source's."""
-        order = c.carried.data_order
+        order = carried.data_order
         if not order:
             return entries
         rank = {name: i for i, name in enumerate(order)}
         return sorted(entries, key=lambda e: rank.get(carried_name(e), len(rank)))
 
-    def tensor_spec(self, c: Conversion, entry: PlanEntry, fill: Fill) -> TensorSpec:
-        info = c.source.tensor(entry.source)
-        dtype, raw = self._dtype(c, info)
+    def tensor_spec(self, source: Source, carried: carry.Carried, entry: PlanEntry, fill: Fill) -> TensorSpec:
+        info = source.tensor(entry.source)
+        dtype, raw = _burn_dtype(source, carried, info)
         own = info.param_id if not entry.is_piecewise else None  # a piece is not its packed source
-        param_id = own if own is not None else c.carried.param_ids.get(carried_name(entry))
+        param_id = own if own is not None else carried.param_ids.get(carried_name(entry))
         return TensorSpec(entry.target, dtype, entry.shape, _nbytes(entry, info), fill, param_id, raw)
 
-    def _dtype(self, c: Conversion, info: TensorInfo) -> tuple[str, Any]:
-        """A burnpack source keeps its exact DType; a safetensors one gets back a Burn-only dtype it carried."""
-        if c.source.header.format == BURNPACK:
-            return info.dtype, info.raw_dtype
-        restored = c.carried.dtypes.get(info.name)
-        if restored is None:
-            return info.dtype, None
-        if DTYPE_TO_SAFETENSORS[restored] != DTYPE_TO_SAFETENSORS[info.dtype]:
-            message = f"syncd metadata says {restored} but the tensor is {info.dtype}"
-            raise FormatError(message, c.source.path, info.name)
-        return restored, None
+    def metadata(
+        self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
+    ) -> tuple[dict[str, str], dict[str, Any]]:
+        dropped = {} if source.header.format == BURNPACK else _dropped_tensors(source, plan.dropped)
+        return carry.for_burnpack(source.header, carried, dropped, plan.target_layout)
 
-    def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
-        dropped = {} if c.source.header.format == BURNPACK else self._dropped_tensors(c)
-        return carry.for_burnpack(c.source.header, c.carried, dropped, c.plan.target_layout)
-
-    def _dropped_tensors(self, c: Conversion) -> carry.Dropped:
-        dropped = {}
-        for name in c.plan.dropped:
-            info = c.source.tensor(name)
-            if info.nbytes > carry.MAX_DROPPED_BYTES:
-                raise UnsupportedError(
-                    f"tensor '{name}' has no Burn counterpart and is too large to carry", c.source.path
-                )
-            dropped[name] = (info.dtype, info.shape, c.source.read(name))
-        return dropped
-
-    def _data_layout(self, c: Conversion) -> str:
-        """aligned (Burn >= 0.20) or packed (0.19): a burnpack source's own, else the one it carried."""
-        if c.source.header.format == BURNPACK:
-            return c.source.header.facts["layout"]
-        return c.carried.burn_layout or LAYOUT_ALIGNED
-
-    def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
-        plan = plan_burnpack(c.specs, c.metadata, c.scalars, self._data_layout(c))
+    def lay_out(
+        self,
+        source: Source,
+        carried: carry.Carried,
+        specs: list[TensorSpec],
+        metadata: dict[str, str],
+        scalars: dict[str, Any],
+    ) -> tuple[bytes, int, list[int]]:
+        plan = plan_burnpack(specs, metadata, scalars, _data_layout(source, carried))
         return plan.header, plan.file_size, [plan.data_start + start for start in plan.starts]
 
-    def check_written(self, c: Conversion, output: TensorFileReader) -> None:
-        ids = {s.name: s.param_id for s in c.specs}
+    def check_written(self, specs: list[TensorSpec], output: TensorFileReader, dest: str) -> None:
+        ids = {s.name: s.param_id for s in specs}
         if any(ids[t.name] != t.param_id for t in output.tensors):
-            raise VerificationError("param_ids differ after writing", str(c.dest))
+            raise VerificationError("param_ids differ after writing", dest)
 
 
 class SafetensorsTarget(Target):
     format = BY_NAME[SAFETENSORS]
+    native_layout = PYTORCH
     missing_dtype = "safetensors has no form"
 
-    def extra_specs(self, c: Conversion, taken: set[str]) -> list[TensorSpec]:
+    def extra_specs(
+        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str]
+    ) -> list[TensorSpec]:
         """PyTorch-only tensors dropped on the way to Burn (BatchNorm counters) come back on the way out."""
-        if c.plan.target_layout != PYTORCH_LAYOUT:
+        if target_layout != PYTORCH:
             return []
         specs = []
-        for name, (dtype, shape, data) in c.carried.dropped.items():
+        for name, (dtype, shape, data) in carried.dropped.items():
             if name in taken:
-                raise FormatError(f"carried tensor '{name}' collides with a converted tensor", c.source.path)
+                raise FormatError(f"carried tensor '{name}' collides with a converted tensor", source.path)
             specs.append(TensorSpec(name, dtype, shape, len(data), _bytes_fill(data)))
-            c.restored.append(name)
         return specs
 
-    def metadata(self, c: Conversion) -> tuple[dict[str, str], dict[str, Any]]:
+    def metadata(
+        self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
+    ) -> tuple[dict[str, str], dict[str, Any]]:
         # a joined tensor's pieces keep their Burn names in the carried facts (data order, param ids), so the
         # way back gives each piece its own again
-        target_of = {name: e.target if not e.parts else name for e in c.entries for name in e.sources}
-        header = c.source.header
-        return carry.for_safetensors(header, c.source.tensors, c.carried, target_of, c.plan.target_layout), {}
+        target_of = {name: e.target if not e.parts else name for e in entries for name in e.sources}
+        return carry.for_safetensors(source.header, source.tensors, carried, target_of, plan.target_layout), {}
 
-    def lay_out(self, c: Conversion) -> tuple[bytes, int, list[int]]:
-        plan = plan_safetensors(c.specs, c.metadata)
+    def lay_out(
+        self,
+        source: Source,
+        carried: carry.Carried,
+        specs: list[TensorSpec],
+        metadata: dict[str, str],
+        scalars: dict[str, Any],
+    ) -> tuple[bytes, int, list[int]]:
+        plan = plan_safetensors(specs, metadata)
         return plan.header, plan.file_size, plan.starts
 
     def comparable(self, dtype: str) -> str:
         return DTYPE_TO_SAFETENSORS[dtype]  # Flex32 is written as F32, the Bool stores as BOOL...
+
+
+def _burn_dtype(source: Source, carried: carry.Carried, info: TensorInfo) -> tuple[str, Any]:
+    """A burnpack source keeps its exact DType; a safetensors one gets back a Burn-only dtype it carried."""
+    if source.header.format == BURNPACK:
+        return info.dtype, info.raw_dtype
+    restored = carried.dtypes.get(info.name)
+    if restored is None:
+        return info.dtype, None
+    if DTYPE_TO_SAFETENSORS[restored] != DTYPE_TO_SAFETENSORS[info.dtype]:
+        message = f"syncd metadata says {restored} but the tensor is {info.dtype}"
+        raise FormatError(message, source.path, info.name)
+    return restored, None
+
+
+def _dropped_tensors(source: Source, names: list[str]) -> carry.Dropped:
+    """Source tensors with no Burn slot, read to be carried in the output's metadata."""
+    dropped = {}
+    for name in names:
+        info = source.tensor(name)
+        if info.nbytes > carry.MAX_DROPPED_BYTES:
+            raise UnsupportedError(f"tensor '{name}' has no Burn counterpart and is too large to carry", source.path)
+        dropped[name] = (info.dtype, info.shape, source.read(name))
+    return dropped
+
+
+def _data_layout(source: Source, carried: carry.Carried) -> str:
+    """aligned (Burn >= 0.20) or packed (0.19): a burnpack source's own, else the one it carried."""
+    if source.header.format == BURNPACK:
+        return source.header.facts["layout"]
+    return carried.burn_layout or LAYOUT_ALIGNED
 
 
 def carried_name(entry: PlanEntry) -> str:

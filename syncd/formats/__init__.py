@@ -1,6 +1,7 @@
 """Byte-exact readers and writers for burnpack (.bpk) and safetensors. Nothing here knows of modules.
 
-What each format is (extension, native layout, reader, dtypes) is described once, in registry.py.
+What each format is (name, extension, reader, dtypes) is described once, in registry.py; how formats are
+converted is the engine's (engine/targets.py, engine/directions.py).
 """
 
 from __future__ import annotations

@@ -11,13 +11,66 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from syncd.errors import TRANSIENT_ERRNOS, FormatError, IncompleteFileError
+from syncd.errors import TRANSIENT_ERRNOS, FormatError, IncompleteFileError, SourceChangedError
 from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.table import Buffer, CheckpointHeader, TensorInfo, TensorSpec
 
 READ_CHUNK = 8 << 20
+StrOrBytesPath = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """One version of one file as the kernel describes it, taken without reading the file: which file it is
+    (dev, ino), its size, mtime and ctime. The kernel sets ctime on every write, truncate, chmod and utime
+    call, so a same-size rewrite whose mtime was set back still shows (Linux >= 6.13 gives a fine-grained
+    ctime to any change after a stat, so a write in the same clock tick as a stat is not lost).
+
+    The one record of file identity: a conversion's source check, publish's replace-only-our-own-file, the
+    daemon's state database and its config-file check all use it."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int  # 0: not known (a state database row written before ctimes were recorded)
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> FileStamp:
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+    @classmethod
+    def of_fd(cls, fd: int) -> FileStamp:
+        return cls.of(os.fstat(fd))
+
+    @classmethod
+    def of_path(cls, path: StrOrBytesPath, *, follow_symlinks: bool = True) -> FileStamp:
+        return cls.of(os.stat(path, follow_symlinks=follow_symlinks))
+
+    def same_file(self, other: FileStamp) -> bool:
+        """The same file (device and inode), whatever its content."""
+        return (self.dev, self.ino) == (other.dev, other.ino)
+
+    def changed(self, now: FileStamp) -> bool:
+        """True unless `now` is this same version of the file: the same file, size and mtime, and the same
+        ctime where both are known."""
+        if (self.dev, self.ino, self.size, self.mtime_ns) != (now.dev, now.ino, now.size, now.mtime_ns):
+            return True
+        return bool(self.ctime_ns and now.ctime_ns and self.ctime_ns != now.ctime_ns)
+
+    def check_unchanged(self, now: FileStamp, path: str) -> None:
+        """Raise SourceChangedError if the source stamped as this before it was read is not `now` any more."""
+        if self.changed(now):
+            raise source_changed(path)
+
+
+def source_changed(path: str, how: str = "changed") -> SourceChangedError:
+    """The one message for a source that changed (was replaced, was removed) while it was read: what was read
+    may mix two versions, so nothing is published and the daemon looks again once the file is quiet."""
+    return SourceChangedError(f"{how} while it was being converted; nothing was published", path)
 
 
 def open_regular_file(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> tuple[int, int]:
@@ -178,8 +231,8 @@ class TensorFileReader:
     def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
         self.path = os.fspath(path)
         self.fd, self.file_size = open_regular_file(path, within)
-        # before the first byte is read: what a conversion compares with at the end (convert.py)
-        self.stat_at_open = os.fstat(self.fd)
+        # before the first byte is read: what a conversion compares with at the end (check_unchanged)
+        self.opened = FileStamp.of_fd(self.fd)
         self.tensors: list[TensorInfo] = []
         self._by_name: dict[str, TensorInfo] = {}
         self.header: CheckpointHeader
@@ -223,6 +276,21 @@ class TensorFileReader:
             preadinto_exact(self.fd, piece, info.offset + done, self.path, f"tensor '{name}'")
             yield piece
             done += len(piece)
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChangedError unless this is the same, unchanged file from the first byte read to now.
+
+        Compared with the stamp taken before the header was read: identity, size, mtime and ctime. The path
+        must still name that file (looked up without following a symlink): a source replaced or removed
+        meanwhile is not published either (the new file, if any, gets its own conversion)."""
+        now = FileStamp.of_fd(self.fd)
+        self.opened.check_unchanged(now, self.path)
+        try:
+            at_path = FileStamp.of_path(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            raise source_changed(self.path, "was removed") from None
+        if not at_path.same_file(now):
+            raise source_changed(self.path, "was replaced")
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -1,8 +1,9 @@
 """The one description of each checkpoint format: every other module reads format facts from here.
 
-A third format is one more `Format` entry (plus its reader and writer, and its conversion target in
-syncd/engine/targets.py). Layout names are defined here too, as each format's native layout; the adapters use the
-same constants (they decide layouts, this layer only names them).
+What a format is: its name, extension, reader, dtypes and magic. How a format is converted (the tensor layout
+it is written in, the format it converts to) is conversion policy, in the engine (engine/targets.py,
+engine/directions.py). A third format is one more `Format` entry (plus its reader and writer), and its
+conversion target in syncd/engine/targets.py.
 """
 
 from __future__ import annotations
@@ -14,17 +15,11 @@ from syncd.formats import burnpack, safetensors
 from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader
 
-# Tensor layouts (which side of a Linear weight is [out], norm parameter names...): the adapters decide them.
-PYTORCH_LAYOUT = "pytorch"
-BURN_LAYOUT = "burn"
-
 
 @dataclass(frozen=True)
 class Format:
     name: str  # the reader's header.format
     extension: str  # with its dot; also the name `syncd convert --to` and the config's directions use
-    native_layout: str  # the layout a file of this format is converted into
-    converts_to: str  # the format a file of this one is converted to by default
     reader: type[TensorFileReader]
     dtypes: frozenset[str]  # our dtype names this format can store
     magic: bytes | None  # leading bytes that identify a file; None: the format tried when no magic matches
@@ -39,8 +34,6 @@ FORMATS: tuple[Format, ...] = (
     Format(
         name=burnpack.NAME,
         extension=".bpk",
-        native_layout=BURN_LAYOUT,
-        converts_to=safetensors.NAME,
         reader=burnpack.BurnpackReader,
         dtypes=BURNPACK_DTYPES,
         magic=burnpack.MAGIC.to_bytes(4, "little"),
@@ -48,8 +41,6 @@ FORMATS: tuple[Format, ...] = (
     Format(
         name=safetensors.NAME,
         extension=".safetensors",
-        native_layout=PYTORCH_LAYOUT,
-        converts_to=burnpack.NAME,
         reader=safetensors.SafetensorsReader,
         dtypes=frozenset(DTYPE_TO_SAFETENSORS),
         magic=None,
@@ -58,11 +49,6 @@ FORMATS: tuple[Format, ...] = (
 BY_NAME = {fmt.name: fmt for fmt in FORMATS}
 BY_SHORT = {fmt.short: fmt for fmt in FORMATS}
 BY_EXTENSION = {fmt.extension: fmt for fmt in FORMATS}
-# The daemon's `direction:` choices: each format to the one it converts to, or all of them.
-DIRECTIONS: dict[str, frozenset[str]] = {
-    **{f"{fmt.short}->{BY_NAME[fmt.converts_to].short}": frozenset([fmt.name]) for fmt in FORMATS},
-    "both": frozenset(BY_NAME),
-}
 
 
 def format_for_path(path: str | os.PathLike[str]) -> Format | None:

@@ -21,7 +21,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from syncd.errors import FormatError
-from syncd.formats.fileio import open_regular_file, pread_exact, refuse_costly_decode
+from syncd.formats.fileio import FileStamp, open_regular_file, pread_exact, refuse_costly_decode, source_changed
 from syncd.formats.safetensors import SafetensorsReader, decoded_cost, unique_pairs
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
@@ -57,7 +57,7 @@ class ShardIndex:
     weight_map: dict[str, str]
     files: list[str]
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept for the way back
-    opened: os.stat_result | None = None  # the file's fstat before it was read (a conversion checks it again)
+    opened: FileStamp | None = None  # the file before it was read (a conversion checks it again)
 
     @property
     def total_size(self) -> int | None:
@@ -67,6 +67,16 @@ class ShardIndex:
     def is_canonical(self) -> bool:
         """True when `save_pretrained`'s rendering of this index gives back exactly the bytes read."""
         return render_index(self.metadata, self.weight_map, self.extra) == self.raw
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChangedError unless the index read whole when the set was opened (its bytes begin the
+        set's hash) is still that file, unchanged, at its path."""
+        try:
+            now = FileStamp.of_path(self.path)
+        except FileNotFoundError:
+            raise source_changed(self.path, "was removed") from None
+        if self.opened is not None:
+            self.opened.check_unchanged(now, self.path)
 
 
 def parse_index(raw: bytes, path: str) -> ShardIndex:
@@ -123,7 +133,7 @@ def read_index(path: str | os.PathLike[str], within: str | os.PathLike[str] | No
     try:
         if size > MAX_INDEX_SIZE:
             raise FormatError(f"index of {size} bytes exceeds the limit of {MAX_INDEX_SIZE} bytes", os.fspath(path))
-        opened = os.fstat(fd)
+        opened = FileStamp.of_fd(fd)
         raw = pread_exact(fd, size, 0, os.fspath(path), "index")
     finally:
         os.close(fd)

@@ -11,21 +11,20 @@ proves only what checks taken while writing prove too, at a second pass over eve
   the last write the ledger must tile each tensor's window of the *re-read* output table exactly once, and
   the file must have its planned size. A block written at a wrong offset, a short write, a window left
   partly unwritten or a header that does not describe where the data went all fail.
-* the source's change check (size, mtime, ctime, inode before and after) catches a source rewritten while it
-  was converted ("torn"); the recorded source hash is of the very bytes that were converted.
+* the source's change check (its FileStamp, formats/fileio.py, before and after) catches a source rewritten
+  while it was converted ("torn"); the recorded source hash is of the very bytes that were converted.
 
 `--verify full` re-reads everything for audits (`verify_full` in convert).
 """
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from threading import Lock
 from typing import TYPE_CHECKING
 
-from syncd.errors import SourceChangedError, VerificationError
+from syncd.errors import VerificationError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -134,23 +133,3 @@ def _covers(pieces: list[tuple[int, int]], size: int) -> bool:
             return False
         cursor += length
     return cursor == size
-
-
-@dataclass(frozen=True)
-class SourceStamp:
-    """What fstat says about a source: compared before and after converting it."""
-
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, fd: int) -> SourceStamp:
-        info = os.fstat(fd)
-        return cls(info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-
-    def check_unchanged(self, fd: int, path: str) -> None:
-        now = SourceStamp.of(fd)
-        if now != self:  # as convert.check_source_unchanged says it, so the daemon treats both alike
-            raise SourceChangedError("changed while it was being converted; nothing was published", path)

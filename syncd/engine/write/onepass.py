@@ -11,7 +11,7 @@ arrays land, cost three times as much) and at most SLOT_BYTES, under the last-le
 What is moved is a list of `Move`s: a source window, a target window, and for transposed tensors the source
 matrix shape. Untransformed tensors go in BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes
 whole, a larger one in strips of source rows whose transposes land as segments of every output row. Every
-write lands in a WriteLedger (blockcheck.py), every transposed block is checked in cache.
+write lands in a WriteLedger (checks.py), every transposed block is checked in cache.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
-from syncd.engine.write.checks import Entry, SourceStamp, WriteLedger
-from syncd.errors import FormatError, SourceChangedError, VerificationError
-from syncd.formats.fileio import pwrite_all
+from syncd.engine.write.checks import Entry, WriteLedger
+from syncd.errors import FormatError, VerificationError
+from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
@@ -38,7 +38,6 @@ BAND_BYTES = 1 << 20  # transposed output produced and written this much at a ti
 WRITEBACK_BYTES = 32 << 20  # start the disk writes of the output every this many bytes written
 INLINE_BYTES = 16 << 20  # sources up to this size are converted on the calling thread alone
 RING_BYTES = 128 << 20  # all slots together: the conversion's buffer memory, whatever the model
-ALIGN = 64
 # seeds of the sample positions of the in-cache checks: a private generator, seeded from the OS, so that
 # neither a caller's random.seed() nor its use of the module's generator makes the positions predictable
 _SEEDS = random.Random()
@@ -56,15 +55,15 @@ class Move:
     itemsize: int = 1
     matrix: tuple[int, int] | None = None
     check: Callable[[Buffer], None] | None = None  # e.g. bool values must be 0 or 1
-    # a piece of a target tensor made of several (passwrite.Joined): where it starts in the tensor and the
+    # a piece of a target tensor made of several (planned.Joined): where it starts in the tensor and the
     # tensor's whole size; the ledger keeps one window per tensor, the pieces' writes tiling it together
     piece_at: int = 0
     tensor_nbytes: int | None = None
 
 
 def aligned(size: int) -> memoryview:
-    """An uninitialised buffer of `size` bytes whose address is a multiple of ALIGN: an anonymous mapping,
-    page-aligned, whose pages count towards memory only once touched. (Not numpy: a conversion without
+    """An uninitialised, page-aligned buffer of `size` bytes: an anonymous mapping, whose pages count towards
+    memory only once touched. (Not numpy: a conversion without
     transposes never imports it, which saves a tenth of a second of start-up.)"""
     return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))[:size]
 
@@ -166,8 +165,7 @@ class OnePass:
     window: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.hasher is None:
-            self.hasher = new_hasher(self.hash_name)
+        self._hasher: Hasher = self.hasher if self.hasher is not None else new_hasher(self.hash_name)
         slots = max(2, min(self.workers + 2, self.ring_bytes // (self.slot_bytes + self.band_bytes)))
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(slots):
@@ -182,11 +180,11 @@ class OnePass:
 
     def run(self) -> str:
         """Convert; the source hash of the bytes converted. The source must not change meanwhile."""
-        stamp = SourceStamp.of(self.src_fd)
+        stamp = FileStamp.of_fd(self.src_fd)
         if stamp.size != self.src_size:
-            raise SourceChangedError("changed while it was being converted; nothing was published", self.src_path)
+            raise source_changed(self.src_path)
         digest = self._run()
-        stamp.check_unchanged(self.src_fd, self.src_path)
+        stamp.check_unchanged(FileStamp.of_fd(self.src_fd), self.src_path)
         return digest
 
     def _run(self) -> str:
@@ -197,7 +195,7 @@ class OnePass:
             # small files (the daemon's common case) and one core: no threads to start or hand work to
             for job in self._all_jobs():
                 job[0](*job[1:])
-            return self.hasher.hexdigest()
+            return self._hasher.hexdigest()
         pending: list[Future[None]] = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-pass") as pool:
             try:
@@ -212,7 +210,7 @@ class OnePass:
                     future.exception()
             for future in pending:
                 future.result()
-        return self.hasher.hexdigest()
+        return self._hasher.hexdigest()
 
     def _all_jobs(self) -> Iterator[tuple]:
         """The whole source in file order as jobs, each holding a slot (taken here, so memory stays within
@@ -288,7 +286,7 @@ class OnePass:
 
     def _hash(self, piece: memoryview) -> None:
         """Only the job whose turn it is gets here: no other thread touches the hasher meanwhile."""
-        self.hasher.update(piece)
+        self._hasher.update(piece)
         with self._turn:
             self._hashed_to += len(piece)
             self._turn.notify_all()

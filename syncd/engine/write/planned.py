@@ -302,9 +302,9 @@ def _same_transposed(w: _Window, shape: tuple[int, ...], block: int) -> bool:
     for r0 in range(0, rows, strip):
         n = min(strip, rows - r0)
         src = np.empty((n, cols), dtype=dtype)
-        w.reader.readinto(w.src_name, w.src_at + r0 * cols * itemsize, memoryview(src).cast("B"))
+        w.reader.readinto(w.src_name, w.src_at + r0 * cols * itemsize, src.data.cast("B"))
         got = np.empty((cols, n), dtype=dtype)
-        view = memoryview(got).cast("B")
+        view = got.data.cast("B")
         for c in range(cols):
             w.output.readinto(
                 w.out_name, w.out_at + (c * rows + r0) * itemsize, view[c * n * itemsize : (c + 1) * n * itemsize]

@@ -8,7 +8,7 @@ use several cores; numpy's best bit-exact form copies a few source rows at a tim
 blocks in cache (measured in the commit that added the kernel).
 
 The one-pass writer uses the band forms on plain byte buffers: `transpose_band` (a band of columns of a
-source block, transposed) and `band_matches` (the in-cache check of that band, blockcheck's rule). With the
+source block, transposed) and `band_matches` (the in-cache check of that band, checks.py's rule). With the
 extension neither touches numpy, so a transposing conversion does not import it (0.1 s of CPU) nor pay its
 per-call overhead on the check of every band (0.15 s of CPU per GiB, measured on linear-f32-1g); without it
 both run on numpy views of the same buffers.
@@ -16,6 +16,7 @@ both run on numpy views of the same buffers.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -73,11 +74,10 @@ def band_check_numpy(
 def _compiled() -> Any:
     if os.environ.get("SYNCD_KERNEL") == "numpy":  # for measuring and testing the fallback
         return None
-    try:
-        from syncd.engine.write.kernels import _transpose
+    try:  # the compiled extension (setup.py); a module without type stubs, hence imported by name
+        return importlib.import_module("syncd.engine.write.kernels._transpose")
     except ImportError:
         return None
-    return _transpose
 
 
 def make_compiled(raw: Callable[..., None]) -> Kernel:
@@ -117,7 +117,7 @@ def make_band(raw: Callable[..., None]) -> BandKernel:
 
 
 def make_band_check(raw: Callable[..., bool]) -> BandCheck:
-    """The extension's check as a BandCheck: blockcheck's rule (small blocks whole, larger ones sampled)."""
+    """The extension's check as a BandCheck: checks.py's rule (small blocks whole, larger ones sampled)."""
 
     def check_compiled(
         src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int, seed: int

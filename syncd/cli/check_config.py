@@ -1,0 +1,27 @@
+"""`syncd check-config FILE [--user NAME]`: every problem of a configuration, one line each."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TextIO
+
+from syncd.daemon.access import access_warnings
+from syncd.daemon.config import validate
+from syncd.errors import ConfigError
+
+
+def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, user: str | None = None) -> int:
+    """Prints one line per problem; 0 when valid, 2 when not. A valid config also gets a warning line for each
+    watched tree `user` (default: the caller) cannot list, read or write."""
+    out = out or sys.stdout
+    config, problems = validate(path)
+    for problem in problems:
+        print(problem, file=out)
+    if problems or config is None:
+        return ConfigError.exit_code
+    for warning in access_warnings(config, user):
+        print(warning, file=out)
+    count = len(config.watches)
+    print(f"{path}: valid ({count} watch{'es' if count != 1 else ''})", file=out)
+    return 0

@@ -1,0 +1,198 @@
+"""Whose file is a destination? Where an output goes, and what may happen to a file already there.
+
+syncd replaces only what it can prove is its own: the output it published from this very source, unchanged
+since (a record syncd made says so: the state database recorded its identity -- device, inode, size, mtime
+and ctime, which every write, truncate, chmod or utime changes -- and its `syncd.source` names the source).
+A file's own metadata is a hint, never proof: a user who loads syncd's output, edits it and saves it with the
+metadata kept owns that file. Without a record (state lost), a destination is in sync only if its bytes are
+exactly the conversion of the current source: the conversion is run and the publish compares bytes
+(`Action.VERIFY`), a file that differs being someone else's, which the watch's `on_exists` decides about.
+On a shared filesystem the record may be another node's: the claim file beside the output holds the last
+publish (`syncd.daemon.claims.Published`), which proves the same thing by the same identity (without the
+device number, which differs between clients); an output so proven is adopted without reading the source.
+Every file is opened confined, without following symlinks and without blocking (a FIFO or a symlink to a
+device renamed onto any of the names must not hang a worker).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from syncd.daemon.claims import Published, Stamp, stamp_of
+from syncd.daemon.config import Watch
+from syncd.daemon.names import is_candidate
+from syncd.daemon.state import StateDB
+from syncd.engine import carry
+from syncd.engine.directions import converts_to
+from syncd.errors import ConflictError, SyncdError
+from syncd.formats import BURNPACK, Format, open_checkpoint
+from syncd.formats.fileio import FileStamp
+from syncd.formats.registry import BY_NAME
+from syncd.formats.shards import INDEX_SUFFIX
+
+
+def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
+    """Where the conversion of `source` (a single file) is published. A .bpk that carries a sharded set's
+    layout goes back to that set's index, unless the watch sets its own `shard_size`."""
+    if from_format.name == BURNPACK:
+        index = _set_destination(watch, source)
+        if index is not None:
+            return index
+    return watch.output_dir_for(source) / (source.stem + converts_to(from_format).extension)
+
+
+def set_destination(watch: Watch, index: Path) -> Path:
+    """Where the conversion of the sharded set behind `index` is published: one .bpk named after the set."""
+    return watch.output_dir_for(index) / (index.name.removesuffix(INDEX_SUFFIX) + BY_NAME[BURNPACK].extension)
+
+
+class Action(StrEnum):
+    """What the conversion may do about its destination."""
+
+    CREATE = "create"  # publish only where nothing is (a file appearing meanwhile is a conflict)
+    REPLACE = "replace"  # replace syncd's own earlier output, provided it is still exactly `replace_if`
+    OVERWRITE = "overwrite"  # replace someone else's file (on_exists: overwrite)
+    IN_SYNC = "in_sync"  # the destination already holds this source's conversion: nothing to write
+    # no record, but the file names this source: convert, and publish nothing -- the destination is in sync
+    # if it holds exactly the bytes converted, else it is someone else's file (`on_exists` decides)
+    VERIFY = "verify"
+    SKIP = "skip"  # someone else's file, left alone (on_exists: skip)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    replace_if: FileStamp | None = None  # for REPLACE: the identity of our output being replaced
+
+
+def decide(
+    state: StateDB,
+    watch: Watch,
+    source: Path,
+    version: FileStamp,
+    dest: Path,
+    published: Published | None = None,
+) -> Decision:
+    """What to do about `dest` before converting `source` (at `version`) into it; `published` is the record
+    in the output's claim file, on a shared filesystem.
+
+    syncd's own earlier output of this source (proven by the state's record, or by the publishing node's) is
+    replaced (`updated`) whatever `on_exists` says, or adopted as it is when the record shows it is the
+    conversion of this very version of the source; a file whose metadata names this source is verified
+    against the conversion (in sync only if it holds exactly those bytes); anything else is someone else's
+    file, which `on_exists` decides: skip (leave it, say so), error (conflict) or overwrite (replace it, but
+    never a file that is itself a checkpoint this watch converts: in a `direction: both` tree that would swap
+    two users' files; that raises ConflictError).
+    """
+    if not os.path.lexists(dest):
+        return Decision(Action.CREATE)
+    root = watch.mirror or watch.path
+    ours = own_earlier_output(state, source, dest, root)
+    if ours is not None:
+        return Decision(Action.REPLACE, ours)
+    if published is not None:
+        proven = published_by_syncd(published, source, dest)
+        if proven is not None:
+            if published.source_stamp == source_stamp(version):
+                return Decision(Action.IN_SYNC)
+            return Decision(Action.REPLACE, proven)
+    if names_source(dest, source, root):
+        return Decision(Action.VERIFY)
+    return someone_elses(watch, dest)
+
+
+def source_stamp(version: FileStamp) -> Stamp:
+    """A source version as a record names it: without the device number, the same on every node."""
+    return (version.ino, version.size, version.mtime_ns, version.ctime_ns)
+
+
+def published_by_syncd(published: Published, source: Path, dest: Path) -> FileStamp | None:
+    """The identity of `dest` if it still is exactly the file a node recorded publishing from `source`."""
+    if published.source != carry.file_label(source.name):
+        return None
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or stamp_of(info) != published.dest_stamp:
+        return None
+    return FileStamp.of(info)
+
+
+def someone_elses(watch: Watch, dest: Path) -> Decision:
+    """What `on_exists` says about a file at `dest` that is not syncd's output of the source."""
+    if watch.on_exists == "skip":
+        return Decision(Action.SKIP)
+    if watch.on_exists == "overwrite":
+        if is_candidate(watch, dest):
+            raise ConflictError(
+                "exists and is itself a checkpoint this watch converts (someone's file, not syncd's output); "
+                "on_exists: overwrite replaces only files that are not sources",
+                str(dest),
+            )
+        return Decision(Action.OVERWRITE)
+    return Decision(Action.CREATE)  # on_exists: error; the publish reports the conflict
+
+
+def is_own_output_converted_back(watch: Watch, source: Path, dest: Path) -> bool:
+    """An output of ours names its source in metadata; converting it back would chase our own tail. Only
+    while that source is there: an output copied alone into a tree is a checkpoint like any other."""
+    try:
+        with open_checkpoint(source, watch.path) as reader:
+            source_name = reader.header.metadata.get(carry.SOURCE)
+    except SyncdError:
+        return False  # a broken file is reported by the conversion itself
+    return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
+
+
+def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileStamp | None:
+    """The identity of `dest` if it provably is the output syncd published from `source` and nobody changed
+    it since: the state database recorded exactly this file (identity, size, mtime, ctime) as our output
+    of `source`, and its `syncd.source` names `source`."""
+    row = state.get(source)
+    if row is None or row.dest is None or row.dest_version is None:
+        return None  # (a failed row keeps the output last published: a failed save does not disown it)
+    if os.fsencode(row.dest) != os.fsencode(dest):
+        return None
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or row.dest_version.changed(FileStamp.of(info)):
+        return None
+    if not row.dest_version.ctime_ns:
+        return None  # recorded before ctimes were: not proof enough to replace it
+    if _source_named_in(dest, root) != carry.file_label(source.name):
+        return None
+    return FileStamp.of(info)
+
+
+def names_source(dest: Path, source: Path, root: Path) -> bool:
+    """A hint, never proof: `dest`'s `syncd.source` metadata names `source` (a user's edit that kept the
+    metadata names it too, so this only says the file is worth comparing with the conversion)."""
+    return _source_named_in(dest, root) == carry.file_label(source.name)
+
+
+def _source_named_in(dest: Path, root: Path) -> str | None:
+    """The `syncd.source` metadata of `dest`."""
+    try:
+        with open_checkpoint(dest, root) as reader:
+            return reader.header.metadata.get(carry.SOURCE)
+    except SyncdError:
+        return None
+
+
+def _set_destination(watch: Watch, path: Path) -> Path | None:
+    """Where a .bpk that carries a sharded set's layout goes back to: that set's index (None otherwise)."""
+    try:
+        with open_checkpoint(path, watch.path) as reader:
+            shards = carry.parse(reader.header.metadata, str(path)).shards
+    except SyncdError:
+        return None  # the conversion reports what is wrong with the file
+    if shards is None or not shards.with_index or watch.shard_size is not None:
+        return None
+    return watch.output_dir_for(path) / shards.index_name

@@ -1,0 +1,70 @@
+"""Another look at files that failed: their failures are marked in the state database, and the running daemon
+(if any) is asked with SIGUSR1 to scan; without a daemon, its next start looks at them.
+
+Both need the daemon's own rights: writing its state database and signalling its process. Anyone else (a
+member of the service's group, who may read the status and the log) is told what to run instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from syncd.daemon.config import load_config
+from syncd.daemon.state import DB_NAME, StateDB, lock_holder
+from syncd.errors import SyncdError
+
+
+@dataclass(frozen=True)
+class RetryRequest:
+    marked: list[str]  # the sources whose failures were marked
+    daemon_pid: int | None  # the daemon asked to scan; None when none runs
+    unknown: list[str] = field(default_factory=list)  # paths the state database has never seen
+    not_failed: list[str] = field(default_factory=list)  # paths it knows that have not failed
+
+
+def request_retry(config_path: Path, paths: list[Path] | None) -> RetryRequest:
+    """Mark the failures of `paths` (None: every failed file) for another look and wake the daemon."""
+    config = load_config(config_path, check_filesystem=False)
+    _check_may_write(config.state_dir, config_path)
+    sources = [os.path.abspath(p) for p in paths] if paths else None
+    with StateDB(config.state_dir) as state:
+        known = {source: state.get(source) for source in sources or ()}
+        marked = state.retry_failures(sources)
+    unknown = [source for source, row in known.items() if row is None]
+    not_failed = [source for source, row in known.items() if row is not None and source not in marked]
+    holder = lock_holder(config.state_dir)
+    if holder is not None and (marked or sources is None):
+        try:
+            os.kill(holder, signal.SIGUSR1)
+        except PermissionError:
+            raise SyncdError(_needs_owner(config.state_dir, config_path, "signal the daemon")) from None
+    return RetryRequest(marked, holder, unknown, not_failed)
+
+
+def _check_may_write(state_dir: Path, config_path: Path) -> None:
+    """SQLite needs to write the database and create its journal beside it."""
+    database = state_dir / DB_NAME
+    if not os.path.isdir(state_dir):
+        raise SyncdError("no state database yet: the daemon has not run with this configuration", str(state_dir))
+    writable = os.access(state_dir, os.W_OK | os.X_OK) and (not database.exists() or os.access(database, os.W_OK))
+    if not writable:
+        raise SyncdError(_needs_owner(state_dir, config_path, f"write the daemon's state database {database}"))
+
+
+def _needs_owner(state_dir: Path, config_path: Path, what: str) -> str:
+    """`retry needs to WHAT, which only OWNER (or root) may: run sudo -u OWNER syncd retry -c CONFIG ...`"""
+    try:
+        info = os.stat(state_dir)
+        owner = pwd.getpwuid(info.st_uid).pw_name
+        mode = f" (owner {owner}, mode {stat.S_IMODE(info.st_mode):04o})"
+    except (OSError, KeyError):
+        owner, mode = "the daemon's user", ""
+    return (
+        f"retry needs to {what}, which only {owner} (the daemon's user) or root may{mode}; "
+        f"run: sudo -u {owner} syncd retry -c {config_path} ..."
+    )

@@ -1,0 +1,256 @@
+"""Ownership is proven, never claimed: a destination is syncd's own only when a record syncd made says so and
+the file is still what was published. The file's own metadata is a hint, never proof: a user who loads
+syncd's output, changes the weights and saves with the metadata kept (`save_file(tensors, path,
+metadata=f.metadata())`) owns that file, and syncd never replaces it, in any order of events, with or
+without its state directory. Real daemons, real files, real signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from clusterutil import stop_while_converting
+from daemonutil import DaemonRun, stop_cleanly, wait_until
+from safetensors.numpy import safe_open, save, save_file
+
+from syncd.daemon.state import StateDB
+from syncd.engine.convert import ConvertRequest, convert
+
+pytestmark = pytest.mark.daemon
+
+
+def checkpoint(seed: int, width: int = 16) -> bytes:
+    """A PyTorch-layout checkpoint; same seed, same bytes, and every seed the same header."""
+    rng = np.random.default_rng(seed)
+    return save(
+        {
+            "fc.weight": rng.standard_normal((width, width * 3 // 4), dtype=np.float32),
+            "fc.bias": rng.standard_normal(width, dtype=np.float32),
+        }
+    )
+
+
+def burnpack(seed: int, work: Path, width: int = 16) -> bytes:
+    """The Burn checkpoint a trainer would save: syncd's conversion of `checkpoint(seed)`, made under another
+    name (a file that names its own output as its source is taken for syncd's output, not converted back)."""
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / "trainer.safetensors"
+    source.write_bytes(checkpoint(seed, width))
+    convert(ConvertRequest(source=source, dest=work / "trainer.bpk"))
+    data = (work / "trainer.bpk").read_bytes()
+    shutil.rmtree(work)
+    return data
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def edit_keeping_metadata(path: Path) -> bytes:
+    """What a user does to syncd's output: load it, change the weights, save over it with the metadata kept
+    (syncd.source and the source hash included). Returns the bytes saved."""
+    with safe_open(os.fspath(path), "np") as f:
+        metadata = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    assert metadata and any(key.startswith("syncd.") for key in metadata)
+    tensors = {name: tensor + np.float32(1.0) for name, tensor in tensors.items()}
+    save_file(tensors, os.fspath(path), metadata=metadata)
+    return path.read_bytes()
+
+
+def lines_for(run: DaemonRun, source: Path) -> list[str]:
+    return [r["status"] for r in run.records() if r.get("source") == str(source)]
+
+
+def next_line_for(run: DaemonRun, source: Path, seen: int) -> str:
+    """Wait for the daemon's next sync log line about `source` after the first `seen`; returns its status."""
+
+    def more() -> list[str] | None:
+        assert run.running(), run.stderr()
+        statuses = lines_for(run, source)
+        return statuses if len(statuses) > seen else None
+
+    try:
+        return wait_until(more, 60, f"a line about {source.name}")[seen]
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{run.log_text()}\n{run.stderr()}") from None
+
+
+# what a file that is not syncd's output of this source gets, by on_exists
+REFUSAL = {"skip": "skipped", "error": "conflict"}
+
+
+def after_a_rescan(run: DaemonRun) -> None:
+    run.send(signal.SIGUSR1)  # `syncd retry`'s signal: a scan of every watch, as the safety rescan does
+
+
+def after_a_restart(run: DaemonRun) -> None:
+    stop_cleanly(run)
+    run.start()
+
+
+def after_a_restart_without_state(run: DaemonRun) -> None:
+    stop_cleanly(run)
+    shutil.rmtree(run.state_dir)  # a new machine, a wiped state directory, another node
+    run.start()
+
+
+@pytest.mark.parametrize("on_exists", ["skip", "error"])
+@pytest.mark.parametrize(
+    "then", [after_a_rescan, after_a_restart, after_a_restart_without_state], ids=lambda f: f.__name__
+)
+def test_an_output_edited_with_its_metadata_kept_is_never_adopted_nor_replaced(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path, on_exists: str, then: Callable[[DaemonRun], None]
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors", "on_exists": on_exists}])
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    seen = len(lines_for(run, source))
+
+    users = edit_keeping_metadata(output)
+    then(run)
+    # the daemon looks at the source again and finds a file that is not its output of it
+    assert next_line_for(run, source, seen) == REFUSAL[on_exists], run.log_text()
+    seen = len(lines_for(run, source))
+
+    write_file(source, burnpack(2, tmp_path / "work"))  # the trainer saves again
+    assert next_line_for(run, source, seen) == REFUSAL[on_exists], run.log_text()
+    run.quiet(0.5)
+    assert output.read_bytes() == users
+    assert "in_sync" not in lines_for(run, source), run.log_text()
+    stop_cleanly(run)
+
+
+def test_an_edit_while_stopped_then_a_new_save_then_a_start_without_state_replaces_nothing(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    stop_cleanly(run)
+    users = edit_keeping_metadata(output)
+    write_file(source, burnpack(2, tmp_path / "work"))
+    shutil.rmtree(run.state_dir)
+    seen = len(lines_for(run, source))
+    run.start()
+    assert next_line_for(run, source, seen) == "skipped", run.log_text()
+    seen += 1
+    write_file(source, burnpack(3, tmp_path / "work"))
+    assert next_line_for(run, source, seen) == "skipped", run.log_text()
+    assert output.read_bytes() == users
+    stop_cleanly(run)
+
+
+def test_an_unedited_output_is_in_sync_after_a_restart_without_state_and_then_updated(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """The other side: syncd's own output, untouched, is recognised without a record (its bytes are exactly the
+    conversion of the current source) and stays syncd's to update."""
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    published = output.read_bytes()
+    after_a_restart_without_state(run)
+    run.wait_for("in_sync", [source])
+    assert output.read_bytes() == published
+    seen = len(lines_for(run, source))
+    write_file(source, burnpack(2, tmp_path / "work"))
+    assert next_line_for(run, source, seen) == "updated", run.log_text()
+    assert output.read_bytes() != published
+    stop_cleanly(run)
+
+
+# ------------------------------------------------------------------------------------------ on a shared filesystem
+
+SHARED = {"cluster": {"shared": True, "poll_interval": 0.5}}
+
+
+@pytest.mark.parametrize("then", [after_a_rescan, after_a_restart_without_state], ids=lambda f: f.__name__)
+def test_on_a_shared_tree_the_publishers_record_does_not_make_an_edited_output_syncds(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path, then: Callable[[DaemonRun], None]
+) -> None:
+    """The claim file beside the output records the publish; a user's edit with the metadata kept is not
+    the file recorded (its inode, size, mtime or ctime differ), so the record proves nothing about it."""
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}], **SHARED)
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    assert (runs / ".model.safetensors.syncd-claim").stat().st_size > 0  # the record of the publish
+    seen = len(lines_for(run, source))
+    users = edit_keeping_metadata(output)
+    then(run)
+    assert next_line_for(run, source, seen) == "skipped", run.log_text()
+    write_file(source, burnpack(2, tmp_path / "work"))
+    assert next_line_for(run, source, seen + 1) == "skipped", run.log_text()
+    assert output.read_bytes() == users
+    stop_cleanly(run)
+
+
+def test_on_a_shared_tree_an_untouched_output_is_adopted_from_its_record_then_updated(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """Without its state, a node takes its own (or another node's) output from the record beside it: quietly,
+    without converting again, and it stays syncd's to update."""
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}], **SHARED)
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    published = os.stat(output)
+    after_a_restart_without_state(run)
+
+    def adopted() -> bool:
+        with StateDB(run.state_dir) as state:
+            row = state.get(source)
+        return row is not None and row.status == "in_sync"
+
+    wait_until(adopted, 30, "the output adopted from its record")
+    assert lines_for(run, source) == ["converted"], run.log_text()  # no second conversion, nothing said
+    assert os.stat(output).st_ino == published.st_ino
+    write_file(source, burnpack(2, tmp_path / "work"))
+    assert next_line_for(run, source, 1) == "updated", run.log_text()
+    stop_cleanly(run)
+
+
+def test_an_edit_made_while_syncd_converts_the_next_save_is_not_replaced(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """The daemon is held (SIGSTOP) with the next save's conversion in flight, the user edits the output with
+    its metadata kept, the daemon goes on: the publish finds the output is no longer the one recorded, right
+    before its rename, and replaces nothing."""
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, tmp_path / "work", width=2048))
+    run.start()
+    run.wait_for("converted", [source])
+    assert run.proc is not None
+    pid = run.proc.pid
+    write_file(source, burnpack(2, tmp_path / "work", width=2048))
+
+    stop_while_converting([pid])  # held with the next save's conversion in flight
+    try:
+        users = edit_keeping_metadata(output)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert next_line_for(run, source, 1) == "conflict", run.log_text()
+    assert output.read_bytes() == users
+    stop_cleanly(run)
