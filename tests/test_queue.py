@@ -125,6 +125,16 @@ def look(queue: WorkQueue, clock: ManualClock) -> None:
     queue.pending()
 
 
+def busy_with(make_queue: Callable[..., WorkQueue], path: Path, workers: int = 1) -> tuple[WorkQueue, Work]:
+    """A started queue one of whose workers is inside the work function with `path`, held there."""
+    work = Work(held=(path,))
+    queue = make_queue(work, workers=workers)
+    queue.start()
+    queue.put(RUNS, path, closed=False)
+    work.wait_for_calls(1)
+    return queue, work
+
+
 def finished(queue: WorkQueue, count: int) -> None:
     wait_until(lambda: queue.done >= count, HANG, f"{count} finished path(s)")
 
@@ -215,11 +225,7 @@ def test_repeated_events_for_a_waiting_path_are_one_item_whose_due_time_they_mov
 def test_events_for_a_path_being_worked_on_bring_it_back_once_after_and_never_alongside(
     make_queue: Callable[..., WorkQueue], clock: ManualClock
 ) -> None:
-    work = Work(held=(a,))
-    queue = make_queue(work, workers=2)
-    queue.start()
-    queue.put(RUNS, a, closed=False)
-    work.wait_for_calls(1)
+    queue, work = busy_with(make_queue, a, workers=2)
     assert queue.put(RUNS, a, closed=True)
     assert queue.put(RUNS, a, closed=False, delay=10.0)  # the last event's settle time counts
     assert queue.waiting(5) == [] and queue.pending() == 1  # not waiting while it is worked on: held back
@@ -271,11 +277,7 @@ def test_a_work_function_that_raises_does_not_end_its_worker(
 def test_a_worker_busy_with_one_path_too_long_is_reported_stuck(
     make_queue: Callable[..., WorkQueue], clock: ManualClock
 ) -> None:
-    work = Work(held=(a,))
-    queue = make_queue(work)
-    queue.start()
-    queue.put(RUNS, a, closed=False)
-    work.wait_for_calls(1)
+    queue, work = busy_with(make_queue, a)
     clock.advance(31)
     assert queue.stuck(30) == [("syncd-worker-0", 31.0, a)]
     assert queue.stuck(31) == []
@@ -290,11 +292,7 @@ def test_a_worker_busy_with_one_path_too_long_is_reported_stuck(
 def test_stopping_hands_out_nothing_more_and_waits_only_as_long_as_asked(
     make_queue: Callable[..., WorkQueue],
 ) -> None:
-    work = Work(held=(a,))
-    queue = make_queue(work)
-    queue.start()
-    queue.put(RUNS, a, closed=False)
-    work.wait_for_calls(1)
+    queue, work = busy_with(make_queue, a)
     queue.put(RUNS, b, closed=True)  # due, but the only worker is busy
     assert queue.stop(0) is False  # a conversion still runs: the daemon does not wait for it
     assert queue.put(RUNS, c, closed=True) is False
