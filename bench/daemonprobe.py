@@ -200,3 +200,87 @@ def daemon_latency(files: int, syncd: SyncdUnderTest, log: Callable[[str], None]
         if rss is not None:
             result["daemon_peak_rss_mib"] = rss / 1024
         shutil.rmtree(root / "runs", ignore_errors=True)
+
+
+def _started(sync_log: Path) -> bool:
+    return any(r.get("status") == "started" for r in _read_log(sync_log))
+
+
+def daemon_big(mib: int, reps: int, syncd: SyncdUnderTest, log: Callable[[str], None]) -> dict:
+    """A checkpoint of wide Linears (1 GiB: gen.py's `wide`; --quick: a 64 MiB `linear`) renamed into a watched
+    tree, with inotify and with polling (`poll: true`, every 2 s), against `syncd convert` of the same file;
+    interleaved, `reps` rounds (after a warm-up round). Latency = the .bpk appears - rename returned."""
+    root = WORK / "daemon-big"
+    shutil.rmtree(root, ignore_errors=True)
+    staging = root / "staging"
+    staging.mkdir(parents=True)
+    source = staging / "source.safetensors"
+    model = gen.wide_model(0, "F32") if mib >= 1024 else gen.linear_model(mib * (1 << 20), "F32")
+    gen.write_safetensors(str(source), model)
+    size = source.stat().st_size
+    daemons: dict[str, tuple[subprocess.Popen, Path]] = {}
+    result: dict = {"available": True, "file_bytes": size, "settle_seconds": 1.0, "poll_seconds": 2.0}
+    times: dict[str, list[float]] = {"convert": [], "inotify": [], "poll": []}
+    try:
+        for mode in ("inotify", "poll"):
+            tree = root / mode
+            config = daemon_config(tree)
+            if mode == "poll":
+                config.write_text(
+                    config.read_text().replace("    recursive: true\n", "    recursive: true\n    poll: true\n")
+                )
+            sync_log = tree / "sync.log.jsonl"
+            with open(tree / "daemon.stderr", "wb") as err:
+                proc = subprocess.Popen(
+                    [*syncd.argv(), "run", "-c", str(config)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=err,
+                    stderr=err,
+                    start_new_session=True,
+                    cwd=tree,
+                )
+            daemons[mode] = (proc, tree)
+            if not _wait_for(lambda log=sync_log: _started(log), 30, proc, 0.02):
+                return _unavailable(f"{mode} daemon did not start ({(tree / 'daemon.stderr').read_text()[-300:]})")
+        for round_ in range(reps + 1):  # round 0 warms up
+            for what in ("convert", "inotify", "poll"):
+                staged = staging / f"r{round_}-{what}.safetensors"
+                subprocess.run(["cp", "--reflink=never", str(source), str(staged)], check=True)
+                os.sync()
+                if what == "convert":
+                    out = staging / f"r{round_}.bpk"
+                    started = time.monotonic()
+                    subprocess.run([*syncd.argv(), "convert", str(staged), "-o", str(out)], check=True)
+                    seconds = time.monotonic() - started
+                    out.unlink()
+                else:
+                    proc, tree = daemons[what]
+                    target = tree / "runs" / staged.name
+                    started = time.monotonic()
+                    os.rename(staged, target)
+                    if not _wait_for(target.with_suffix(".bpk").exists, 600, proc, 0.001):
+                        return _unavailable(f"{what}: no output for {target.name}")
+                    seconds = time.monotonic() - started
+                    time.sleep(0.2)  # the daemon's bookkeeping after publishing, before the files are removed
+                    target.unlink()
+                    target.with_suffix(".bpk").unlink()
+                staged.unlink(missing_ok=True)
+                if round_:
+                    times[what].append(seconds)
+        convert = statistics.median(times["convert"])
+        for what in ("inotify", "poll"):
+            median = statistics.median(times[what])
+            floor = convert + result["settle_seconds"] + (result["poll_seconds"] if what == "poll" else 0.0)
+            result[what] = {"median_s": median, "runs_s": times[what], "x_convert_plus_settle": median / floor}
+        result["convert"] = {"median_s": convert, "runs_s": times["convert"]}
+        log(
+            f"  daemon {size / (1 << 20):.0f} MiB renamed in: convert {convert:.2f} s; inotify "
+            f"{result['inotify']['median_s']:.2f} s ({result['inotify']['x_convert_plus_settle']:.2f}x convert + "
+            f"settle); poll {result['poll']['median_s']:.2f} s ({result['poll']['x_convert_plus_settle']:.2f}x "
+            "convert + settle + poll interval)"
+        )
+        return result
+    finally:
+        for proc, _ in daemons.values():
+            _stop(proc)
+        shutil.rmtree(root, ignore_errors=True)

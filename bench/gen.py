@@ -15,6 +15,10 @@ Models (names follow PyTorch's conventions, so `syncd convert --layout auto` dec
   num_batches_tracked. Nothing is transposed; BatchNorm tensors are renamed (weight/bias -> gamma/beta) and
   num_batches_tracked is carried in metadata on the way to Burn.
 - small: 5,000 LayerNorms of 1024 F32 elements (weight + bias): 10,000 tensors of 4 KiB each.
+- llama: Llama-7B's shapes with 2 layers (1.3 GiB in BF16): embedding and untied lm_head [32000, 4096],
+  q/k/v/o [4096, 4096], gate/up [11008, 4096], down [4096, 11008]; heads: the embedding and lm_head alone.
+- wide, square, huge: Linears [1024, 16384] x 16, [4096, 4096] x 16, [8192, 8192] x 4, with biases (1 GiB in
+  F32): the same bytes, transposed at three aspects and sizes.
 
 Run alone: `python bench/gen.py linear F32 256 OUT.safetensors` (size in MiB).
 """
@@ -120,7 +124,63 @@ def small_model(target_bytes: int, dtype: str) -> list[Tensor]:
     return tensors
 
 
-MODELS = {"linear": linear_model, "big": big_model, "conv": conv_model, "small": small_model}
+def llama_model(target_bytes: int, dtype: str) -> list[Tensor]:
+    """Llama-7B's shapes, 2 layers (the size is ignored): a 32000 x 4096 embedding and untied lm_head, q/k/v/o
+    [4096, 4096], gate/up [11008, 4096], down [4096, 11008], RMSNorms; named as Hugging Face names them."""
+    d, ff, vocab = 4096, 11008, 32000
+    tensors = [Tensor("model.embed_tokens.weight", dtype, (vocab, d))]
+    for i in range(2):
+        p = f"model.layers.{i}"
+        tensors += [Tensor(f"{p}.self_attn.{proj}.weight", dtype, (d, d)) for proj in ("q_proj", "k_proj", "v_proj")]
+        tensors += [
+            Tensor(f"{p}.self_attn.o_proj.weight", dtype, (d, d)),
+            Tensor(f"{p}.mlp.gate_proj.weight", dtype, (ff, d)),
+            Tensor(f"{p}.mlp.up_proj.weight", dtype, (ff, d)),
+            Tensor(f"{p}.mlp.down_proj.weight", dtype, (d, ff)),
+            Tensor(f"{p}.input_layernorm.weight", dtype, (d,)),
+            Tensor(f"{p}.post_attention_layernorm.weight", dtype, (d,)),
+        ]
+    return tensors + [Tensor("model.norm.weight", dtype, (d,)), Tensor("lm_head.weight", dtype, (vocab, d))]
+
+
+def heads_model(target_bytes: int, dtype: str) -> list[Tensor]:
+    """Llama's two 32000 x 4096 tensors alone: the embedding (copied) and the lm_head (transposed)."""
+    return [Tensor("model.embed_tokens.weight", dtype, (32000, 4096)), Tensor("lm_head.weight", dtype, (32000, 4096))]
+
+
+def _linears(shape: tuple[int, int], count: int, dtype: str) -> list[Tensor]:
+    tensors = []
+    for i in range(count):
+        tensors += [Tensor(f"layers.{i}.weight", dtype, shape), Tensor(f"layers.{i}.bias", dtype, (shape[0],))]
+    return tensors
+
+
+def wide_model(target_bytes: int, dtype: str) -> list[Tensor]:
+    """16 Linears [1024, 16384] with biases (1 GiB in F32, whatever the size asked)."""
+    return _linears((1024, 16384), 16, dtype)
+
+
+def square_model(target_bytes: int, dtype: str) -> list[Tensor]:
+    """16 Linears [4096, 4096] with biases (1 GiB in F32)."""
+    return _linears((4096, 4096), 16, dtype)
+
+
+def huge_model(target_bytes: int, dtype: str) -> list[Tensor]:
+    """4 Linears [8192, 8192] with biases (1 GiB in F32)."""
+    return _linears((8192, 8192), 4, dtype)
+
+
+MODELS = {
+    "linear": linear_model,
+    "big": big_model,
+    "conv": conv_model,
+    "small": small_model,
+    "llama": llama_model,
+    "heads": heads_model,
+    "wide": wide_model,
+    "square": square_model,
+    "huge": huge_model,
+}
 
 
 def model(kind: str, target_bytes: int, dtype: str) -> list[Tensor]:

@@ -50,7 +50,7 @@ import time
 
 from cases import FULL_CASES, QUICK_CASES, commands
 from cores import core_record, parse_cores
-from daemonprobe import daemon_latency
+from daemonprobe import daemon_big, daemon_latency
 from measure import run_case, startup_cost
 from report import environment, report
 from sharded import sharded_case
@@ -73,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sharded", action="store_true", help="skip the sharded-set case (sharded.py)")
     parser.add_argument(
         "--cores",
-        default="1,2,all",
+        default="all",
         help="also run the syncd conversions pinned (taskset) to these core counts: e.g. 1,2,4,all (default "
-        "1,2,all; counts above the machine's are skipped, 'all' is the unpinned run)",
+        "all: no pinned runs; counts above the machine's are skipped, 'all' is the unpinned run)",
     )
+    parser.add_argument("--naive", action="store_true", help="also run the naive numpy pipeline (naive.py)")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="no warm-up round (the sources were just written: in the cache)"
+    )
+    parser.add_argument("--no-daemon-1g", action="store_true", help="skip the daemon's 1 GiB case")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     cases = QUICK_CASES if args.quick else FULL_CASES
@@ -117,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"  python start + import syncd.engine.convert: {median:.2f} s (a fixed cost of every syncd convert)")
     try:
         for case in cases:
-            info, results = run_case(case, args.reps, not args.quick, args.keep, syncd, log, commands(args.core_counts))
+            warmup = not (args.quick or args.no_warmup)
+            info, results = run_case(
+                case, args.reps, warmup, args.keep, syncd, log, commands(args.core_counts, args.naive)
+            )
             infos.append(info)
             measurements += results
         if not args.no_sharded:
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             daemon = daemon_latency(args.daemon_files or (10 if args.quick else 50), syncd, log)
             if not daemon.get("available"):
                 log(f"  {daemon['reason']}")
+            if not args.no_daemon_1g:
+                daemon["big"] = daemon_big(64 if args.quick else 1024, args.reps, syncd, log)
     finally:
         if not args.keep:
             for child in WORK.iterdir() if WORK.exists() else []:

@@ -42,7 +42,7 @@ from syncd.adapters import ModuleMap
 from syncd.adapters.keys import NameCollisionError, compile_rule
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.engine.options import StoreOptions
-from syncd.engine.write.onepass import SLOT_BYTES
+from syncd.engine.write.onepass import STRIP_BYTES
 from syncd.engine.write.planned import FromSource, verify_full
 from syncd.errors import FormatError, UnsupportedError, UsageError, VerificationError
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
@@ -595,8 +595,9 @@ def test_remap_rewrites_output_names_and_the_carried_facts_follow(tmp_path: Path
 @pytest.mark.slow
 def test_large_and_empty_linear_weights_transpose_exactly(tmp_path: Path) -> None:
     # one weight above the size transposed in memory in one piece (it goes strip by strip), and empty ones
-    rows, cols = 16400, 1027
-    assert rows * cols * 4 > SLOT_BYTES
+    cols = 1027
+    rows = STRIP_BYTES // (cols * 4) + 37
+    assert rows * cols * 4 > STRIP_BYTES
     big = np.random.default_rng(1).integers(0, 1 << 32, (rows, cols), dtype=np.uint32).view(np.float32)
     state = {
         "big.weight": torch.from_numpy(big),

@@ -1,11 +1,13 @@
-"""One pass over the source (issue 15): exact output with any number of writers and any buffer size, and
-every fault class the old full read-back caught is still caught without it: a wrong offset, a wrong
-transpose, a torn source, a short write."""
+"""One pass over the source (issue 15): exact output with any number of writers and any buffer size, any shape
+and element size, and every fault class the old full read-back caught is still caught without it: a wrong
+offset, a wrong transpose, a torn source, a short write; in tensors transposed whole and in strips alike.
+Faults are put in through the pass's `Seam`."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,10 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from syncd.engine.write import kernels, onepass
-from syncd.engine.write.onepass import Move, OnePass
+from syncd.engine.write.onepass import Move, OnePass, Seam
 from syncd.engine.write.planned import check_digests
 from syncd.errors import FormatError, SourceChangedError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
@@ -76,9 +80,11 @@ class _Output:
             for i, t in enumerate(infos)
         ]
 
-    def engine(self, cls: type[OnePass] = OnePass, **kw: int) -> OnePass:
+    def engine(self, **kw: Any) -> OnePass:
         kw.setdefault("inline_bytes", 0)  # these sources are small: use the writer threads all the same
-        return cls(self.reader.fd, self.reader.file_size, self.reader.path, self.fd, str(self.dest), self.moves, **kw)
+        return OnePass(
+            self.reader.fd, self.reader.file_size, self.reader.path, self.fd, str(self.dest), self.moves, **kw
+        )
 
     def check(self, engine: OnePass) -> None:
         try:
@@ -93,29 +99,37 @@ class _Output:
         self.reader.close()
 
 
-def assert_pass_fails(
-    source: Path, tmp_path: Path, error: type[Exception], match: str, cls: type[OnePass] = OnePass, **kw: int
-) -> None:
-    """One pass over `source` (with `cls`, e.g. a fault-injecting subclass) must fail with `error`."""
+def assert_pass_fails(source: Path, tmp_path: Path, error: type[Exception], match: str, **kw: Any) -> None:
+    """One pass over `source` (with e.g. a fault-injecting `seam`) must fail with `error`."""
     output = _Output(source, tmp_path / "out.safetensors")
     with pytest.raises(error, match=match):
-        output.engine(cls, **kw).run()
+        output.engine(**kw).run()
     output.close()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("workers", "slot_bytes", "block_bytes"),
-    [(1, onepass.SLOT_BYTES, onepass.BLOCK_BYTES), (2, 8192, 4096), (4, 4000, 1000), (3, 1 << 20, 7)],
+    ("workers", "slot_bytes", "strip_bytes", "block_bytes"),
+    [
+        (1, onepass.SLOT_BYTES, onepass.STRIP_BYTES, onepass.BLOCK_BYTES),
+        (2, 8192, 16384, 4096),  # strips of several rows
+        (4, 4000, 4000, 1000),  # strips of one row of b.weight
+        (3, 8192, 1 << 20, 7),  # strips holding whole tensors
+        (3, 1 << 20, 1 << 20, 7),
+    ],
 )
 @pytest.mark.parametrize("inline", [False, True])  # writer threads, or all on the reading thread
 def test_every_tensor_arrives_exact_with_any_writers_and_buffers(
-    tmp_path: Path, workers: int, slot_bytes: int, block_bytes: int, inline: bool
+    tmp_path: Path, workers: int, slot_bytes: int, strip_bytes: int, block_bytes: int, inline: bool
 ) -> None:
     source = _source(tmp_path)
     output = _Output(source, tmp_path / "out.safetensors")
     engine = output.engine(
-        workers=workers, slot_bytes=slot_bytes, block_bytes=block_bytes, inline_bytes=1 << 30 if inline else 0
+        workers=workers,
+        slot_bytes=slot_bytes,
+        strip_bytes=strip_bytes,
+        block_bytes=block_bytes,
+        inline_bytes=1 << 30 if inline else 0,
     )
     digest = engine.run()
     output.check(engine)
@@ -132,7 +146,7 @@ def test_writeback_is_started_for_the_blocks_written_and_not_for_the_pieces_of_s
     """The real sync_file_range, watched: each call covers the span of whole blocks written since the last one
     (not the whole file), and the output-row pieces of tensors written in strips are left to the fsync."""
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(workers=2, slot_bytes=8192, block_bytes=4096)  # a.weight, b.weight go in strips
+    engine = output.engine(workers=2, slot_bytes=8192, strip_bytes=16384, block_bytes=4096)  # a, b.weight: strips
     writeback = engine._writeback
     assert writeback.call is not None
     calls: list[tuple[int, int]] = []
@@ -189,12 +203,11 @@ def test_a_block_written_at_a_wrong_offset_is_caught(tmp_path: Path) -> None:
 
 
 def test_a_piece_written_to_a_wrong_place_in_its_window_is_caught(tmp_path: Path) -> None:
-    class Misplaced(OnePass):
-        def _write(self, move: Move, data: memoryview, rel: int) -> None:
-            super()._write(move, data, rel + 4 if move.name == "d.bias" and rel else rel)
+    def misplaced(name: str, offset: int) -> int:
+        return offset + 4 if name == "d.bias" and offset else offset
 
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(Misplaced, block_bytes=4096)
+    engine = output.engine(block_bytes=4096, seam=Seam(place=misplaced))
     engine.run()
     with pytest.raises(VerificationError, match="'d.bias' was not written exactly once in full"):
         output.check(engine)
@@ -206,10 +219,22 @@ def _band_checks(extension: Any) -> dict[str, kernels.BandCheck]:
     return {"numpy": kernels.band_check_numpy, "compiled": kernels.make_band_check(extension.check)}
 
 
+# the geometries of a transposing pass: tensors read whole; in strips of the strip buffer, several parts each
+WHOLE = {}
+STRIPS = {"slot_bytes": 8192, "strip_bytes": 16384, "workers": 3}
+GEOMETRIES = pytest.mark.parametrize("geometry", [WHOLE, STRIPS], ids=["whole", "strips"])
+
+
+@GEOMETRIES
 @pytest.mark.parametrize("check", ["numpy", "compiled"])
 @pytest.mark.parametrize("fault", ["not transposed", "last tile stale", "rows swapped"])
 def test_a_wrong_transpose_is_caught_in_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transpose_extension: Any, fault: str, check: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    transpose_extension: Any,
+    fault: str,
+    check: str,
+    geometry: dict[str, int],
 ) -> None:
     def wrong(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int) -> None:
         dtype = np.dtype(f"u{itemsize}")
@@ -224,11 +249,84 @@ def test_a_wrong_transpose_is_caught_in_cache(
         else:  # two source rows traded places
             result[:, [0, 1]] = result[:, [1, 0]]
 
-    monkeypatch.setattr(kernels, "transpose_band", wrong)
     monkeypatch.setattr(kernels, "band_matches", _band_checks(transpose_extension)[check])
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
     with pytest.raises(VerificationError, match="a transposed block does not match its source"):
-        output.engine().run()
+        output.engine(seam=Seam(transpose=wrong), **geometry).run()
+    output.close()
+
+
+@GEOMETRIES
+def test_a_tile_transposed_twice_is_caught_in_cache(tmp_path: Path, geometry: dict[str, int]) -> None:
+    """A band of the output transposed, then transposed again in place (as a kernel called twice would)."""
+
+    def twice(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int) -> None:
+        kernels.transpose_band(src, out, rows, cols, itemsize, first, count)
+        band = np.frombuffer(out, np.dtype(f"u{itemsize}"), count * rows)
+        band[:] = np.ascontiguousarray(band.reshape(count, rows).T).reshape(-1)
+
+    assert_pass_fails(
+        _source(tmp_path),
+        tmp_path,
+        VerificationError,
+        "does not match its source",
+        seam=Seam(transpose=twice),
+        **geometry,
+    )
+
+
+@GEOMETRIES
+@pytest.mark.parametrize("shift", ["one element", "one output row"])
+def test_a_tile_written_at_a_wrong_offset_is_caught(tmp_path: Path, geometry: dict[str, int], shift: str) -> None:
+    """The second band of a.weight goes one element (or one output row) further than planned: the writes no
+    longer tile the tensor's window."""
+    bands: list[int] = []
+    step = 4 if shift == "one element" else 300 * 4  # a.weight is F32 [300, 170]: output rows of 300
+
+    def misplaced(name: str, offset: int) -> int:
+        if name != "a.weight":
+            return offset
+        bands.append(offset)
+        return offset + step if len(bands) == 2 else offset
+
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(band_bytes=8192, seam=Seam(place=misplaced), **geometry)
+    engine.run()
+    assert len(bands) > 2
+    with pytest.raises(VerificationError, match="'a.weight' was not written exactly once in full"):
+        output.check(engine)
+    output.close()
+
+
+@GEOMETRIES
+@pytest.mark.parametrize("reported", ["as it was", "as whole"])
+def test_a_torn_tile_is_caught(tmp_path: Path, geometry: dict[str, int], reported: str) -> None:
+    """The third write into a.weight's window stops half-way (the disk filled up, say). Reported as it was,
+    the ledger catches it; reported whole (a write path that ignores pwrite's count), the audit's re-read of
+    every write's digest does."""
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    window = next((m.dst_offset, m.dst_offset + m.nbytes) for m in output.moves if m.name == "a.weight")
+    calls: list[int] = []
+
+    def torn(fd: int, data: memoryview, offset: int) -> int:
+        if window[0] <= offset < window[1]:
+            calls.append(offset)
+            if len(calls) == 3:
+                pwrite_all(fd, data[: len(data) // 2], offset)
+                return len(data) // 2 if reported == "as it was" else len(data)
+        pwrite_all(fd, data, offset)
+        return len(data)
+
+    engine = output.engine(band_bytes=8192, seam=Seam(write=torn), **geometry)
+    engine.run()
+    assert len(calls) > 3
+    if reported == "as it was":
+        with pytest.raises(VerificationError, match="'a.weight' was not written exactly once in full"):
+            output.check(engine)
+    else:
+        output.check(engine)
+        with SafetensorsReader(output.dest) as out, pytest.raises(VerificationError, match="'a.weight' reads back"):
+            check_digests(engine.ledger, out)
     output.close()
 
 
@@ -264,49 +362,47 @@ def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(
 
 def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> None:
     source = _source(tmp_path)
+    reads = []
 
-    class Torn(OnePass):
-        reads = 0
-
-        def _read(self, buf: memoryview, offset: int) -> memoryview:
-            Torn.reads += 1
-            if Torn.reads == 2:  # a training job saves again while we are half-way through
-                time.sleep(0.05)  # past the file system's timestamp granularity
-                with open(source, "r+b") as handle:
-                    handle.seek(-64, os.SEEK_END)
-                    handle.write(bytes(64))  # still valid bools: only the change check can tell
-            return super()._read(buf, offset)
+    def torn(fd: int, buf: memoryview, offset: int) -> int:
+        reads.append(offset)
+        if len(reads) == 2:  # a training job saves again while we are half-way through
+            time.sleep(0.05)  # past the file system's timestamp granularity
+            with open(source, "r+b") as handle:
+                handle.seek(-64, os.SEEK_END)
+                handle.write(bytes(64))  # still valid bools: only the change check can tell
+        return os.preadv(fd, [buf], offset)
 
     assert_pass_fails(
-        source, tmp_path, SourceChangedError, "changed while it was being converted", Torn, block_bytes=4096
+        source, tmp_path, SourceChangedError, "changed while it was being converted", block_bytes=4096, seam=Seam(torn)
     )
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:
     source = _source(tmp_path)
 
-    class Truncated(OnePass):
-        def _read(self, buf: memoryview, offset: int) -> memoryview:
-            if offset > 20000:
-                os.truncate(source, 20000)
-            return super()._read(buf, offset)
+    def truncated(fd: int, buf: memoryview, offset: int) -> int:
+        if offset > 20000:
+            os.truncate(source, 20000)
+        return os.preadv(fd, [buf], offset)
 
     assert_pass_fails(
-        source, tmp_path, FormatError, "truncated while it was being converted", Truncated, block_bytes=4096
+        source, tmp_path, FormatError, "truncated while it was being converted", block_bytes=4096, seam=Seam(truncated)
     )
 
 
-def test_a_short_write_is_caught(tmp_path: Path) -> None:
-    class Short(OnePass):
-        def _pwrite(self, data: Any, offset: int) -> int:
-            view = memoryview(data).cast("B")
-            if len(view) > 100:  # what a write path that ignores pwrite's count would leave behind
-                pwrite_all(self.out_fd, view[:-4], offset)
-                return len(view) - 4
-            return super()._pwrite(data, offset)
+def _short(fd: int, data: memoryview, offset: int) -> int:
+    """What a write path that ignores pwrite's count would leave behind: the last 4 bytes of a write missing."""
+    if len(data) > 100:
+        pwrite_all(fd, data[:-4], offset)
+        return len(data) - 4
+    pwrite_all(fd, data, offset)
+    return len(data)
 
+
+def test_a_short_write_is_caught(tmp_path: Path) -> None:
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(Short)
+    engine = output.engine(seam=Seam(write=_short))
     engine.run()
     with pytest.raises(VerificationError, match="was not written exactly once in full"):
         output.check(engine)
@@ -336,7 +432,7 @@ def test_a_bool_byte_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
 
 def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -> None:
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(slot_bytes=8192, block_bytes=4096)  # strided strips and whole pieces both
+    engine = output.engine(slot_bytes=8192, strip_bytes=16384, block_bytes=4096)  # strided strips and whole pieces
     engine.run()
     with SafetensorsReader(output.dest) as out:
         check_digests(engine.ledger, out)
@@ -364,27 +460,26 @@ class _WatchedTurn(threading.Condition):
 
 def test_a_failing_job_releases_the_jobs_waiting_for_their_turn(tmp_path: Path) -> None:
     source = _source(tmp_path)
-
-    class FailsEarly(OnePass):
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            self._turn = _WatchedTurn()
-
-        def _copy_block(self, slot: object, move: Move, rel: int, n: int) -> None:
-            if move.name == "a.weight" and rel == 0:  # the first block: every later job waits behind it
-                # fail only once a later job has read its block and waits for its turn: the failure must wake it
-                assert self._turn.waited.wait(60), "no later job waited for its turn"  # type: ignore[attr-defined]
-                self._free.put(slot)  # type: ignore[arg-type]
-                raise FormatError("injected failure", self.src_path)
-            super()._copy_block(slot, move, rel, n)  # type: ignore[arg-type]
-
     output = _Output(source, tmp_path / "out.safetensors")
     output.moves = [Move(m.name, m.src_offset, m.nbytes, m.dst_offset) for m in output.moves]  # all copies
+    first = min(m.src_offset for m in output.moves)
+
+    turn = _WatchedTurn()
+
+    def fails_early(fd: int, buf: memoryview, offset: int) -> int:
+        if offset == first:  # the first tensor's first block, before any later one has had its turn
+            # fail only once a later job has read its block and waits for its turn: the failure must wake it
+            assert turn.waited.wait(60), "no later job waited for its turn"
+            raise OSError(5, "injected failure")
+        return os.preadv(fd, [buf], offset)
+
     outcome: list[BaseException] = []
 
     def run() -> None:
         try:
-            output.engine(FailsEarly, workers=4, block_bytes=1024).run()
+            engine = output.engine(workers=4, block_bytes=1024, seam=Seam(fails_early))
+            engine._turn = turn  # the pass's turn to hash, watched
+            engine.run()
         except BaseException as exc:
             outcome.append(exc)
 
@@ -442,6 +537,7 @@ def test_pieces_of_tensors_split_and_joined_arrive_exact_and_tile_their_windows(
         moves,
         workers=workers,
         slot_bytes=slot_bytes,
+        strip_bytes=max(slot_bytes, 24 * 4 * 3),  # strips of a few rows
         band_bytes=256,
         inline_bytes=0,
     )
@@ -456,3 +552,114 @@ def test_pieces_of_tensors_split_and_joined_arrive_exact_and_tile_their_windows(
     assert np.array_equal(written["joined"], np.concatenate([parts[n].T for n in ("q", "k", "v")]))
     for k in range(3):
         assert np.array_equal(written[f"split{k}"], packed[20 * k : 20 * (k + 1)].T)
+
+
+# -- every shape and element size, whole and in strips, both kernels: numpy's transpose, byte for byte
+
+DIMS = st.one_of(st.sampled_from([1, 2, 3, 31, 32, 33, 64, 97, 127, 257]), st.integers(1, 300))
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, transpose_extension: Any) -> str:
+    """The kernels in use: the extension's, or what a machine without a compiler gets."""
+    if request.param == "compiled":
+        monkeypatch.setattr(kernels, "transpose_band", kernels.make_band(transpose_extension.transpose))
+        monkeypatch.setattr(kernels, "band_matches", kernels.make_band_check(transpose_extension.check))
+        monkeypatch.setattr(kernels, "pwrite_pieces", transpose_extension.pwrite_pieces)
+    else:
+        monkeypatch.setattr(kernels, "transpose_band", kernels.band_numpy)
+        monkeypatch.setattr(kernels, "band_matches", kernels.band_check_numpy)
+        monkeypatch.setattr(kernels, "pwrite_pieces", kernels.pwrite_pieces_python)
+    return str(request.param)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=DIMS,
+    cols=DIMS,
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    workers=st.integers(1, 3),
+    strip_rows=st.integers(1, 40),
+    band_bytes=st.sampled_from([1, 100, 4096, 1 << 20]),
+)
+def test_every_shape_and_element_size_gives_numpys_transpose(
+    kernel: str, rows: int, cols: int, itemsize: int, workers: int, strip_rows: int, band_bytes: int
+) -> None:
+    """A matrix behind a few bytes of header, transposed by the pass: in strips of `strip_rows` rows (or
+    whole, when it fits a slot), by 1 to 3 writers, in bands from one column to all of them."""
+    rng = np.random.default_rng(rows * 1000 + cols)
+    matrix = rng.integers(0, 256, size=(rows, cols * itemsize), dtype=np.uint8).view(f"u{itemsize}")
+    expected = np.ascontiguousarray(matrix.T).tobytes()
+    nbytes = rows * cols * itemsize
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "src", Path(tmp) / "dst"
+        src.write_bytes(b"header.." + matrix.tobytes() + b"tail")
+        src_fd, dst_fd = os.open(src, os.O_RDONLY), os.open(dst, os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(dst_fd, 16 + nbytes)
+        try:
+            engine = OnePass(
+                src_fd,
+                nbytes + 12,
+                str(src),
+                dst_fd,
+                str(dst),
+                [Move("m", 8, nbytes, 16, itemsize, (rows, cols))],
+                workers=workers,
+                slot_bytes=64 if strip_rows < 20 else 1 << 20,  # strips, or whole
+                strip_bytes=strip_rows * cols * itemsize,
+                band_bytes=band_bytes,
+                inline_bytes=0,
+            )
+            assert engine.run() == xxhash.xxh3_128_hexdigest(src.read_bytes())
+            engine.ledger.check({"m": (16, nbytes)}, 16 + nbytes, os.fstat(dst_fd).st_size, str(dst))
+            slots = list(engine._free.queue)  # a narrow matrix's output rows must not grow the band buffers
+            assert all(len(slot._out) <= max(band_bytes, itemsize) for slot in slots)
+        finally:
+            os.close(src_fd)
+            os.close(dst_fd)
+        assert dst.read_bytes()[16:] == expected
+
+
+def _many_small(tmp_path: Path) -> _Output:
+    """200 small tensors saved in order: they go in runs, each written at once."""
+    rng = np.random.default_rng(9)
+    save_file(
+        {f"t{i:03d}.bias": rng.standard_normal(10 + i % 7).astype(np.float32) for i in range(200)},
+        str(tmp_path / "src.safetensors"),
+    )
+    return _Output(tmp_path / "src.safetensors", tmp_path / "out.safetensors")
+
+
+def test_runs_of_small_tensors_arrive_exact_in_few_writes(tmp_path: Path) -> None:
+    output = _many_small(tmp_path)
+    writes: list[int] = []
+
+    def counted(fd: int, data: memoryview, offset: int) -> int:
+        writes.append(len(data))
+        pwrite_all(fd, data, offset)
+        return len(data)
+
+    engine = output.engine(workers=2, seam=Seam(write=counted))
+    engine.run()
+    output.check(engine)
+    output.close()
+    assert len(writes) < 10  # 200 tensors
+    before, after = load_file(str(tmp_path / "src.safetensors")), load_file(str(tmp_path / "out.safetensors"))
+    assert all(after[name].tobytes() == value.tobytes() for name, value in before.items())
+
+
+@pytest.mark.parametrize("fault", ["short", "misplaced"])
+def test_a_run_of_small_tensors_written_short_or_misplaced_is_caught(tmp_path: Path, fault: str) -> None:
+    output = _many_small(tmp_path)
+    runs: list[str] = []
+
+    def third_run_misplaced(name: str, offset: int) -> int:
+        runs.append(name)
+        return offset + 4 if len(runs) == 3 else offset
+
+    seam = Seam(write=_short) if fault == "short" else Seam(place=third_run_misplaced)
+    engine = output.engine(workers=2, block_bytes=1024, seam=seam)  # a run per 1 KiB batch
+    engine.run()
+    with pytest.raises(VerificationError, match="was not written exactly once in full"):
+        output.check(engine)
+    output.close()

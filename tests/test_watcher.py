@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +15,11 @@ import pytest
 import torch
 from daemonutil import DaemonRun, mentioning, stop_cleanly, write_file
 from safetensors.torch import save
+from watchdog.events import FileClosedEvent, FileSystemEvent
 
+from syncd.daemon.config import load_config
+from syncd.daemon.watcher import Watcher
+from syncd.engine.publish import is_scratch_name, open_scratch
 from syncd.formats import BURNPACK, open_checkpoint
 
 pytestmark = [pytest.mark.daemon, pytest.mark.torch]
@@ -151,3 +156,57 @@ def test_the_safety_rescan_finds_files_no_event_announced(make_daemon: Callable[
         check_converted(runs / "sub" / "unseen.safetensors", data)
         stop_cleanly(run)
     assert names(elsewhere) == {"unseen.safetensors", "unseen.bpk"}
+
+
+# ------------------------------------------------------------------------------------------ events asked for
+
+
+class _Seen:
+    """A WatchListener that keeps nothing: the test looks at the events queued, through Watcher.on_queued."""
+
+    def on_file(self, watch: object, path: Path, closed: bool) -> None:
+        pass
+
+    def on_directory(self, watch: object, directory: Path) -> None:
+        pass
+
+    def on_overflow(self, watch: object) -> None:
+        pass
+
+    def on_fallback(self, watch: object, reason: str) -> None:
+        raise AssertionError(reason)
+
+
+def test_writes_in_progress_and_syncds_own_scratch_files_queue_no_events(tmp_path: Path) -> None:
+    """A checkpoint written in 300 writes, and syncd's own scratch file written beside it in 300 more, queue
+    only the checkpoint's creation and close: no event per write, none at all about the scratch file. (The
+    events of one inotify reader come in order: once the last file's close is queued, every earlier event
+    that was going to be queued has been.)"""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (tmp_path / "syncd.yaml").write_text("watches:\n  - path: runs\n")
+    queued: list[FileSystemEvent] = []
+    last = threading.Event()
+
+    def on_queued(event: FileSystemEvent) -> None:
+        queued.append(event)
+        if os.fsdecode(event.src_path).endswith("last.safetensors") and isinstance(event, FileClosedEvent):
+            last.set()
+
+    watcher = Watcher(load_config(tmp_path / "syncd.yaml"), _Seen())
+    watcher.on_queued = on_queued
+    watcher.start()
+    try:
+        scratch = open_scratch(runs / "model.bpk")
+        with open(runs / "model.safetensors", "wb", buffering=0) as model:
+            for _ in range(300):
+                model.write(bytes(4096))
+                os.write(scratch.fd, bytes(4096))
+        scratch.discard()
+        write_file(runs / "last.safetensors", b"x")
+        assert last.wait(30), queued
+    finally:
+        watcher.stop()
+    about = [(type(e).__name__, os.path.basename(os.fsdecode(e.src_path))) for e in queued]
+    assert not [name for _, name in about if is_scratch_name(name)], about
+    assert [kind for kind, name in about if name == "model.safetensors"] == ["FileCreatedEvent", "FileClosedEvent"]

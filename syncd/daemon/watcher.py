@@ -8,6 +8,13 @@ file appeared or changed (and whether its writer is known to be done), a directo
 no events of their own), events were lost (the kernel's inotify queue overflowed), or a watch fell back to
 polling. Which names are candidates is decided by `syncd.daemon.names`, the same test the scans and the
 daemon's decision code apply.
+
+Only events that can start work are asked of the kernel: close-after-write, moves, creation (of directories;
+of files, once each) and attribute changes. Not IN_MODIFY: a file being written would cost an event per
+`write()` (a 1 GiB checkpoint, or syncd's own scratch output beside its source, tens of thousands of them),
+each read, parsed and handed between watchdog's threads before the name test dropped it; the settle time is
+decided from the file's stat by the daemon, not from events. syncd's own scratch names are dropped where the
+events are made, before watchdog's queue.
 """
 
 from __future__ import annotations
@@ -29,19 +36,29 @@ from watchdog.events import (
     FileSystemEvent,
     FileSystemEventHandler,
 )
-from watchdog.observers.api import BaseObserver
+from watchdog.observers.api import BaseObserver, EventEmitter
 from watchdog.observers.inotify import InotifyEmitter
-from watchdog.observers.inotify_c import InotifyEvent, InotifyFD
+from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, InotifyFD
 from watchdog.observers.polling import PollingObserver
 
 from syncd.daemon.config import Config, Watch
 from syncd.daemon.names import is_candidate
+from syncd.engine.publish import is_scratch_name
 
 log = logging.getLogger("syncd.watcher")
 
 FALLBACK_POLL_SECONDS = 2.0
 MAX_DEPTH = 64  # directory levels scanned below a watch; deeper trees are reported, not walked
 EVENTS = [FileClosedEvent, FileCreatedEvent, FileModifiedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
+# what the kernel is asked for: EVENTS without IN_MODIFY (IN_ATTRIB still makes FileModifiedEvents); moves both
+# ways, which watchdog pairs; IN_DELETE_SELF, on which watchdog drops the watch of a removed directory
+INOTIFY_MASK = (
+    InotifyConstants.IN_CLOSE_WRITE
+    | InotifyConstants.IN_MOVE
+    | InotifyConstants.IN_CREATE
+    | InotifyConstants.IN_ATTRIB
+    | InotifyConstants.IN_DELETE_SELF
+)
 
 
 class WatchListener(Protocol):
@@ -91,6 +108,33 @@ class _Handler(FileSystemEventHandler):
             self.listener.on_file(self.watch, path, closed)
 
 
+def _is_own(event: FileSystemEvent) -> bool:
+    """An event about syncd's own scratch files only (a rename out of one, a publish, is not)."""
+    paths = [event.src_path] + ([event.dest_path] if event.dest_path else [])
+    return all(is_scratch_name(os.path.basename(os.fsdecode(p))) for p in paths)
+
+
+class _Quiet(EventEmitter):
+    """An emitter that drops the events about syncd's own scratch files before they are queued, and tells
+    `on_queued` of every event it does queue (the daemon's count of them)."""
+
+    def __init__(self, *args: object, on_queued: Callable[[FileSystemEvent], None] | None = None, **kw: object):
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._on_queued = on_queued
+
+    def queue_event(self, event: FileSystemEvent) -> None:
+        if _is_own(event):
+            return
+        super().queue_event(event)
+        if self._on_queued is not None:
+            self._on_queued(event)
+
+
+class _QuietInotifyEmitter(_Quiet, InotifyEmitter):
+    def get_event_mask_from_filter(self) -> int:  # type: ignore[override]
+        return INOTIFY_MASK
+
+
 class _OverflowReportingInotify(InotifyFD):
     """watchdog's inotify reader, also telling us when the kernel's event queue overflowed.
 
@@ -111,10 +155,10 @@ class _OverflowReportingInotify(InotifyFD):
 class _InotifyObserver(BaseObserver):
     """watchdog's `InotifyObserver`, over an inotify reader that reports queue overflows."""
 
-    def __init__(self, on_overflow: Callable[[], None]) -> None:
+    def __init__(self, on_overflow: Callable[[], None], on_queued: Callable[[FileSystemEvent], None]) -> None:
         self._inotify = _OverflowReportingInotify(on_overflow)  # OSError when no inotify instance is left
         self._inotify.start()
-        super().__init__(InotifyEmitter, inotify_fd=self._inotify)
+        super().__init__(_QuietInotifyEmitter, inotify_fd=self._inotify, on_queued=on_queued)
 
     def on_thread_stop(self) -> None:
         super().on_thread_stop()
@@ -123,7 +167,9 @@ class _InotifyObserver(BaseObserver):
 
 
 class Watcher:
-    """Every watch of a configuration, each with its own observer, reporting to one listener."""
+    """Every watch of a configuration, each with its own observer, reporting to one listener. `on_queued`, if
+    set, is told of every event an inotify observer queues (syncd's own scratch files make none; a polled
+    watch makes its events once per poll, not per write, and is not told of)."""
 
     def __init__(self, config: Config, listener: WatchListener, shared: Collection[Path] = ()) -> None:
         self.config = config
@@ -131,6 +177,11 @@ class Watcher:
         self.shared = shared  # the paths of the watches other nodes write to as well
         self.observers: list[BaseObserver] = []
         self.polled: list[Watch] = []
+        self.on_queued: Callable[[FileSystemEvent], None] | None = None
+
+    def _queued(self, event: FileSystemEvent) -> None:
+        if self.on_queued is not None:
+            self.on_queued(event)
 
     def start(self) -> None:
         for watch in self.config.watches:
@@ -157,7 +208,7 @@ class Watcher:
         cannot watch once the kernel's watch limit is reached, so we count the watches it really added."""
         before = inotify_watch_count()
         try:
-            observer = self._observe(watch, _InotifyObserver(lambda: self.listener.on_overflow(watch)))
+            observer = self._observe(watch, _InotifyObserver(lambda: self.listener.on_overflow(watch), self._queued))
         except OSError as exc:  # the limit hit at the root, no inotify instances left, or no inotify here
             return exc.strerror or str(exc)
         # inotify can only watch directories we may read; those we may not are reported by the scans

@@ -94,6 +94,11 @@ class WriteLedger:
         with self._lock:
             self.entries[name].append(entry)
 
+    def record_many(self, entries: list[tuple[str, Entry]]) -> None:
+        with self._lock:
+            for name, entry in entries:
+                self.entries[name].append(entry)
+
     def check(self, table: dict[str, tuple[int, int]], file_size: int, actual_size: int, path: str) -> None:
         """The writes tile every window of the re-read `table` (name -> (offset, nbytes)) exactly once."""
         if actual_size != file_size:

@@ -3,15 +3,26 @@ read feeds both the identity hash (which takes the bytes in file order) and the 
 into jobs in file order; worker threads, one per core, read, hash (in turn), transform, check and write them
 in parallel.
 
-Memory is bounded by a ring of buffer slots capped in bytes (RING_BYTES), whatever the model: a slot is
-taken before a job is handed out and given back when its write is done, so no more is read than the
-writers can take. Buffers are 64-byte aligned (reads into buffers at 16 mod 64, where large bytearrays and numpy
-arrays land, cost three times as much) and at most SLOT_BYTES, under the last-level cache.
+Memory is bounded whatever the model: by a ring of buffer slots capped in bytes (RING_BYTES; a slot is taken
+before a job is handed out and given back when its write is done, so no more is read than the writers can
+take; each slot holds at most SLOT_BYTES read and BAND_BYTES transposed), plus one strip buffer (STRIP_BYTES)
+for tensors larger than a slot: 112 + 96 MiB at most on any number of cores, of which a model touches only
+what it needs (the process adds the interpreter and its imports, 30-45 MiB). Buffers are 64-byte aligned
+(reads into buffers at 16 mod 64, where large bytearrays and numpy arrays land, cost three times as much).
 
 What is moved is a list of `Move`s: a source window, a target window, and for transposed tensors the source
-matrix shape. Untransformed tensors go in BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes
-whole, a larger one in strips of source rows whose transposes land as segments of every output row. Every
-write lands in a WriteLedger (checks.py), every transposed block is checked in cache.
+matrix shape. Untransformed tensors (and vectors: a [1, n] or [n, 1] transpose is the same bytes) go in
+BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes whole, one job (unless its output rows are
+longer than a band: a narrow matrix). A larger one goes in strips of
+source rows read in file order into the strip buffer: the writers read a strip's rows in parts, then transpose
+its columns in parts, and each output row receives one piece of the strip's height. The longer the strip, the
+longer the pieces: a strip of STRIP_BYTES over a source of C columns writes pieces of STRIP_BYTES / C bytes
+(24 KiB for 4096 columns), where a slot-sized strip wrote a sixth of that, one Python call each. A tensor up
+to STRIP_BYTES is one strip: its output rows are written whole. Every write lands in a WriteLedger
+(checks.py), every transposed band is checked in cache.
+
+`Seam` is where tests step into a pass to inject faults (a wrong read, transpose, place or write) without
+reaching into its private methods.
 """
 
 from __future__ import annotations
@@ -33,14 +44,43 @@ from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured (issue 15) to keep pread/pwrite cheap
-SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of this size
+SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of the strip buffer
+STRIP_BYTES = 96 << 20  # the strip buffer: larger strips write longer output-row pieces (STRIP_BYTES / columns)
 BAND_BYTES = 1 << 20  # transposed output produced and written this much at a time, in cache
 WRITEBACK_BYTES = 32 << 20  # start the disk writes of the output every this many bytes written
 INLINE_BYTES = 16 << 20  # sources up to this size are converted on the calling thread alone
-RING_BYTES = 128 << 20  # all slots together: the conversion's buffer memory, whatever the model
+RING_BYTES = 112 << 20  # all slots together; with the strip buffer, the buffer memory whatever the model
 # seeds of the sample positions of the in-cache checks: a private generator, seeded from the OS, so that
 # neither a caller's random.seed() nor its use of the module's generator makes the positions predictable
 _SEEDS = random.Random()
+
+
+def _preadv(fd: int, buf: memoryview, offset: int) -> int:
+    return os.preadv(fd, [buf], offset)
+
+
+def _same_place(name: str, offset: int) -> int:
+    return offset
+
+
+@dataclass(frozen=True)
+class Seam:
+    """Where a pass can be stepped into, one small function each; the defaults are the real ones. Tests put
+    faults here (a torn or truncated source, a misplaced write, a wrong transpose, a short write) and the
+    pass's checks must catch them.
+
+    * read(fd, buffer, offset) -> bytes read: each read of the source.
+    * transpose(src, out, rows, cols, itemsize, first, count): a band of a transposed tensor, the
+      kernels.BandKernel geometry; None: the kernel in use (kernels.transpose_band).
+    * place(tensor, offset) -> offset: where a write goes, as a byte offset in the tensor's output window;
+      for a band of output-row pieces, where its first piece goes. What the ledger records follows it.
+    * write(fd, data, offset) -> bytes that arrived: each write of the output; None: pwrite (the pieces of a
+      band in one call of the compiled kernel, when built)."""
+
+    read: Callable[[int, memoryview, int], int] = _preadv
+    transpose: Callable[[Any, Any, int, int, int, int, int], None] | None = None
+    place: Callable[[str, int], int] = _same_place
+    write: Callable[[int, memoryview, int], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +125,33 @@ class _Slot:
         if len(self._out) < size:
             self._out = aligned(size)
         return self._out[:size]
+
+
+class _Strip:
+    """Source rows r0:r0+n of a tensor larger than a slot, in the strip buffer, shared by `parts` jobs: each
+    reads its share of the rows, waits until every share is read, then transposes its share of the columns.
+    The last to finish gives the buffer back."""
+
+    def __init__(self, buffer: memoryview, move: Move, r0: int, n: int, parts: int) -> None:
+        self.whole = buffer  # the strip buffer, given back as it was taken
+        self.buffer = buffer[: n * move.nbytes // move.matrix[0]]  # type: ignore[index]
+        self.move = move
+        self.r0, self.n = r0, n
+        self.parts = parts
+        self.read = 0  # parts whose rows are in the buffer (guarded by OnePass._turn)
+        self.left = parts  # parts not finished
+        self.lock = threading.Lock()
+
+    def share(self, part: int, total: int) -> tuple[int, int]:
+        """Part `part`'s share of `total` rows or columns."""
+        return total * part // self.parts, total * (part + 1) // self.parts
+
+    def leave(self, free: queue.Queue[memoryview]) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            free.put(self.whole)
 
 
 class _Writeback:
@@ -134,6 +201,32 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return call
 
 
+class _Abandoned(FormatError):
+    """A job that gave up because another failed: not the failure to report."""
+
+
+def _raise_first(futures: list[Future[None]]) -> None:
+    """Raise the first failure in file order, a job's own rather than one that gave up because of it."""
+    failures = [f.exception() for f in futures if f.exception() is not None]
+    for failure in sorted(failures, key=lambda e: isinstance(e, _Abandoned)):  # (a stable sort)
+        raise failure  # type: ignore[misc]
+
+
+def _runs(moves: list[Move]) -> Iterator[list[Move]]:
+    """`moves` (in source order) in runs, each lying end to end in both the source and the output."""
+    run: list[Move] = []
+    for move in moves:
+        if run and (
+            move.src_offset != run[-1].src_offset + run[-1].nbytes
+            or move.dst_offset != run[-1].dst_offset + run[-1].nbytes
+        ):
+            yield run
+            run = []
+        run.append(move)
+    if run:
+        yield run
+
+
 def default_workers() -> int:
     """The cores this process may run on (taskset and cgroups included)."""
     return max(1, len(os.sched_getaffinity(0)))
@@ -156,6 +249,7 @@ class OnePass:
     slot_bytes: int = SLOT_BYTES
     block_bytes: int = BLOCK_BYTES
     band_bytes: int = BAND_BYTES
+    strip_bytes: int = STRIP_BYTES
     inline_bytes: int = INLINE_BYTES
     ledger: WriteLedger = field(default_factory=WriteLedger)
     progress: Callable[[int], None] | None = None  # told the bytes of each write as it lands
@@ -163,6 +257,7 @@ class OnePass:
     # only [window[0], window[1]) of the source is read (the part one shard of an output set takes); what is
     # hashed is then not the file
     window: tuple[int, int] | None = None
+    seam: Seam = field(default_factory=Seam)
 
     def __post_init__(self) -> None:
         self._hasher: Hasher = self.hasher if self.hasher is not None else new_hasher(self.hash_name)
@@ -170,6 +265,10 @@ class OnePass:
         self._free: queue.Queue[_Slot] = queue.Queue()
         for _ in range(slots):
             self._free.put(_Slot())
+        self._slots = slots
+        self._strips: queue.Queue[memoryview] = queue.Queue()  # the strip buffer, made when a tensor needs it
+        self._strip_buffer: memoryview | None = None
+        self._inline = self.workers == 1 or self.src_size <= self.inline_bytes
         self._write_lock = threading.Lock()
         self._turn = threading.Condition()  # guards _hashed_to and _aborted
         self._hashed_to = 0  # every source byte before this offset has been hashed
@@ -191,25 +290,25 @@ class OnePass:
         for move in self.moves:
             whole = move.nbytes if move.tensor_nbytes is None else move.tensor_nbytes
             self.ledger.expect(move.name, move.dst_offset - move.piece_at, whole)
-        if self.workers == 1 or self.src_size <= self.inline_bytes:
+        if self._inline:
             # small files (the daemon's common case) and one core: no threads to start or hand work to
             for job in self._all_jobs():
                 job[0](*job[1:])
             return self._hasher.hexdigest()
-        pending: list[Future[None]] = []
+        futures: list[Future[None]] = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-pass") as pool:
             try:
                 for job in self._all_jobs():
-                    pending.append(pool.submit(self._guarded, *job))
-                    pending = self._reap(pending)
+                    futures.append(pool.submit(self._guarded, *job))
+                    if self._aborted:  # a job failed: hand out no more (the reader would go on to the end)
+                        break
             except BaseException:
                 self._abort()
                 raise
             finally:
-                for future in pending:  # wait for every job, then raise the first failure in file order
+                for future in futures:  # wait for every job
                     future.exception()
-            for future in pending:
-                future.result()
+        _raise_first(futures)
         return self._hasher.hexdigest()
 
     def _all_jobs(self) -> Iterator[tuple]:
@@ -239,13 +338,6 @@ class OnePass:
             yield self._copy_batch, self._free.get(), batch_start, cursor, batch
         if end > cursor:
             yield self._hash_only, self._free.get(), cursor, end
-
-    def _reap(self, pending: list[Future[None]]) -> list[Future[None]]:
-        """Raise a job's failure early (the reader would otherwise go on to the end of the file)."""
-        done = [f for f in pending if f.done()]
-        for future in done:
-            future.result()
-        return [f for f in pending if not f.done()]
 
     def _guarded(self, job: Callable[..., None], *args: object) -> None:
         try:
@@ -279,7 +371,7 @@ class OnePass:
             with self._turn:
                 self._turn.wait_for(lambda: self._hashed_to == first or self._aborted)
                 if self._aborted:
-                    raise FormatError("conversion abandoned", self.src_path)
+                    raise _Abandoned("conversion abandoned", self.src_path)
             for piece in deferred:
                 self._hash(piece)
         return buf
@@ -295,7 +387,7 @@ class OnePass:
         done = 0
         while done < len(piece):
             try:
-                n = os.preadv(self.src_fd, [piece[done:]], offset + done)
+                n = self.seam.read(self.src_fd, piece[done:], offset + done)
             except OSError as exc:
                 raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
             if n == 0:
@@ -311,25 +403,43 @@ class OnePass:
             self._free.put(slot)
 
     def _jobs(self, move: Move) -> Iterator[tuple]:
-        """The move as jobs of at most a slot each: (function, slot, move, where)."""
+        """The move as jobs of at most a slot each, or the parts of its strips: (function, slot, ...)."""
         if move.nbytes == 0:
             self.ledger.record(move.name, Entry(move.piece_at, 0))
             return
-        if move.matrix is None:
+        if move.matrix is None or min(move.matrix) == 1:  # a vector's transpose is the same bytes
             for rel in range(0, move.nbytes, self.block_bytes):
                 yield self._copy_block, self._free.get(), move, rel, min(self.block_bytes, move.nbytes - rel)
             return
         rows, cols = move.matrix
+        if move.nbytes <= self.slot_bytes and rows * move.itemsize <= self.band_bytes:
+            yield self._transpose_whole, self._free.get(), move
+            return
         row_bytes = cols * move.itemsize
-        strip = max(1, self.slot_bytes // row_bytes)
-        if row_bytes > self.slot_bytes and rows > 1:
+        if row_bytes > self.strip_bytes:
             raise FormatError(
-                f"tensor '{move.name}' has rows of {row_bytes} bytes, more than the {self.slot_bytes} a "
-                "transposing block may hold",
+                f"tensor '{move.name}' has rows of {row_bytes} bytes, more than the {self.strip_bytes} a "
+                "transposing strip may hold",
                 self.src_path,
             )
-        for r0 in range(0, rows, strip):
-            yield self._transpose_strip, self._free.get(), move, r0, min(strip, rows - r0)
+        # output-row pieces of at most a band: a narrow matrix ([N, 2]) must not grow the band buffers
+        height = max(1, min(self.strip_bytes // row_bytes, self.band_bytes // move.itemsize))
+        # every part of a strip must be running at once (each waits for the others' rows): no more parts
+        # than writer threads or slots
+        parts = 1 if self._inline else max(1, min(self.workers, self._slots))
+        for r0 in range(0, rows, height):
+            n = min(height, rows - r0)
+            strip = _Strip(self._strip(), move, r0, n, parts)
+            for part in range(parts):
+                yield self._strip_part, self._free.get(), strip, part
+
+    def _strip(self) -> memoryview:
+        """The strip buffer, once the previous strip is done with it (made on first use: a model without large
+        transposed tensors never touches it)."""
+        if self._strip_buffer is None:
+            self._strip_buffer = aligned(self.strip_bytes)
+            self._strips.put(self._strip_buffer)
+        return self._strips.get()
 
     # -- the writing threads
 
@@ -344,75 +454,126 @@ class OnePass:
 
     def _copy_batch(self, slot: _Slot, start: int, end: int, moves: list[Move]) -> None:
         """Small untransformed tensors lying in [start, end) of the source: one read (gaps included, for the
-        hash), then each tensor written to its own place."""
+        hash), then each run of them that lies end to end in the source and in the output written at once
+        (tensors saved in the same order, as they commonly are: one pwrite for hundreds of tensors)."""
         try:
             data = self._read(slot.src(end - start), start)
-            for move in moves:
-                piece = data[move.src_offset - start : move.src_offset - start + move.nbytes]
-                if move.check is not None:
-                    move.check(piece)
-                self._write(move, piece, 0)
+            for run in _runs(moves):
+                for move in run:
+                    if move.check is not None:
+                        move.check(data[move.src_offset - start : move.src_offset - start + move.nbytes])
+                first, last = run[0], run[-1]
+                self._write_run(run, data[first.src_offset - start : last.src_offset + last.nbytes - start])
         finally:
             self._free.put(slot)
 
-    def _transpose_strip(self, slot: _Slot, move: Move, r0: int, n: int) -> None:
-        """Source rows r0:r0+n become columns r0:r0+n of every output row, a band of output rows at a time:
-        each band is transposed, checked, hashed and written while it is in cache (a transposed buffer
-        larger than the cache costs three times as much to write, measured). Byte buffers throughout: with
-        the compiled kernel no numpy is needed (syncd.engine.write.kernels)."""
-        from syncd.engine.write import kernels
+    def _write_run(self, run: list[Move], data: memoryview) -> None:
+        """Whole tensors lying end to end in `data` and in the output: one write, an entry per tensor."""
+        first = run[0]
+        shift = self.seam.place(first.name, first.piece_at) - first.piece_at
+        written = self._pwrite(data, first.dst_offset + shift)
+        self._writeback.wrote(first.dst_offset + shift, written)
+        entries = []
+        for move in run:
+            at = move.dst_offset - first.dst_offset
+            arrived = max(0, min(move.nbytes, written - at))
+            piece = data[at : at + arrived]
+            entries.append((move.name, Entry(move.piece_at + shift, arrived, digest=block_digest(piece))))
+        self.ledger.record_many(entries)
 
+    def _transpose_whole(self, slot: _Slot, move: Move) -> None:
+        """A tensor up to a slot: read whole, its output rows written whole, a band at a time."""
         try:
             rows, cols = move.matrix  # type: ignore[misc]
-            item = move.itemsize
-            src = self._read(slot.src(n * cols * item), move.src_offset + r0 * cols * item)
-            band = max(1, self.band_bytes // (n * item))
-            for c0 in range(0, cols, band):
-                count = min(band, cols - c0)
-                out = slot.out(count * n * item)
-                kernels.transpose_band(src, out, n, cols, item, c0, count)
-                if not kernels.band_matches(src, out, n, cols, item, c0, count, _SEEDS.getrandbits(64)):
-                    raise VerificationError(
-                        f"tensor '{move.name}': a transposed block does not match its source", self.out_path
-                    )
-                if n == rows:
-                    self._write(move, out, c0 * rows * item)
-                else:
-                    self._write_segments(move, out, r0, c0, count)
+            src = self._read(slot.src(move.nbytes), move.src_offset)
+            self._transpose_columns(slot, move, src, 0, rows, 0, cols)
         finally:
             self._free.put(slot)
 
+    def _strip_part(self, slot: _Slot, strip: _Strip, part: int) -> None:
+        """Part `part` of a strip: read its share of the rows, wait for the other parts' rows, transpose its
+        share of the columns."""
+        try:
+            move = strip.move
+            cols = move.matrix[1]  # type: ignore[index]
+            row_bytes = cols * move.itemsize
+            lo, hi = strip.share(part, strip.n)
+            if hi > lo:
+                self._read(strip.buffer[lo * row_bytes : hi * row_bytes], move.src_offset + (strip.r0 + lo) * row_bytes)
+            with self._turn:
+                strip.read += 1
+                self._turn.notify_all()
+                self._turn.wait_for(lambda: strip.read == strip.parts or self._aborted)
+                if self._aborted:
+                    raise _Abandoned("conversion abandoned", self.src_path)
+            c0, c1 = strip.share(part, cols)
+            self._transpose_columns(slot, move, strip.buffer, strip.r0, strip.n, c0, c1)
+        finally:
+            self._free.put(slot)
+            strip.leave(self._strips)
+
+    def _transpose_columns(self, slot: _Slot, move: Move, src: memoryview, r0: int, n: int, c0: int, c1: int) -> None:
+        """Source rows r0:r0+n (in `src`) become columns r0:r0+n of output rows c0:c1, a band of output rows
+        at a time: each band is transposed, checked, hashed and written while it is in cache (a transposed
+        buffer larger than the cache costs three times as much to write, measured). Byte buffers throughout:
+        with the compiled kernel no numpy is needed (syncd.engine.write.kernels)."""
+        from syncd.engine.write import kernels
+
+        rows, cols = move.matrix  # type: ignore[misc]
+        item = move.itemsize
+        transpose = self.seam.transpose or kernels.transpose_band
+        band = max(1, self.band_bytes // (n * item))
+        for first in range(c0, c1, band):
+            count = min(band, c1 - first)
+            out = slot.out(count * n * item)
+            transpose(src, out, n, cols, item, first, count)
+            if not kernels.band_matches(src, out, n, cols, item, first, count, _SEEDS.getrandbits(64)):
+                raise VerificationError(
+                    f"tensor '{move.name}': a transposed block does not match its source", self.out_path
+                )
+            if n == rows:
+                self._write(move, out, first * rows * item)
+            else:
+                self._write_pieces(move, out, r0, first, count)
+
     def _write(self, move: Move, data: memoryview, rel: int) -> None:
+        rel = self.seam.place(move.name, move.piece_at + rel) - move.piece_at
         written = self._pwrite(data, move.dst_offset + rel)
-        self._writeback.wrote(move.dst_offset + rel, written)  # (the pieces of _write_segments are not)
+        self._writeback.wrote(move.dst_offset + rel, written)  # (the pieces of _write_pieces are not)
         self.ledger.record(move.name, Entry(move.piece_at + rel, written, digest=block_digest(data[:written])))
 
-    def _write_segments(self, move: Move, out: memoryview, r0: int, c0: int, count: int) -> None:
+    def _write_pieces(self, move: Move, out: memoryview, r0: int, c0: int, count: int) -> None:
         """`out` holds `count` pieces of output rows c0, c0+1, ..., each from column r0 on."""
+        from syncd.engine.write import kernels
+
         rows = move.matrix[0]  # type: ignore[index]
         segment = len(out) // count
         stride = rows * move.itemsize
-        first = c0 * stride + r0 * move.itemsize
-        written = min(
-            self._pwrite(out[k * segment : (k + 1) * segment], move.dst_offset + first + k * stride)
-            for k in range(count)
-        )
-        self.ledger.record(
-            move.name,
-            Entry(
-                move.piece_at + first,
-                written if written == segment else -1,
-                count=count,
-                stride=stride,
-                digest=block_digest(out),
-            ),
-        )
+        first = self.seam.place(move.name, move.piece_at + c0 * stride + r0 * move.itemsize) - move.piece_at
+        if self.seam.write is None:
+            with self._write_lock:
+                written = kernels.pwrite_pieces(self.out_fd, out, count, segment, move.dst_offset + first, stride)
+            whole = written == len(out)
+        else:
+            whole = all(
+                self.seam.write(self.out_fd, out[k * segment : (k + 1) * segment], move.dst_offset + first + k * stride)
+                == segment
+                for k in range(count)
+            )
+        if self.progress is not None:
+            self.progress(len(out))
+        entry = Entry(move.piece_at + first, segment if whole else -1, count, stride, block_digest(out))
+        self.ledger.record(move.name, entry)
 
     def _pwrite(self, data: Any, offset: int) -> int:
         """Write all of `data` at `offset`; the byte count that arrived (what the ledger records)."""
         view = memoryview(data).cast("B")
-        with self._write_lock:  # the kernel serialises writes to one file anyway; waiting here sleeps, not spins
-            pwrite_all(self.out_fd, view, offset)
+        if self.seam.write is not None:
+            written = self.seam.write(self.out_fd, view, offset)
+        else:
+            with self._write_lock:  # the kernel serialises writes to one file anyway; waiting here sleeps, not spins
+                pwrite_all(self.out_fd, view, offset)
+            written = len(view)
         if self.progress is not None:
-            self.progress(len(view))
-        return len(view)
+            self.progress(written)
+        return written
