@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -1198,6 +1199,371 @@ def safetensors_files(draw: Any, levels: list[int] = HOSTILITY) -> bytes:
     return blob
 
 
+# ================================================================================================ PyTorch
+
+# A torch.save zip built here (its own zip writer and pickle emitter, not torch's nor syncd's): tensors as
+# `_rebuild_tensor_v2/_v3` calls over persistent storage ids, with hostile offsets, sizes, strides and storage
+# sizes; other globals, stray opcodes, cut streams; zip headers that lie (sizes, methods, CRCs, names).
+
+PT_STORAGES = {
+    "FloatStorage": 4,
+    "DoubleStorage": 8,
+    "HalfStorage": 2,
+    "BFloat16Storage": 2,
+    "LongStorage": 8,
+    "IntStorage": 4,
+    "ShortStorage": 2,
+    "CharStorage": 1,
+    "ByteStorage": 1,
+    "BoolStorage": 1,
+    "ComplexFloatStorage": 8,
+    "ComplexDoubleStorage": 16,
+    "QInt8Storage": 1,
+}
+PT_V3_DTYPES = {
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float32": 4,
+    "complex32": 4,
+}
+PT_OTHER_GLOBALS = [
+    ("posix", "system"),
+    ("builtins", "eval"),
+    ("__builtin__", "getattr"),
+    ("torch", "load"),
+    ("torch._utils", "_rebuild_qtensor"),
+    ("numpy.core.multiarray", "scalar"),
+    ("torch", "Size"),
+    ("collections", "defaultdict"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("", ""),
+]
+PT_STRAY_OPS = [
+    b"(",
+    b")",
+    b"0",
+    b"1",
+    b"2",
+    b"N",
+    b"R",
+    b"b",
+    b"s",
+    b"u",
+    b"a",
+    b"e",
+    b"t",
+    b"\x85",
+    b"\x93",
+    b"Q",
+    b"\x81",
+    b"i",
+    b"o",
+    b"\x82",
+    b"V",
+    b"S",
+    b"\x94",
+    b"j\xff\xff\xff\xff",
+    b"r\xff\xff\xff\xff",
+    b"h\x00",
+    b"\x8a\xff",
+    b"X\xff\xff\xff\x7f",
+    b"\x8d" + b"\xff" * 8,
+    b"c\n\n",
+    b".",
+]
+
+
+def _p_int(n: int) -> bytes:
+    if 0 <= n < 256:
+        return b"K" + bytes([n])
+    if 0 <= n < 65536:
+        return b"M" + n.to_bytes(2, "little")
+    if -(2**31) <= n < 2**31:
+        return b"J" + n.to_bytes(4, "little", signed=True)
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _p_str(text: str | bytes) -> bytes:
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def _p_global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _p_tuple(items: list[bytes]) -> bytes:
+    return b"(" + b"".join(items) + b"t"
+
+
+@dataclass
+class _PtPlan:
+    pickle: bytes
+    storages: dict[str, int]  # key -> bytes its entry holds
+
+
+def _pt_tensor(draw: Any, hostility: int, storages: dict[str, int]) -> bytes:
+    v3 = chance(draw, 20)
+    kind, item = pick(draw, sorted(PT_V3_DTYPES.items()) if v3 else sorted(PT_STORAGES.items()))
+    if not chance(draw, hostility):
+        kind, item = ("float32", 4) if v3 else ("FloatStorage", 4)
+    rank = ints(draw, 0, 3)
+    shape = [ints(draw, 0, 5) for _ in range(rank)]
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.insert(0, step)
+        step *= max(dim, 1)
+    if chance(draw, 30):  # a view: permuted or strided strides over a larger storage
+        strides = [s * ints(draw, 1, 3) for s in strides]
+        if chance(draw, 50):
+            strides.reverse()
+    offset = ints(draw, 0, 4) if chance(draw, 30) else 0
+    numel = offset + sum((d - 1) * s for d, s in zip(shape, strides, strict=True) if d) + 1
+    if chance(draw, hostility):
+        which = ints(draw, 0, 3)
+        value = draw(HOSTILE_INT)
+        if which == 0:
+            offset = value
+        elif which == 1 and shape:
+            shape[ints(draw, 0, len(shape) - 1)] = value
+        elif which == 2 and strides:
+            strides[ints(draw, 0, len(strides) - 1)] = value
+        else:
+            numel = value
+    key = str(len(storages)) if not storages or chance(draw, 80) else pick(draw, sorted(storages))
+    if key not in storages:
+        size = max(0, numel) * (1 if v3 else item) * (item if v3 else 1)
+        if chance(draw, hostility):
+            size = pick(draw, [0, 1, size - 1, size + 1, size * 2]) if size < 1 << 20 else 0
+        storages[key] = max(0, min(size, MAX_DATA))
+    storage_type = _p_global("torch.storage", "UntypedStorage") if v3 else _p_global("torch", kind)
+    pid = _p_tuple([_p_str("storage"), storage_type, _p_str(key), _p_str("cpu"), _p_int(numel)])
+    args = [pid + b"Q", _p_int(offset), _p_tuple([_p_int(d) for d in shape]), _p_tuple([_p_int(s) for s in strides])]
+    args += [b"\x89", _p_global("collections", "OrderedDict") + b")R"]
+    if v3:
+        args.append(_p_global("torch", kind))
+    name = "_rebuild_tensor_v3" if v3 else "_rebuild_tensor_v2"
+    call = _p_global("torch._utils", name) + _p_tuple(args) + b"R"
+    if chance(draw, 15):
+        call = _p_global("torch._utils", "_rebuild_parameter") + _p_tuple([call, b"\x88", b"}"]) + b"R"
+    return call
+
+
+def _pt_value(draw: Any, hostility: int, storages: dict[str, int], depth: int) -> bytes:
+    roll = ints(draw, 0, 99)
+    if roll < 55 or depth > 3:
+        return _pt_tensor(draw, hostility, storages)
+    if roll < 70:
+        return _pt_dict(draw, hostility, storages, depth + 1)
+    if roll < 75:
+        return b"]" + b"(" + b"".join(_pt_value(draw, hostility, storages, depth + 1) for _ in range(2)) + b"e"
+    if roll < 80 and chance(draw, hostility):
+        module, name = pick(draw, PT_OTHER_GLOBALS)
+        return _p_global(module, name) + _p_tuple([_p_str("x")]) + b"R"
+    return pick(draw, [b"N", b"\x88", _p_int(3), b"G" + struct.pack(">d", 0.5), _p_str("text"), b"C\x02ab", b")"])
+
+
+def _pt_dict(draw: Any, hostility: int, storages: dict[str, int], depth: int) -> bytes:
+    ordered = chance(draw, 50)
+    out = _p_global("collections", "OrderedDict") + b")R" if ordered else b"}"
+    out += b"("
+    for i in range(ints(draw, 1, 5)):
+        key = (
+            pick(draw, [f"layer{i}.weight", f"m.{i}", "", "a.b", "\n", "\udc80", 7, -1])
+            if chance(draw, hostility)
+            else f"t{depth}_{i}.weight"
+        )
+        out += (_p_int(key) if isinstance(key, int) else _p_str(key)) + _pt_value(draw, hostility, storages, depth)
+    out += b"u"
+    if ordered and chance(draw, 30):  # a state dict's `_metadata` attribute
+        out += b"}" + _p_str("_metadata") + b"}" + b"s" + b"b"
+    return out
+
+
+def _pt_pickle(draw: Any, hostility: int) -> _PtPlan:
+    storages: dict[str, int] = {}
+    body = _pt_dict(draw, hostility, storages, 0)
+    if chance(draw, 25):
+        body = b"}" + _p_str(pick(draw, ["state_dict", "model_state_dict", "model"])) + body + b"s"
+    data = b"\x80\x02" + body + b"."
+    if chance(draw, hostility):
+        pos = ints(draw, 0, len(data))
+        stray = pick(draw, PT_STRAY_OPS) if chance(draw, 50) else None  # an opcode in the wrong place, or a cut
+        data = data[:pos] + stray + data[pos:] if stray is not None else data[:pos]
+    return _PtPlan(data, storages)
+
+
+def zip_stored(entries: list[tuple[str, bytes]], draw: Any = None, hostility: int = 0) -> bytes:
+    """A zip of stored entries, as torch writes them; with `draw`, some headers may lie."""
+    out, central = bytearray(), bytearray()
+    for name, data in entries:
+        raw = name.encode("utf-8", "surrogatepass")
+        method, crc, size, local_size = 0, zlib.crc32(data), len(data), len(data)
+        if draw is not None and chance(draw, hostility // 4):
+            which = ints(draw, 0, 3)
+            method = 8 if which == 0 else 0
+            crc = crc ^ 1 if which == 1 else crc
+            size = pick(draw, [0, size + 1, size - 1, 2**32 - 1]) if which == 2 else size
+            local_size = size + 7 if which == 3 else local_size
+        at = len(out)
+        out += (
+            struct.pack(
+                "<IHHHHHIIIHH",
+                0x04034B50,
+                20,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                local_size & 0xFFFFFFFF,
+                local_size & 0xFFFFFFFF,
+                len(raw),
+                0,
+            )
+            + raw
+            + data
+        )
+        central += (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                size & 0xFFFFFFFF,
+                size & 0xFFFFFFFF,
+                len(raw),
+                0,
+                0,
+                0,
+                0,
+                0,
+                at,
+            )
+            + raw
+        )
+    count = len(entries)
+    return bytes(out + central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(central), len(out), 0))
+
+
+@st.composite
+def pytorch_files(draw: Any, levels: list[int] = HOSTILITY) -> bytes:
+    """A torch.save zip: a pickle of (nested) dicts of tensors, its storages, byteorder and version."""
+    hostility = pick(draw, levels)
+    plan = _pt_pickle(draw, hostility)
+    entries = [("archive/data.pkl", plan.pickle)]
+    if not chance(draw, hostility // 2):
+        entries.append(("archive/byteorder", b"little" if not chance(draw, hostility) else pick(draw, [b"big", b""])))
+    entries += [(f"archive/data/{key}", _filler(ints(draw, 0, 2**16), size, 0)) for key, size in plan.storages.items()]
+    entries.append(("archive/version", b"3\n"))
+    if chance(draw, hostility):
+        pick(draw, [lambda: entries.reverse(), lambda: entries.append(entries[0]), lambda: entries.pop()])()
+    return zip_stored(entries, draw, hostility)
+
+
+def _pt_entries(blob: bytes) -> list[tuple[str, bytes]] | None:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            return [(info.filename, archive.read(info)) for info in archive.infolist()]
+    except Exception:
+        return None
+
+
+@st.composite
+def pytorch_mutations(draw: Any) -> tuple[str, bytes]:
+    """A torch-written seed with edits: inside its pickle (the zip rebuilt around it, so the CRC holds and the
+    interpreter sees the edit), or byte-level anywhere in the file."""
+    name, blob = pick(draw, pytorch_seeds())
+    entries = _pt_entries(blob)
+    if entries is None or chance(draw, 30):
+        data = bytearray(blob)
+        for _ in range(ints(draw, 1, 4)):
+            pos = ints(draw, 0, max(0, len(data) - 1))
+            op = pick(draw, ["flip", "byte", "truncate", "delete", "insert"])
+            if op == "flip" and data:
+                data[pos] ^= 1 << ints(draw, 0, 7)
+            elif op == "byte" and data:
+                data[pos] = pick(draw, BYTES)
+            elif op == "truncate":
+                del data[pos:]
+            elif op == "delete":
+                del data[pos : pos + ints(draw, 1, 32)]
+            else:
+                data[pos:pos] = draw(SMALL_BINARY)
+        return name, bytes(data)
+    index = next(i for i, (n, _) in enumerate(entries) if n.endswith("data.pkl"))
+    pkl = bytearray(entries[index][1])
+    for _ in range(ints(draw, 1, 3)):
+        pos = ints(draw, 2, max(2, len(pkl) - 1))
+        op = pick(draw, ["flip", "byte", "stray", "int", "delete", "truncate"])
+        if op in ("flip", "byte") and pos >= len(pkl):  # an earlier edit cut the pickle short
+            op = "stray"
+        if op == "flip":
+            pkl[pos] ^= 1 << ints(draw, 0, 7)
+        elif op == "byte":
+            pkl[pos] = pick(draw, BYTES + [ord("K"), ord("R"), ord("c"), ord("Q"), ord("h"), ord("q")])
+        elif op == "stray":
+            pkl[pos:pos] = pick(draw, PT_STRAY_OPS)
+        elif op == "int":
+            pkl[pos:pos] = _p_int(draw(HOSTILE_INT))
+        elif op == "delete":
+            del pkl[pos : pos + ints(draw, 1, 8)]
+        else:
+            del pkl[pos:]
+    entries[index] = (entries[index][0], bytes(pkl))
+    if chance(draw, 20) and len(entries) > index + 1:  # a storage shortened or lengthened
+        j = ints(draw, 0, len(entries) - 1)
+        entries[j] = (entries[j][0], entries[j][1][: ints(draw, 0, len(entries[j][1]))] + bytes(ints(draw, 0, 16)))
+    return name, zip_stored(entries)
+
+
+_PT_SEEDS: list[tuple[str, bytes]] = []
+
+
+def pytorch_seeds() -> list[tuple[str, bytes]]:
+    """Files torch.save wrote: a state dict, views over shared storages, a training checkpoint, new dtypes."""
+    if _PT_SEEDS:
+        return _PT_SEEDS
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+    base = torch.arange(24.0).reshape(4, 6)
+    optimizer = torch.optim.SGD(model.parameters(), momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    objects = {
+        "state.pt": model.state_dict(),
+        "views.pt": {"base": base, "t": base.t(), "rows": base[1:3], "strided": base[:, ::2], "tied": base},
+        "ckpt.pt": {"epoch": 1, "model_state_dict": model.state_dict(), "optimizer": optimizer.state_dict()},
+        "dtypes.pt": {
+            "u16": torch.arange(4).to(torch.uint16),
+            "f8": torch.zeros(3, dtype=torch.float8_e4m3fn),
+            "b": torch.tensor([True, False]),
+            "bf": torch.ones(2, dtype=torch.bfloat16),
+        },
+    }
+    for name, obj in objects.items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        _PT_SEEDS.append((name, buf.getvalue()))
+    return _PT_SEEDS
+
+
 # ================================================================================================ mutations
 
 
@@ -1749,7 +2115,7 @@ def save_failure(blob: bytes, ext: str) -> Path:
     temp dir."""
     directory = Path(os.environ.get("SYNCD_FUZZ_SAVE") or Path(tempfile.gettempdir()) / "syncd-fuzz-failures")
     directory.mkdir(parents=True, exist_ok=True)
-    prefix = "bpk" if ext == ".bpk" else "st"
+    prefix = {".bpk": "bpk", ".pt": "pt"}.get(ext, "st")
     path = directory / f"{prefix}-{hashlib.sha256(blob).hexdigest()[:8]}{ext}"
     path.write_bytes(blob)
     return path

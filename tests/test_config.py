@@ -115,7 +115,8 @@ def test_bad_enum_names_file_line_key_and_choices(tmp_path: Path, runs: Path) ->
         """,
     )
     assert error_of(path) == (
-        f"{path}:4: watches[0].direction: expected one of bpk->safetensors, safetensors->bpk, both, got 'sideways'"
+        f"{path}:4: watches[0].direction: expected one of bpk->safetensors, safetensors->bpk, pt->bpk, both, "
+        "got 'sideways'"
     )
 
 

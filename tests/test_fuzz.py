@@ -45,6 +45,8 @@ from fuzz_gen import (
     check_convert,
     check_reader,
     mutations,
+    pytorch_files,
+    pytorch_mutations,
     safetensors_files,
     tree_mutations,
 )
@@ -195,6 +197,69 @@ def test_cli_subprocess(kind: str, tmp_path: Path) -> None:
 
     run()
     report(f"{kind} CLI", counts, started)
+
+
+# ------------------------------------------------------------------------------------------------ PyTorch
+
+# PyTorch's own checkpoints are read, never written: converted to .bpk, or to .safetensors
+PT_OPTIONS = st.sampled_from([(None, "auto"), (None, "keep"), (None, "pytorch"), ("safetensors", "keep")])
+
+
+def test_pytorch_reader_structured(tmp_path: Path) -> None:
+    counts: Counter = Counter()
+    started = time.monotonic()
+
+    @fuzz_settings(EXAMPLES)
+    @given(blob=pytorch_files())
+    def run(blob: bytes) -> None:
+        counts[check_reader(blob, ".pt", tmp_path)] += 1
+
+    run()
+    report("pytorch reader, structured", counts, started)
+    assert sum(counts.values()) >= EXAMPLES
+    assert counts["ok"] > EXAMPLES // 20, "the generator should produce some valid files"
+
+
+def test_pytorch_reader_mutated(tmp_path: Path) -> None:
+    counts: Counter = Counter()
+    started = time.monotonic()
+
+    @fuzz_settings(EXAMPLES)
+    @given(case=pytorch_mutations())
+    def run(case: tuple[str, bytes]) -> None:
+        counts[check_reader(case[1], ".pt", tmp_path)] += 1
+
+    run()
+    report("pytorch reader, mutated", counts, started)
+    assert sum(counts.values()) >= EXAMPLES
+
+
+def test_pytorch_convert(tmp_path: Path) -> None:
+    counts: Counter = Counter()
+    started = time.monotonic()
+
+    @fuzz_settings(CONVERT_EXAMPLES)
+    @given(blob=st.one_of(pytorch_files(GENTLE), pytorch_mutations().map(lambda c: c[1])), option=PT_OPTIONS)
+    def run(blob: bytes, option: tuple[str | None, str]) -> None:
+        counts[check_convert(blob, ".pt", tmp_path, *option)] += 1
+
+    run()
+    report("pytorch convert", counts, started)
+    assert sum(counts.values()) >= CONVERT_EXAMPLES
+    assert counts["ok"] > 0, "some files should convert"
+
+
+def test_pytorch_cli_subprocess(tmp_path: Path) -> None:
+    counts: Counter = Counter()
+    started = time.monotonic()
+
+    @fuzz_settings(CLI_EXAMPLES // 2)
+    @given(blob=st.one_of(pytorch_files(), pytorch_mutations().map(lambda c: c[1])))
+    def run(blob: bytes) -> None:
+        counts[f"exit {check_cli(blob, '.pt', tmp_path)}"] += 1
+
+    run()
+    report("pytorch CLI", counts, started)
 
 
 # ------------------------------------------------------------------------------------------------ corpus

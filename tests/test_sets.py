@@ -158,7 +158,16 @@ def test_shard_size_splits_anew_and_none_writes_one_file(saves: dict[str, Path],
     one = tmp_path / "one"
     one.mkdir()
     syncd("convert", sharded_bpk, "-o", one / "model.safetensors", "--modules", saves["modules"])
-    syncd("convert", sharded_bpk, "-o", tmp_path / "none.safetensors", "--shard-size", "none", "--modules", saves["modules"])
+    syncd(
+        "convert",
+        sharded_bpk,
+        "-o",
+        tmp_path / "none.safetensors",
+        "--shard-size",
+        "none",
+        "--modules",
+        saves["modules"],
+    )
     assert sorted(p.name for p in one.iterdir()) == ["model.safetensors"]
     assert (tmp_path / "none.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
     assert_state_reloads(one, saves["sharded"])

@@ -54,9 +54,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         _add_convert_arguments(convert)
 
     inspect = _add_command(commands, "inspect", help="show a checkpoint's header, metadata and tensors")
-    inspect.add_argument("file", type=Path, help="a .bpk or .safetensors file, or a sharded set's index or directory")
+    inspect.add_argument(
+        "file", type=Path, help="a .bpk, .safetensors, .pt, .pth or .bin file, or a sharded set's index or directory"
+    )
     inspect.add_argument("--json", action="store_true", help="one JSON document")
     inspect.add_argument("--hash", action="store_true", help="add a sha256 per tensor")
+    inspect.add_argument("--top-level-key", metavar="KEY", help="a PyTorch checkpoint's key holding the tensors")
 
     run = _add_command(commands, "run", help="run the daemon")
     run.add_argument("-c", "--config", type=Path, required=True, help="the daemon's YAML configuration file")
@@ -116,6 +119,12 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
         help="layout of the source (auto: decide from the tensors); keep: convert the container only",
     )
     convert.add_argument("--modules", type=Path, help="YAML module map (path pattern -> module kind)")
+    convert.add_argument(
+        "--top-level-key",
+        metavar="KEY",
+        help="a PyTorch .pt/.pth/.bin: the key of the saved dict that holds the tensors (default: the one of "
+        "state_dict, model_state_dict, model that holds tensors, else the whole dict)",
+    )
     stores = convert.add_argument_group("names, filters, precision and shards (as Burn's stores)")
     stores.add_argument(
         "--remap",
@@ -258,7 +267,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     # a directory holding a sharded set stands for its index, as with `convert DIR`
     path = find_index(args.file) if args.file.is_dir() else str(args.file)
-    doc = describe(path, with_hash=args.hash)
+    doc = describe(path, with_hash=args.hash, top_level_key=args.top_level_key)
     (print_json if args.json else print_table)(doc, sys.stdout)
     sys.stdout.flush()  # a closed pipe shows here, inside main's handler, not at the interpreter's exit
     return EXIT_OK
@@ -304,6 +313,7 @@ def _convert(args: argparse.Namespace) -> int:
         one_file=one_file,
         hash_name=args.hash,
         verify=args.verify,
+        top_level_key=args.top_level_key,
     )
     try:
         result = convert(request)
@@ -320,6 +330,9 @@ def _convert(args: argparse.Namespace) -> int:
     )
     if args.verbose:
         for line in result.decisions:
+            print(f"  {line}")
+    else:  # what of a PyTorch checkpoint was taken and what left is said even without -v
+        for line in result.source_notes:
             print(f"  {line}")
     if args.verbose or len(result.dropped) <= SHOWN_CARRIED:
         for name in result.dropped:
@@ -349,6 +362,7 @@ def _result_doc(result: object) -> dict[str, object]:
         "restored",
         "left_out",
         "cast",
+        "source_notes",
     )
     doc = {name: getattr(result, name) for name in fields}
     doc["source"], doc["dest"] = str(doc["source"]), str(doc["dest"])

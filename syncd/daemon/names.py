@@ -30,13 +30,13 @@ from syncd.daemon.config.schema import Watch
 from syncd.engine.directions import DIRECTIONS
 from syncd.engine.publish import is_scratch_name
 from syncd.formats import format_for_path
-from syncd.formats.shards import INDEX_SUFFIX, is_index_name
+from syncd.formats.shards import is_set_index, set_stem, shard_extension
 
 
 def is_candidate(watch: Watch, path: Path) -> bool:
     """True if `path` names a checkpoint this watch converts (decided from the name alone)."""
-    if is_index_name(path.name):
-        path = path.with_name(path.name.removesuffix(INDEX_SUFFIX) + ".safetensors")
+    if is_set_index(path.name):  # judged as the weights file it stands for
+        path = path.with_name(set_stem(path.name) + shard_extension(path.name))
     name = path.name
     from_format = format_for_path(name)
     if from_format is None or from_format.name not in DIRECTIONS[watch.direction]:

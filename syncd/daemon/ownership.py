@@ -32,7 +32,7 @@ from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import INDEX_SUFFIX
+from syncd.formats.shards import set_stem
 
 
 def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
@@ -47,7 +47,7 @@ def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
 
 def set_destination(watch: Watch, index: Path) -> Path:
     """Where the conversion of the sharded set behind `index` is published: one .bpk named after the set."""
-    return watch.output_dir_for(index) / (index.name.removesuffix(INDEX_SUFFIX) + BY_NAME[BURNPACK].extension)
+    return watch.output_dir_for(index) / (set_stem(index) + BY_NAME[BURNPACK].extension)
 
 
 class Action(StrEnum):

@@ -30,7 +30,14 @@ from syncd.daemon.config import Watch
 from syncd.daemon.config.schema import DEFAULT_CLUSTER_POLL_INTERVAL
 from syncd.daemon.names import is_candidate
 from syncd.daemon.ownership import Action
-from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS, Readiness, anyone_writing, set_version
+from syncd.daemon.readiness import (
+    INCOMPLETE_FIRST_RETRY,
+    INCOMPLETE_GRACE_SECONDS,
+    INCOMPLETE_MAX_RETRY,
+    Readiness,
+    anyone_writing,
+    set_version,
+)
 from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.synclog import SyncLog
@@ -52,10 +59,17 @@ from syncd.errors import (
     VerificationError,
     one_line,
 )
-from syncd.formats import SAFETENSORS, Format, format_for_path
+from syncd.formats import PYTORCH, SAFETENSORS, Format, format_for_path
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import index_listing, is_index_name, looks_like_shard, member_files
+from syncd.formats.shards import (
+    IndexFiles,
+    index_listing,
+    is_set_index,
+    looks_like_shard,
+    member_files,
+    shard_extension,
+)
 
 log = logging.getLogger("syncd.sync")
 
@@ -110,6 +124,8 @@ class Syncer:
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
+        self._index_files = IndexFiles()  # each index parsed once per version, not on every event beside it
+        self._missing: dict[Path, int] = {}  # a set's index -> looks while a shard it lists is not there
         # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
         self.shared: frozenset[Path] = frozenset()
         self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
@@ -145,7 +161,7 @@ class Syncer:
         """One file: a candidate, present and regular, settled, not already done, nobody writing it."""
         if not is_candidate(watch, path):
             return SILENT
-        index = _set_index_of(path)
+        index = _set_index_of(path, self._index_files)
         if index is not None:  # a shard is converted with its set, through the set's index
             return self._process_set(watch, index, closed=closed and index == path)
         if _awaits_index(path):
@@ -182,8 +198,12 @@ class Syncer:
             return self._not_regular(watch, index, info)
         if self.state.is_own_output(index, FileStamp.of(info)):
             return SILENT
-        members = _members(index)
+        members = _members(index, self._index_files)
         stats = [info, *(_lstat(member) for member in members)]
+        missing = [member for member, st in zip(members, stats[1:], strict=True) if st is None]
+        if missing:
+            return self._missing_shards(watch, index, [st for st in stats if st is not None], missing)
+        self._missing.pop(index, None)
         wait = self.readiness.set_wait(watch.path, index, stats, closed)
         if wait > 0:
             return later(wait)
@@ -193,7 +213,37 @@ class Syncer:
             return SILENT
         if anyone_writing([index, *members]):
             return later(self.readiness.busy_retry)
-        return self._convert(watch, index, version, dest, BY_NAME[SAFETENSORS], finished=True)
+        return self._convert(watch, index, version, dest, _set_format(index), finished=True)
+
+    def _missing_shards(self, watch: Watch, index: Path, stats: list[os.stat_result], missing: list[Path]) -> Outcome:
+        """A shard the index lists is not there. While the set keeps changing it is waited for quietly: one
+        `warning` line, then looks with backoff (its arrival brings the set back at once); after
+        INCOMPLETE_GRACE_SECONDS without any change the set is refused once, naming what is missing, as a
+        truncated file is. The set's next change (the shard arriving) is a new version, looked at anew."""
+        names = ", ".join(p.name for p in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        quiet = min(self.readiness.age(None, index, st) for st in stats)
+        if quiet < INCOMPLETE_GRACE_SECONDS:
+            looks = self._missing.get(index, 0)
+            if looks == 0:
+                self._warn(watch.path, index, f"waiting for {names}, which the index lists and which is not there yet")
+            if len(self._missing) > 10_000:
+                self._missing.clear()
+            self._missing[index] = looks + 1
+            backoff = min(INCOMPLETE_MAX_RETRY, INCOMPLETE_FIRST_RETRY * 2.0**looks)
+            return later(min(backoff, INCOMPLETE_GRACE_SECONDS - quiet + 0.1))
+        self._missing.pop(index, None)
+        version = set_version(stats)
+        if self.state.failed_same_version(index, version):
+            return SILENT
+        from_format = _set_format(index)
+        dest = ownership.set_destination(watch, index)
+        direction = f"{from_format.short}->{converts_to(from_format).short}"
+        base = {"watch": str(watch.path), "source": str(index), "dest": str(dest), "direction": direction}
+        error = FormatError(
+            f"the index lists {names}, not there after {INCOMPLETE_GRACE_SECONDS:.0f} s without any change",
+            str(index),
+        )
+        return self._failed(index, version, error, base, time.monotonic())
 
     def _done_already(self, path: Path, version: FileStamp, dest: Path) -> bool:
         """Up to date, or failed already in this version (which was said once)."""
@@ -347,6 +397,7 @@ class Syncer:
                 store=_store_options(watch),
                 shard_size=watch.shard_size,
                 hash_name=self.hash_name,
+                top_level_key=watch.top_level_key,
             )
         )
 
@@ -460,30 +511,33 @@ def _lstat(path: Path) -> os.stat_result | None:
         return None
 
 
-def _set_index_of(path: Path) -> Path | None:
-    """The index of the sharded set `path` belongs to (`path` itself for an index), None for a single file."""
-    if is_index_name(path):
+def _set_index_of(path: Path, known: IndexFiles) -> Path | None:
+    """The index of the sharded set `path` belongs to (`path` itself for an index), None for a single file.
+    `known`: each index parsed once per version."""
+    if is_set_index(path):
         return path
     from_format = format_for_path(path)
-    if from_format is None or from_format.name != SAFETENSORS:
+    if from_format is None or from_format.name not in (SAFETENSORS, PYTORCH):
         return None
-    index = index_listing(path)
+    index = index_listing(path, known)
     return None if index is None else Path(index)
 
 
 def _awaits_index(path: Path) -> bool:
     """A shard no index lists yet: save_pretrained writes the index last, and its arrival brings the set."""
     from_format = format_for_path(path)
-    return from_format is not None and from_format.name == SAFETENSORS and looks_like_shard(path.name)
+    return from_format is not None and from_format.name in (SAFETENSORS, PYTORCH) and looks_like_shard(path.name)
 
 
-def _members(index: Path) -> list[Path]:
+def _set_format(index: Path) -> Format:
+    """What a set's shards are: torch.save `.bin` files for a `*.bin.index.json`, else safetensors."""
+    return BY_NAME[PYTORCH if shard_extension(index) == ".bin" else SAFETENSORS]
+
+
+def _members(index: Path, known: IndexFiles) -> list[Path]:
     """The shards an index lists; none for a broken (or half-written) index: the conversion reports it, or it
     is retried."""
-    try:
-        return [Path(p) for p in member_files(index)]
-    except SyncdError:
-        return []
+    return [Path(p) for p in member_files(index, known)]
 
 
 def _store_options(watch: Watch) -> StoreOptions:

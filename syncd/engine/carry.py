@@ -19,7 +19,7 @@ from typing import Any
 
 from syncd.adapters import BURN, PYTORCH
 from syncd.errors import FormatError
-from syncd.formats import BURNPACK, SAFETENSORS
+from syncd.formats import BURNPACK
 from syncd.formats.burnpack import LAYOUT_ALIGNED, LAYOUT_PACKED, Scalar
 from syncd.formats.dtypes import ITEMSIZE, byte_length
 from syncd.formats.shards import ShardLayout
@@ -109,7 +109,7 @@ def for_safetensors(
 ) -> dict[str, str]:
     """The `__metadata__` of a safetensors output (before `stamp`). `target_of`: source name -> output name;
     `layout`: the output's tensor layout."""
-    if header.format == SAFETENSORS:
+    if header.format != BURNPACK:  # safetensors, or a PyTorch checkpoint (whose only metadata is format: pt)
         metadata = own_metadata(header.metadata)
     else:
         metadata = dict(carried.safetensors_metadata or {})

@@ -52,6 +52,7 @@ from syncd.engine.write.planned import (
     verify_full,
     write_planned,
 )
+from syncd.engine.write.views import ViewCopy, ViewPiece
 from syncd.errors import (
     FormatError,
     SyncdError,
@@ -67,8 +68,10 @@ from syncd.formats.shards import (
     ShardLayout,
     find_index,
     is_index_name,
+    is_set_index,
     layout_by_size,
     read_index,
+    set_stem,
 )
 from syncd.formats.table import TensorSpec
 
@@ -96,6 +99,7 @@ class ConvertRequest:
     one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
     hash_name: str = hashing.DEFAULT_HASH  # the source hash recorded: xxh3_128 | sha256
     verify: str = "fast"  # fast: checks taken while writing, table re-read; full: also every tensor re-read
+    top_level_key: str | None = None  # a PyTorch checkpoint's key holding the tensors (Burn's with_top_level_key)
 
 
 @dataclass
@@ -115,12 +119,13 @@ class ConvertResult:
     left_out: list[str] = field(default_factory=list)  # excluded by the tensor filter
     cast: list[str] = field(default_factory=list)  # tensors whose precision changed
     files: list[Path] = field(default_factory=list)  # every file written (a set: its shards, then its index)
+    source_notes: list[str] = field(default_factory=list)  # what of the source was taken and what was left
 
 
 def default_destination(source: Path, to_format: str) -> Path:
     extension = BY_NAME[to_format].extension
-    if is_index_name(source):  # model.safetensors.index.json -> model.bpk
-        return source.parent / (source.name.removesuffix(INDEX_SUFFIX) + extension)
+    if is_set_index(source):  # model.safetensors.index.json -> model.bpk
+        return source.parent / (set_stem(source) + extension)
     return source.with_suffix(extension) if source.suffix else Path(f"{source}{extension}")
 
 
@@ -136,8 +141,14 @@ def convert(request: ConvertRequest) -> ConvertResult:
         raise UsageError(f"--hash must be one of {', '.join(hashing.HASH_CHOICES)}, got {request.hash_name!r}")
     if request.verify not in VERIFY_CHOICES:
         raise UsageError(f"--verify must be one of {', '.join(VERIFY_CHOICES)}, got {request.verify!r}")
-    with open_source(source_path, request.within) as source:
+    with open_source(source_path, request.within, request.top_level_key) as source:
         to_format = request.to_format or converts_to(BY_NAME[source.header.format]).name
+        if to_format not in TARGETS:  # a format syncd only reads (PyTorch's pickles)
+            writes = " or ".join(target.format.extension for target in TARGETS.values())
+            raise UsageError(
+                f"cannot write a {to_format} checkpoint (syncd writes no pickles): write {writes}",
+                str(request.dest) if request.dest else None,
+            )
         dest = Path(request.dest) if request.dest else default_destination(source_path, to_format)
         conversion = plan(source, request, TARGETS[to_format](), dest)
         for path in conversion.output_paths():
@@ -162,12 +173,27 @@ def convert(request: ConvertRequest) -> ConvertResult:
         left_out=conversion.store.left_out,
         cast=sorted(conversion.store.casts),
         files=conversion.output_paths(),
+        source_notes=source_notes(conversion.source.header.facts),
     )
 
 
 def _check_distinct(source: Path, dest: Path) -> None:
     if dest.resolve() == source.resolve():
         raise UsageError(f"the output would overwrite its own source {source}")
+
+
+def source_notes(facts: dict[str, Any]) -> list[str]:
+    """What a PyTorch checkpoint's reader took and left (its tensors under a key; epoch, optimizer state...)."""
+    notes = []
+    key = facts.get("top_level_key")
+    if key is not None:
+        why = "as asked" if facts.get("top_level_key_by") == "asked" else "the one usual key holding tensors"
+        notes.append(f"tensors taken from top-level key {key!r} ({why})")
+    left = facts.get("left")
+    if left:
+        shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+        notes.append(f"not converted: {shown}")
+    return notes
 
 
 # -- plan
@@ -204,6 +230,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carried = carry.parse(source.header.metadata, source.path)
     target.check_dtypes(source.tensors, source.path)
     adapted, store = _adapt(source, request, target, carried)
+    adapted = replace(adapted, decisions=[*source_notes(source.header.facts), *adapted.decisions])
     entries = target.order(adapted.entries, carried)
     casts = _casts(source, store, entries)
     specs = [_tensor_spec(source, carried, target, entry, casts.get(entry.target)) for entry in entries]
@@ -300,12 +327,25 @@ def _tensor_spec(
     return replace(spec, dtype=cast.to_dtype, raw_dtype=None, nbytes=nbytes)
 
 
-def _source_fill(source: Source, entry: PlanEntry) -> FromSource | Joined:
-    """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end."""
+def _source_fill(source: Source, entry: PlanEntry) -> FromSource | Joined | ViewCopy:
+    """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end. A
+    source tensor that is not one window of its file (a PyTorch view, a tied weight) is copied on its own."""
+    if not all(source.reader_of(piece.source).is_window(piece.source) for piece in entry.pieces):
+        return _view_copy(source, entry)
     pieces = tuple(
         FromSource(source.reader_of(piece.source), piece.source, piece.transpose, piece.rows) for piece in entry.pieces
     )
     return Joined(pieces) if entry.parts else pieces[0]
+
+
+def _view_copy(source: Source, entry: PlanEntry) -> ViewCopy:
+    pieces, at = [], 0
+    for piece in entry.pieces:
+        reader = source.reader_of(piece.source)
+        pieces.append(ViewPiece(reader, piece.source, piece.transpose, piece.rows, at))
+        info = reader.tensor(piece.source)
+        at += _piece_nbytes(info.nbytes, info.shape, piece.rows)
+    return ViewCopy(tuple(pieces))
 
 
 def _casts(source: Source, store: StorePlan, entries: list[PlanEntry]) -> dict[str, Cast]:
@@ -354,6 +394,8 @@ def _carried_shards(
         return None
     if source.sharded is None:
         return carried.shards
+    if not is_index_name(source.path):  # a set of torch.save shards: the way back is safetensors, one file
+        return None
     kept = {name for e in entries for name in e.sources} | set(plan.dropped)
     sizes = {t.name: t.nbytes for t in source.tensors}
     return ShardLayout.of(source.sharded).restricted_to(kept, sizes)
@@ -427,11 +469,16 @@ def verify_one_pass(
     must be the plan's, and the ledger of writes must tile it exactly. The data is not read back (it would
     come from the page cache just written); transposed blocks were checked in cache as they were written.
     Cast tensors are checked by their casts, restored ones re-read. `--verify full` also re-reads every tensor.
-    `specs`, `size`: what this file holds (one shard of a set: its tensors)."""
+    `specs`, `size`: what this file holds (one shard of a set: its tensors).
+
+    The file is opened anew through the descriptor it was written with (/proc/self/fd), not by its path: a
+    directory moved or renamed meanwhile changes the path, not the file (the source's own check then says
+    whether it moved, a condition retried later)."""
     try:
-        output = c.target.format.reader(written_path)
+        output = c.target.format.reader(f"/proc/self/fd/{fd}")
     except FormatError as exc:
         raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
+    output.path = str(written_path)  # what messages name
     with output:
         _verify_table(c, output, specs)
         c.target.check_written(specs, output, str(c.dest))
@@ -445,6 +492,8 @@ def verify_one_pass(
                     raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
             elif spec.name in c.casts:
                 c.casts[spec.name].verify(output, spec.name)
+            elif isinstance(spec.fill, ViewCopy):
+                spec.fill.verify(output, spec.name)
 
 
 def _write_set(c: Conversion) -> tuple[PublishResult, int]:
@@ -554,7 +603,7 @@ def source_digest(source: Path, within: Path, hash_name: str) -> str | None:
     """The hash of a source as a conversion records it : one file's bytes, or a set's
     index followed by every shard it lists, in the index's order; None if any part cannot be read."""
     parts = [source]
-    if is_index_name(source):
+    if is_set_index(source):
         try:
             files = read_index(source, within).files
         except SyncdError:

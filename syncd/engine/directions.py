@@ -7,11 +7,12 @@ only what a layout is); the tensor layout each target format is written in is it
 
 from __future__ import annotations
 
-from syncd.formats import BURNPACK, FORMATS, SAFETENSORS, Format
-from syncd.formats.registry import BY_NAME
+from syncd.formats import BURNPACK, FORMATS, PYTORCH, SAFETENSORS, Format
+from syncd.formats.registry import BY_NAME, READ_ONLY
 
-# The format a file of each format is converted to by default: the other one.
-CONVERTS_TO: dict[str, str] = {BURNPACK: SAFETENSORS, SAFETENSORS: BURNPACK}
+# The format a file of each format is converted to by default: the other one; PyTorch's own checkpoints (read,
+# never written) to Burn's.
+CONVERTS_TO: dict[str, str] = {BURNPACK: SAFETENSORS, SAFETENSORS: BURNPACK, PYTORCH: BURNPACK}
 
 
 def converts_to(fmt: Format) -> Format:
@@ -21,6 +22,6 @@ def converts_to(fmt: Format) -> Format:
 
 # The daemon's `direction:` choices: each format to the one it converts to, or all of them.
 DIRECTIONS: dict[str, frozenset[str]] = {
-    **{f"{fmt.short}->{converts_to(fmt).short}": frozenset([fmt.name]) for fmt in FORMATS},
+    **{f"{fmt.short}->{converts_to(fmt).short}": frozenset([fmt.name]) for fmt in (*FORMATS, *READ_ONLY)},
     "both": frozenset(BY_NAME),
 }

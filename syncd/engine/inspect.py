@@ -8,13 +8,16 @@ from typing import Any, TextIO
 
 from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader
-from syncd.formats.shards import ShardedReader, is_index_name
+from syncd.formats.shards import ShardedReader, is_set_index
 
 
-def describe(path: str, with_hash: bool = False) -> dict[str, Any]:
+def describe(path: str, with_hash: bool = False, top_level_key: str | None = None) -> dict[str, Any]:
     """A checkpoint's description; a sharded set's index (`*.safetensors.index.json`) describes the whole set,
-    each tensor with the shard that holds it (its offset is within that shard)."""
-    reader: TensorFileReader | ShardedReader = ShardedReader(path) if is_index_name(path) else open_checkpoint(path)
+    each tensor with the shard that holds it (its offset is within that shard). `top_level_key`: where a
+    PyTorch checkpoint keeps its tensors."""
+    reader: TensorFileReader | ShardedReader = (
+        ShardedReader(path) if is_set_index(path) else open_checkpoint(path, top_level_key=top_level_key)
+    )
     with reader:
         return _describe(reader, with_hash)
 

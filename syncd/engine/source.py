@@ -8,7 +8,7 @@ from pathlib import Path
 from syncd.errors import FormatError
 from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader
-from syncd.formats.shards import ShardedReader, is_index_name
+from syncd.formats.shards import ShardedReader, is_set_index
 from syncd.formats.table import TensorInfo
 
 
@@ -61,8 +61,10 @@ class Source:
         self.close()
 
 
-def open_source(path: Path, within: Path | None) -> Source:
-    if is_index_name(path):
+def open_source(path: Path, within: Path | None, top_level_key: str | None = None) -> Source:
+    """The checkpoint at `path` (a set's index: the whole set); `top_level_key`: where a PyTorch checkpoint
+    keeps its tensors."""
+    if is_set_index(path):
         sharded = ShardedReader(path, within)
         return Source([shard.reader for shard in sharded.shards], sharded)
-    return Source([open_checkpoint(path, within)])
+    return Source([open_checkpoint(path, within, top_level_key)])

@@ -1,4 +1,5 @@
-"""Byte-exact readers and writers for burnpack (.bpk) and safetensors. Nothing here knows of modules.
+"""Byte-exact readers and writers for burnpack (.bpk) and safetensors, and a reader of PyTorch's own
+`torch.save` checkpoints (.pt, .pth, .bin). Nothing here knows of modules.
 
 What each format is (name, extension, reader, dtypes) is described once, in registry.py; how formats are
 converted is the engine's (engine/targets.py, engine/directions.py).
@@ -8,13 +9,24 @@ from __future__ import annotations
 
 import os
 
-from syncd.errors import FormatError
+from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.burnpack import NAME as BURNPACK
 from syncd.formats.fileio import TensorFileReader, open_regular_file, pread_exact
+from syncd.formats.pytorch import NAME as PYTORCH
+from syncd.formats.pytorch import PytorchReader, legacy_error
 from syncd.formats.registry import BY_NAME, FORMATS, Format, format_for_path
 from syncd.formats.safetensors import NAME as SAFETENSORS
 
-__all__ = ["BURNPACK", "FORMATS", "SAFETENSORS", "Format", "format_for_path", "open_checkpoint", "sniff_format"]
+__all__ = [
+    "BURNPACK",
+    "FORMATS",
+    "PYTORCH",
+    "SAFETENSORS",
+    "Format",
+    "format_for_path",
+    "open_checkpoint",
+    "sniff_format",
+]
 
 
 SNIFF_BYTES = 512
@@ -30,14 +42,16 @@ _SIGNATURES = (
 )
 
 
+def _could_be_safetensors(head: bytes, size: int) -> bool:
+    """A safetensors file starts with a little-endian u64 header length that fits the file, then `{`."""
+    return len(head) >= 9 and int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{"
+
+
 def looks_like(head: bytes, size: int) -> str | None:
     """What a file that is not a plausible safetensors file looks like, from its first bytes, or None when
-    it could be one (a damaged one: the reader's own error then says what is wrong) or is unrecognizable.
-    A safetensors file starts with a little-endian u64 header length that fits the file, then `{`."""
-    if len(head) >= 9:
-        length = int.from_bytes(head[:8], "little")
-        if length <= size - 8 and head[8:9] == b"{":
-            return None
+    it could be one (a damaged one: the reader's own error then says what is wrong) or is unrecognizable."""
+    if _could_be_safetensors(head, size):
+        return None
     for signature, what in _SIGNATURES:
         if head.startswith(signature):
             return what
@@ -54,7 +68,9 @@ def looks_like(head: bytes, size: int) -> str | None:
 
 
 def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> str:
-    """Decide by content: a format's magic, else the format without one; the name only breaks ties."""
+    """Decide by content: a format's magic, else the format without one; the name only breaks ties. A zip is
+    read as a torch.save checkpoint only under a PyTorch name (.pt, .pth, .bin): under a checkpoint's name of
+    the other formats it is named for what it is, not converted."""
     fd, size = open_regular_file(path, within)
     try:
         longest = max(len(fmt.magic or b"") for fmt in FORMATS)
@@ -64,16 +80,35 @@ def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | 
     for fmt in FORMATS:
         if fmt.magic is not None and head.startswith(fmt.magic):
             return fmt.name
+    named = format_for_path(path)
+    if named is not None and named.name == PYTORCH:
+        if head.startswith(BY_NAME[PYTORCH].magic or b"?"):
+            return PYTORCH
+        if (BY_NAME[PYTORCH].magic or b"").startswith(head):  # empty, or the first bytes of a zip only
+            raise IncompleteFileError(
+                f"{size} bytes: too short for a torch.save zip (still being written?)", os.fspath(path)
+            )
+        if head[:1] == b"\x80":  # a pickle: torch.save before PyTorch 1.6, or with the zip format turned off
+            raise legacy_error(os.fspath(path))
+        if not _could_be_safetensors(head, size):  # (a safetensors file under a PyTorch name is read as one)
+            lookalike = looks_like(head, size)
+            seen = f" (looks like {lookalike})" if lookalike else ""
+            raise FormatError(f"not a torch.save checkpoint, which is a zip{seen}", os.fspath(path))
     lookalike = looks_like(head, size)
     if lookalike is not None:
         kinds = " or ".join(fmt.name for fmt in reversed(FORMATS))
         raise FormatError(f"not a {kinds} file (looks like {lookalike})", os.fspath(path))
-    named = format_for_path(path)
-    if named is not None and named.magic is not None:
+    if named is not None and named.magic is not None and named.name != PYTORCH:
         raise FormatError(f"Invalid magic number: not a {named.name} file", os.fspath(path))
     return next(fmt.name for fmt in FORMATS if fmt.magic is None)
 
 
-def open_checkpoint(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> TensorFileReader:
-    """Open and validate a checkpoint of any format; `within` confines it to a directory tree."""
-    return BY_NAME[sniff_format(path, within)].reader(path, within)
+def open_checkpoint(
+    path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None, top_level_key: str | None = None
+) -> TensorFileReader:
+    """Open and validate a checkpoint of any format; `within` confines it to a directory tree. `top_level_key`:
+    where a PyTorch checkpoint keeps its tensors (the other formats have no such nesting: it does not apply)."""
+    name = sniff_format(path, within)
+    if name == PYTORCH:
+        return PytorchReader(path, within, top_level_key)
+    return BY_NAME[name].reader(path, within)

@@ -256,6 +256,12 @@ class TensorFileReader:
         except KeyError:
             raise FormatError(f"Tensor not found: {name}", self.path) from None
 
+    def is_window(self, name: str) -> bool:
+        """True when the tensor's bytes are exactly [offset, offset + nbytes) of the file, in C order, and no
+        tensor before it in the file shares any of them: a converter may move them as one window in a pass
+        over the file. Otherwise (a PyTorch view, a tied weight) `readinto` gathers them."""
+        return True
+
     def read(self, name: str) -> bytes:
         info = self.tensor(name)
         return pread_exact(self.fd, info.nbytes, info.offset, self.path, f"tensor '{name}'")

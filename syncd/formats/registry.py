@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from syncd.formats import burnpack, safetensors
+from syncd.formats import burnpack, pytorch, safetensors
 from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader
 
@@ -23,6 +23,7 @@ class Format:
     reader: type[TensorFileReader]
     dtypes: frozenset[str]  # our dtype names this format can store
     magic: bytes | None  # leading bytes that identify a file; None: the format tried when no magic matches
+    aliases: tuple[str, ...] = ()  # other extensions of the same format
 
     @property
     def short(self) -> str:
@@ -46,9 +47,21 @@ FORMATS: tuple[Format, ...] = (
         magic=None,
     ),
 )
-BY_NAME = {fmt.name: fmt for fmt in FORMATS}
+# Formats syncd reads but does not write: PyTorch's own pickled checkpoints (syncd writes no pickles). They are
+# sources only: not a `--to`, not in a watch's default `include`, taken by a watch whose `include:` or
+# `direction:` names them.
+PYTORCH_FORMAT = Format(
+    name=pytorch.NAME,
+    extension=".pt",
+    reader=pytorch.PytorchReader,
+    dtypes=frozenset(),
+    magic=pytorch.ZIP_MAGIC,
+    aliases=pytorch.EXTENSIONS[1:],
+)
+READ_ONLY: tuple[Format, ...] = (PYTORCH_FORMAT,)
+BY_NAME = {fmt.name: fmt for fmt in (*FORMATS, *READ_ONLY)}
 BY_SHORT = {fmt.short: fmt for fmt in FORMATS}
-BY_EXTENSION = {fmt.extension: fmt for fmt in FORMATS}
+BY_EXTENSION = {ext: fmt for fmt in (*FORMATS, *READ_ONLY) for ext in (fmt.extension, *fmt.aliases)}
 
 
 def format_for_path(path: str | os.PathLike[str]) -> Format | None:

@@ -15,17 +15,30 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
 
 from syncd.errors import FormatError
-from syncd.formats.fileio import FileStamp, open_regular_file, pread_exact, refuse_costly_decode, source_changed
+from syncd.formats.fileio import (
+    FileStamp,
+    TensorFileReader,
+    open_regular_file,
+    pread_exact,
+    refuse_costly_decode,
+    source_changed,
+)
+from syncd.formats.pytorch import PytorchReader
 from syncd.formats.safetensors import SafetensorsReader, decoded_cost, unique_pairs
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
 INDEX_SUFFIX = ".safetensors.index.json"
+# transformers' sets of torch.save shards (`pytorch_model-00001-of-00002.bin`), read as one checkpoint like a
+# safetensors set; never written (syncd writes no pickles)
+BIN_INDEX_SUFFIX = ".bin.index.json"
 DEFAULT_INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_SIZE = 100_000_000  # as the safetensors header: an index is a table of names, never data
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -35,9 +48,28 @@ def is_index_name(path: str | os.PathLike[str]) -> bool:
     return os.fspath(path).endswith(INDEX_SUFFIX)
 
 
+def is_set_index(path: str | os.PathLike[str]) -> bool:
+    """The index of a set syncd reads: a safetensors set's, or a set of torch.save `.bin` shards'."""
+    return is_index_name(path) or os.fspath(path).endswith(BIN_INDEX_SUFFIX)
+
+
+def shard_extension(index_path: str | os.PathLike[str]) -> str:
+    """What the shards an index lists are: `.bin` for `*.bin.index.json`, else `.safetensors`."""
+    return ".bin" if os.fspath(index_path).endswith(BIN_INDEX_SUFFIX) else ".safetensors"
+
+
+def set_stem(index_path: str | os.PathLike[str]) -> str:
+    """The name a set's outputs take: `model` of model.safetensors.index.json, `pytorch_model` of
+    pytorch_model.bin.index.json."""
+    name = os.path.basename(os.fspath(index_path))
+    return name.removesuffix(INDEX_SUFFIX) if is_index_name(name) else name.removesuffix(BIN_INDEX_SUFFIX)
+
+
 def find_index(directory: str | os.PathLike[str]) -> str:
     """The one `*.safetensors.index.json` in `directory`; refused when there is none or more than one."""
     names = sorted(n for n in os.listdir(directory) if n.endswith(INDEX_SUFFIX))
+    if not names:  # a directory of torch.save shards only
+        names = sorted(n for n in os.listdir(directory) if n.endswith(BIN_INDEX_SUFFIX))
     if len(names) != 1:
         found = "none" if not names else ", ".join(names)
         raise FormatError(f"expected one *{INDEX_SUFFIX} in the directory, found {found}", os.fspath(directory))
@@ -103,15 +135,16 @@ def parse_index(raw: bytes, path: str) -> ShardIndex:
     for name, file in weight_map.items():
         if not isinstance(file, str):
             raise FormatError(f"weight_map gives tensor '{name}' a shard that is not a file name", path)
-        check_shard_name(file, path)
+        check_shard_name(file, path, shard_extension(path))
         files.setdefault(file)
     if not weight_map:
         raise FormatError("index lists no tensors", path)
     return ShardIndex(path, raw, metadata, weight_map, sorted(files), document)
 
 
-def check_shard_name(name: str, index_path: str) -> None:
-    """A shard is a `.safetensors` file inside the index's directory: a relative path with no `..`."""
+def check_shard_name(name: str, index_path: str, extension: str = ".safetensors") -> None:
+    """A shard is a `.safetensors` (or, for a `.bin` index, `.bin`) file inside the index's directory: a relative
+    path with no `..`."""
     parts = PurePosixPath(name).parts
     bad = (
         not name
@@ -120,11 +153,11 @@ def check_shard_name(name: str, index_path: str) -> None:
         or name.startswith("/")
         or any(part in ("..", ".") for part in parts)
         or name != "/".join(parts)  # empty segments, trailing slash
-        or not name.endswith(".safetensors")
+        or not name.endswith(extension)
     )
     if bad:
         raise FormatError(
-            f"index names shard {name!r}, which is not a .safetensors file inside its directory", index_path
+            f"index names shard {name!r}, which is not a {extension} file inside its directory", index_path
         )
 
 
@@ -146,7 +179,7 @@ def read_index(path: str | os.PathLike[str], within: str | os.PathLike[str] | No
 @dataclass
 class Shard:
     file: str  # as the index names it, relative to the index's directory
-    reader: SafetensorsReader
+    reader: TensorFileReader  # a SafetensorsReader, or a PytorchReader of a `.bin` set
 
 
 class ShardedReader:
@@ -174,7 +207,7 @@ class ShardedReader:
         self.tensors: list[TensorInfo] = [t for shard in self.shards for t in shard.reader.tensors]
         self.file_size = sum(shard.reader.file_size for shard in self.shards)
         self.header = CheckpointHeader(
-            format="safetensors",
+            format=self.shards[0].reader.header.format,
             path=self.path,
             file_size=self.file_size,
             metadata=dict(self.shards[0].reader.header.metadata),
@@ -187,7 +220,11 @@ class ShardedReader:
             listed[file].append(name)
         for file in self.index.files:
             shard_path = os.path.join(self.directory, file)
-            reader = SafetensorsReader(shard_path, self.within)
+            reader: TensorFileReader = (
+                PytorchReader(shard_path, self.within)
+                if shard_extension(self.path) == ".bin"
+                else SafetensorsReader(shard_path, self.within)
+            )
             self.shards.append(Shard(file, reader))
             held = {t.name for t in reader.tensors}
             for name in listed[file]:
@@ -203,7 +240,7 @@ class ShardedReader:
     def shard_metadata(self) -> dict[str, dict[str, str]]:
         return {shard.file: dict(shard.reader.header.metadata) for shard in self.shards}
 
-    def reader_for(self, name: str) -> SafetensorsReader:
+    def reader_for(self, name: str) -> TensorFileReader:
         """The reader of the shard holding `name` (its offsets are within that shard's file)."""
         try:
             return self._shard_of[name].reader
@@ -440,34 +477,78 @@ def _weights_name(index_name: str) -> str:
 
 # the names save_pretrained gives shards; such a file is part of a set even before its index is written
 # (the index comes last), so it is never converted on its own
-_SHARD_NAME = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.safetensors")
+_SHARD_NAME = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.(safetensors|bin)")
 
 
 def looks_like_shard(name: str) -> bool:
     return _SHARD_NAME.fullmatch(name) is not None
 
 
-def member_files(index_path: str | os.PathLike[str]) -> list[str]:
-    """The shard paths an index lists (read from the index alone; the shards are not opened)."""
-    index = read_index(index_path)
+class IndexFiles:
+    """The shard names of each index, parsed once per version of the index (its identity, size, mtime and
+    ctime), refused ones included (as listing nothing): a directory's `.safetensors` events each ask which
+    index lists the file, and re-parsing a large index on every one of them costs seconds and hundreds of MB.
+    Holds names only, for at most MAX_ENTRIES indexes (the least recently asked go first). Thread-safe."""
+
+    MAX_ENTRIES = 256
+
+    def __init__(self) -> None:
+        self._files: OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...] | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def files(self, index_path: str | os.PathLike[str]) -> tuple[str, ...] | None:
+        """The names the index lists, or None if it does not read (gone, not an index, refused)."""
+        path = os.path.abspath(os.fspath(index_path))
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        with self._lock:
+            known = self._files.get(path)
+            if known is not None and known[0] == version:
+                self._files.move_to_end(path)
+                return known[1]
+        try:
+            files: tuple[str, ...] | None = tuple(read_index(path).files)
+        except FormatError:
+            files = None
+        with self._lock:
+            self._files[path] = (version, files)
+            self._files.move_to_end(path)
+            while len(self._files) > self.MAX_ENTRIES:
+                self._files.popitem(last=False)
+        return files
+
+
+def member_files(index_path: str | os.PathLike[str], known: IndexFiles | None = None) -> list[str]:
+    """The shard paths an index lists (read from the index alone; the shards are not opened). With `known`,
+    an index already parsed in this version is not parsed again; an index that does not read lists none."""
     directory = os.path.dirname(os.fspath(index_path))
+    if known is not None:
+        return [os.path.join(directory, file) for file in known.files(index_path) or ()]
+    index = read_index(index_path)
     return [os.path.join(directory, file) for file in index.files]
 
 
-def index_listing(path: str | os.PathLike[str]) -> str | None:
+def index_listing(path: str | os.PathLike[str], known: IndexFiles | None = None) -> str | None:
     """The index beside `path` that lists it as a shard, or None. An index that does not read is skipped:
-    it is reported when it is converted, and a half-written one lists nothing yet."""
+    it is reported when it is converted, and a half-written one lists nothing yet. With `known`, each index
+    is parsed once per version."""
     directory, name = os.path.split(os.path.abspath(path))
     try:
-        candidates = sorted(n for n in os.listdir(directory) if n.endswith(INDEX_SUFFIX))
+        candidates = sorted(n for n in os.listdir(directory) if is_set_index(n))
     except OSError:
         return None
     for candidate in candidates:
         index_path = os.path.join(directory, candidate)
-        try:
-            files = read_index(index_path).files
-        except FormatError:
-            continue
+        if known is not None:
+            files = known.files(index_path) or ()
+        else:
+            try:
+                files = tuple(read_index(index_path).files)
+            except FormatError:
+                continue
         if name in files:
             return index_path
     return None

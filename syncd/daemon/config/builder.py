@@ -52,6 +52,8 @@ from syncd.daemon.config.schema import (
 from syncd.daemon.config.yamlfile import MISSING, Section, YamlFile, describe, resolve
 from syncd.engine.directions import DIRECTIONS
 from syncd.engine.hashing import HASH_CHOICES
+from syncd.formats.pytorch import DAEMON_PATTERNS as PYTORCH_PATTERNS
+from syncd.formats.registry import PYTORCH_FORMAT
 from syncd.formats.shards import parse_shard_size
 
 
@@ -163,13 +165,14 @@ class ConfigBuilder:
         output_node = section.node("output")
         if output_node is not None:
             self.mirror_lines[index] = output_node.start_mark.line + 1
+        direction = section.choice("direction", DEFAULT_DIRECTION, tuple(DIRECTIONS))
         return Watch(
             path=path,
             recursive=section.boolean("recursive", True),
-            include=section.string_list("include", DEFAULT_INCLUDE),
+            include=section.string_list("include", _default_include(direction)),
             exclude=section.string_list("exclude", ()),
             ignore=_ignore_list(section, ignore),
-            direction=section.choice("direction", DEFAULT_DIRECTION, tuple(DIRECTIONS)),
+            direction=direction,
             mirror=self._mirror(section),
             on_exists=section.choice("on_exists", DEFAULT_ON_EXISTS, ON_EXISTS),
             layout=section.choice("layout", AUTO, LAYOUT_CHOICES),
@@ -181,6 +184,7 @@ class ConfigBuilder:
             **_tensor_filter(self.file, section),
             precision=_precision(section),
             shard_size=_shard_size(self.file, section),
+            top_level_key=_top_level_key(section),
             line=items["path"][1].start_mark.line + 1,
             index=index,
         )
@@ -230,6 +234,27 @@ def _ignore_list(section: Section, default: tuple[str, ...]) -> tuple[str, ...]:
     if section.raw("ignore") is None:
         return ()
     return section.string_list("ignore", default)
+
+
+def _default_include(direction: str) -> tuple[str, ...]:
+    """The file names a watch takes when its `include:` is not given: its direction's formats' (a direction
+    from PyTorch's own checkpoints takes `*.pt`, `*.pth`, `pytorch_model*.bin`; `both` takes the formats syncd
+    also writes, as it always has)."""
+    if DIRECTIONS[direction] == {PYTORCH_FORMAT.name}:
+        return PYTORCH_PATTERNS
+    return DEFAULT_INCLUDE
+
+
+def _top_level_key(section: Section) -> str | None:
+    """`top_level_key:` a key of a PyTorch checkpoint's saved dict; absent or null: found as the reader does."""
+    value = section.raw("top_level_key")
+    if value is MISSING or value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        expected = f"expected a key (a non-empty string) or null, got {describe(value)}"
+        section.file.problem(section.node("top_level_key"), section.key("top_level_key"), expected)
+        return None
+    return value
 
 
 def _precision(section: Section) -> str | None:

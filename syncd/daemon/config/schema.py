@@ -83,6 +83,7 @@ WATCH_KEYS = (
     "tensors",
     "precision",
     "shard_size",
+    "top_level_key",
 )
 TENSOR_FILTER_KEYS = ("include", "exclude")
 # settings a running daemon cannot change (dotted field names): a reload keeps the running values and names
@@ -130,6 +131,7 @@ class Watch:
     tensor_exclude: tuple[str, ...] = ()
     precision: str | None = None  # f16 | bf16 | f32 (f32: restore what an earlier conversion cast down)
     shard_size: int | None = None  # bytes per shard when writing safetensors; None: as carried, else one file
+    top_level_key: str | None = None  # a PyTorch checkpoint's key holding the tensors (Burn's with_top_level_key)
     line: int = 0  # the line of its `path:`, for messages
     index: int = 0  # its position in the config's `watches:` list, for messages
 
