@@ -205,6 +205,7 @@ def test_cli_subprocess(kind: str, tmp_path: Path) -> None:
 PT_OPTIONS = st.sampled_from([(None, "auto"), (None, "keep"), (None, "pytorch"), ("safetensors", "keep")])
 
 
+@pytest.mark.slow
 def test_pytorch_reader_structured(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()
@@ -220,6 +221,7 @@ def test_pytorch_reader_structured(tmp_path: Path) -> None:
     assert counts["ok"] > EXAMPLES // 20, "the generator should produce some valid files"
 
 
+@pytest.mark.slow
 def test_pytorch_reader_mutated(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()
@@ -234,6 +236,7 @@ def test_pytorch_reader_mutated(tmp_path: Path) -> None:
     assert sum(counts.values()) >= EXAMPLES
 
 
+@pytest.mark.slow
 def test_pytorch_convert(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()
@@ -249,6 +252,7 @@ def test_pytorch_convert(tmp_path: Path) -> None:
     assert counts["ok"] > 0, "some files should convert"
 
 
+@pytest.mark.slow
 def test_pytorch_cli_subprocess(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()

@@ -573,6 +573,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tran
     return str(request.param)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rows=DIMS,

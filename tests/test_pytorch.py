@@ -417,6 +417,7 @@ HOSTILE_ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(HOSTILE_ERRORS))
 def test_a_hostile_checkpoint_is_refused_in_one_line_and_runs_nothing(tmp_path: Path, case: str) -> None:
     marker = tmp_path / "pwned"
