@@ -280,10 +280,11 @@ def target_format(to: str | None, output: Path | None) -> str | None:
     from syncd.formats.shards import is_index_name
 
     named = format_for_path(output) if output is not None else None
-    if output is not None and named is None and not is_index_name(output) and not output.is_dir():
+    # a suffix that names no format would lie about the bytes (`-o x.txt`); a name without one is taken as it is
+    if output is not None and output.suffix and named is None and not is_index_name(output) and not output.is_dir():
         suffixes = " or ".join(fmt.extension for fmt in FORMATS)
         raise UsageError(
-            f"convert: -o {output}: unknown output suffix {output.suffix or '(none)'!r}; "
+            f"convert: -o {output}: unknown output suffix {output.suffix!r}; "
             f"name the file {suffixes}, or give an existing directory"
         )
     wanted = BY_SHORT[to] if to else None

@@ -29,6 +29,7 @@ DEFAULT_RESCAN_INTERVAL = 600.0  # seconds between safety rescans of every watch
 # a worker busy with one file longer than this stops the watchdog pings (systemd then restarts syncd)
 DEFAULT_STUCK_WORKER_SECONDS = 1800.0
 DEFAULT_HASH_NAME = DEFAULT_HASH  # the source hash recorded in outputs (`hash:`)
+METRICS_SUFFIX = ".prom"  # node_exporter's textfile collector reads only files named so
 
 # log:
 DEFAULT_LOG_PATH = "./syncd.log.jsonl"
@@ -62,6 +63,7 @@ TOP_LEVEL_KEYS = (
     "stuck_worker_seconds",
     "ignore",
     "hash",
+    "metrics",
     "cluster",
     "watches",
 )
@@ -159,6 +161,7 @@ class Config:
     rescan_interval: float | None = DEFAULT_RESCAN_INTERVAL  # None: no periodic safety rescan
     stuck_worker_seconds: float = DEFAULT_STUCK_WORKER_SECONDS
     hash_name: str = DEFAULT_HASH_NAME
+    metrics: Path | None = None  # a Prometheus textfile (`*.prom`) rewritten every second; None: none
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
     def polling_interval_for(self, watch: Watch) -> float | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml  # type: ignore[import-untyped]  # (no stubs installed)
+import yaml
 
 from syncd.errors import ConfigError
 
