@@ -104,20 +104,25 @@ def transposed(data: bytes, shape: tuple[int, ...], itemsize: int) -> bytes:
     return np.frombuffer(data, dtype=f"V{itemsize}").reshape(shape).T.copy().tobytes()
 
 
-def run_cli(
-    *args: object, cwd: str | os.PathLike[str] | None = None, hide: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    """`syncd ARGS` in a fresh interpreter, as a user runs it; `hide` names packages that interpreter cannot
-    import (as on a machine without them: `hide=("transformers",)`)."""
+def cli_env(hide: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment a `syncd` subprocess gets: this checkout's code, no debugging tracebacks; `hide` names
+    packages that interpreter cannot import (as on a machine without them: `hide=("transformers",)`)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *([hiding(hide)] if hide else [])]))
     env.pop("SYNCD_DEBUG", None)
+    return env
+
+
+def run_cli(
+    *args: object, cwd: str | os.PathLike[str] | None = None, hide: tuple[str, ...] = (), timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`syncd ARGS` in a fresh interpreter, as a user runs it (`hide`: see cli_env; `timeout` catches a hang)."""
     return subprocess.run(
         [sys.executable, "-m", "syncd", *map(str, args)],
         cwd=cwd,
-        env=env,
+        env=cli_env(hide),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 

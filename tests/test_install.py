@@ -60,6 +60,7 @@ def _root_with_systemd(root: Path) -> None:
     shutil.copy(shutil.which("kill") or "/bin/kill", root / "bin/kill")
 
 
+@pytest.mark.slow
 def test_the_readme_install_steps_run_as_written(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()

@@ -109,6 +109,7 @@ def test_the_metrics_path_is_checked(tmp_path: Path, value: str, problem: str) -
         load_config(config)
 
 
+@pytest.mark.daemon
 def test_a_running_daemon_keeps_the_metrics_file_current(tmp_path: Path) -> None:
     with DaemonRun(tmp_path / "d", metrics="metrics/syncd.prom") as run:
         (run.root / "metrics").mkdir()

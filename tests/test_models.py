@@ -27,6 +27,8 @@ from syncd.adapters import FileContext, LayoutAmbiguityError, ModuleMap, TensorR
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.errors import UnsupportedError
 
+pytestmark = pytest.mark.torch
+
 hf.logging.set_verbosity_error()
 
 
@@ -637,6 +639,7 @@ def test_the_chunk_order_is_pytorchs(tmp_path: Path) -> None:
     assert back.tensors == read_safetensors(tmp_path / "m.safetensors").tensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("build", "tensor", "why"),
     [
@@ -669,6 +672,7 @@ def test_packed_tensors_without_a_burn_slot_are_refused_naming_the_tensor(
     assert_same_state(model, fresh)
 
 
+@pytest.mark.daemon
 def test_the_sync_log_records_each_decision_with_its_source(tmp_path: Path) -> None:
     """The daemon converts a save_pretrained directory dropped into a watch; its log line says where each
     decision came from (the model's definition, config.json, names, metadata) and the way back needs nothing
@@ -788,6 +792,7 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
         plan_conversion(torch_side, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {"": "Lstm"}}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "precision", "dtype"),
     [("mha", "f16", torch.float16), ("lstm", "bf16", torch.bfloat16), ("bigru", "f16", torch.float16)],
@@ -843,6 +848,7 @@ def _save_as_set(state: dict[str, torch.Tensor], directory: Path, split: list[li
     return index
 
 
+@pytest.mark.slow
 def test_a_packed_module_in_a_sharded_set_is_split_and_joined_both_ways(tmp_path: Path) -> None:
     """nn.MultiheadAttention in a set whose shards cut the model apart (the attention's in_proj in one shard,
     its out_proj in the other): one .bpk equal to the single file's; back as the same set byte for byte, as
@@ -878,6 +884,7 @@ def test_a_packed_module_in_a_sharded_set_is_split_and_joined_both_ways(tmp_path
     assert joined == original
 
 
+@pytest.mark.daemon
 def test_convert_v_and_the_sync_log_show_each_packed_decision_and_its_evidence(tmp_path: Path) -> None:
     from daemonutil import DaemonRun
 

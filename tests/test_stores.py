@@ -10,6 +10,8 @@ from syncd.adapters.keys import NameCollisionError, TensorFilter, compile_rule
 from syncd.engine.options import StoreOptions, apply_options, undo_renames
 from syncd.errors import SyncdError
 
+pytestmark = pytest.mark.torch
+
 DTYPES = {"torch.float32": "F32"}
 
 
