@@ -581,3 +581,23 @@ def test_config_json_beside_the_set_needs_no_module_map(saves: dict[str, Path], 
     syncd("convert", index.parent / "model.bpk", "-o", back)  # the .bpk's own record settles them
     for name in ORIGINAL_FILES:
         assert (back / name).read_bytes() == (index.parent / name).read_bytes(), name
+
+
+@pytest.mark.daemon
+def test_daemon_turns_a_sets_bpk_back_into_its_shards_and_index(saves: dict[str, Path], tmp_path: Path) -> None:
+    original = fresh_set(saves, tmp_path / "set")
+    bpk = tmp_path / "model.bpk"
+    syncd("convert", original, "-o", bpk, "--modules", saves["modules"])
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
+        run.start()
+        back = run.watch_dir("runs") / "back"
+        back.mkdir()
+        shutil.copy(bpk, back / "model.bpk.part")
+        os.rename(back / "model.bpk.part", back / "model.bpk")  # as a trainer publishes: write, then rename
+        run.wait_for("converted", [back / "model.bpk"])
+        set_files = [name for name in ORIGINAL_FILES if name.endswith((".safetensors", ".index.json"))]
+        assert sorted(p.name for p in back.iterdir()) == sorted(["model.bpk", *set_files]), run.log_text()
+        for name in set_files:
+            assert (back / name).read_bytes() == (original.parent / name).read_bytes(), name
+        run.quiet(1.0)  # the shards and index it wrote are its own outputs: nothing converts them back
+        assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()
