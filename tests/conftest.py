@@ -47,6 +47,18 @@ def fixture_files() -> list[Path]:
     return sorted(p for p in FIXTURES.glob("*/*") if p.suffix in (".bpk", ".safetensors"))
 
 
+@pytest.fixture(autouse=True)
+def _a_test_that_starts_a_daemon_is_marked_daemon(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The fast tier (`-m "not slow and not daemon"`, docs/testing.md) leaves daemon tests out by their mark:
+    one that starts a daemon without it fails here, so the tier cannot grow slow unnoticed."""
+    from daemonutil import DaemonRun
+
+    before = DaemonRun.starts
+    yield
+    if DaemonRun.starts > before and request.node.get_closest_marker("daemon") is None:
+        pytest.fail("this test starts a daemon: mark it `daemon` (pytest.mark.daemon)", pytrace=False)
+
+
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
     """Makes real daemons (`python -m syncd run`, tests/daemonutil.py), each on its own tree under tmp_path:

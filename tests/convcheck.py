@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,18 +104,37 @@ def transposed(data: bytes, shape: tuple[int, ...], itemsize: int) -> bytes:
     return np.frombuffer(data, dtype=f"V{itemsize}").reshape(shape).T.copy().tobytes()
 
 
-def run_cli(*args: object, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`syncd ARGS` in a fresh interpreter, as a user runs it."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def cli_env(hide: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment a `syncd` subprocess gets: this checkout's code, no debugging tracebacks; `hide` names
+    packages that interpreter cannot import (as on a machine without them: `hide=("transformers",)`)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *([hiding(hide)] if hide else [])]))
     env.pop("SYNCD_DEBUG", None)
+    return env
+
+
+def run_cli(
+    *args: object, cwd: str | os.PathLike[str] | None = None, hide: tuple[str, ...] = (), timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`syncd ARGS` in a fresh interpreter, as a user runs it (`hide`: see cli_env; `timeout` catches a hang)."""
     return subprocess.run(
         [sys.executable, "-m", "syncd", *map(str, args)],
         cwd=cwd,
-        env=env,
+        env=cli_env(hide),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
+
+
+def hiding(packages: tuple[str, ...]) -> str:
+    """A directory that, put on PYTHONPATH, makes `import NAME` fail for each of `packages` with ImportError,
+    before the real one in site-packages is found."""
+    directory = Path(tempfile.gettempdir()) / f"syncd-hide-{os.getuid()}-{'-'.join(sorted(packages))}"
+    for package in packages:
+        init = directory / package / "__init__.py"
+        init.parent.mkdir(parents=True, exist_ok=True)
+        init.write_text(f"raise ImportError('{package} is not installed here (hidden by the test)')\n")
+    return str(directory)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], code: int, *fragments: str) -> str:

@@ -15,11 +15,12 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +65,55 @@ def _become(capabilities: list[int], user: int | None) -> None:
         os.setuid(user)
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` is in the stopped state (`T` in /proc/PID/task/TID/stat)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        if stat.rsplit(")", 1)[1].split()[0] != "T":
+            return False
+    return True
+
+
 def scratch_files(*roots: Path) -> list[Path]:
     """syncd's scratch files (`.<name>.syncd-<pid>-<n>.tmp`) anywhere below `roots`."""
     return [path for root in roots for path in root.rglob("*") if is_scratch_name(path.name)]
 
 
+def write_file(path: Path, data: bytes) -> None:
+    """Write `data` as a writer saving a checkpoint does: one open, one write, one close (one close event)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def mentioning(records: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The sync log records in which `text` appears anywhere."""
+    return [r for r in records if text in json.dumps(r)]
+
+
+def runnable_by_others() -> None:
+    """Let other users reach this checkout and the interpreter (o+x along their paths): a daemon started
+    as another user runs the code from here."""
+    for path in (REPO, Path(sys.executable).resolve().parent, Path(sys.prefix)):
+        for directory in [path, *path.parents]:
+            mode = os.stat(directory).st_mode
+            if not mode & stat.S_IXOTH:
+                os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
+
+
+def stop_cleanly(run: DaemonRun, *roots: Path) -> None:
+    """SIGTERM, and the daemon exits 0 leaving no scratch file below `roots` (default: its own directory)."""
+    code, seconds = run.stop()
+    assert code == 0, f"exit status {code} after {seconds:.1f} s\n{run.stderr()}"
+    assert scratch_files(*(roots or (run.root,))) == []
+
+
 class DaemonRun:
     """One daemon with its own files under `root`. Use as a context manager: leaving kills what is left."""
+
+    starts = 0  # daemons started in this process: conftest checks that a test starting one is marked `daemon`
 
     def __init__(self, root: Path, watches: list[dict[str, Any]] | None = None, **settings: Any) -> None:
         self.root = root
@@ -133,6 +176,7 @@ class DaemonRun:
         env.pop("WATCHDOG_USEC", None)
         env.update(extra)
         started_at = len(self.notifications)
+        DaemonRun.starts += 1
         dropped = list(drop_capabilities)
         if user is not None:  # the daemon must reach systemd's socket as that user
             os.chmod(self._socket_dir, 0o755)
@@ -168,6 +212,20 @@ class DaemonRun:
     def send(self, signum: int) -> None:
         assert self.proc is not None
         self.proc.send_signal(signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The daemon stopped (SIGSTOP) for the block: none of its threads runs, so nothing reads its inotify
+        queue or looks at a file until the block ends (SIGCONT). A signal arrives asynchronously: the block
+        starts only once every thread is seen stopped."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        self.send(signal.SIGSTOP)
+        try:
+            wait_until(lambda: _all_threads_stopped(pid), START_TIMEOUT, "every thread of the daemon stopped")
+            yield
+        finally:
+            self.send(signal.SIGCONT)
 
     def stop(self, timeout: float = 60.0) -> tuple[int | None, float]:
         """SIGTERM; returns (exit status or None if it did not exit within `timeout`, seconds taken)."""

@@ -30,6 +30,8 @@ from syncd.adapters import (
 from syncd.errors import AmbiguousLayoutError, ConfigError, SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import SAFETENSORS_TO_DTYPE
 
+pytestmark = pytest.mark.torch
+
 # ---------------------------------------------------------------------------------------------------------
 # tables from real files and real modules
 

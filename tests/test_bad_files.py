@@ -322,6 +322,7 @@ def test_directory_and_missing_file(tmp_path: Path) -> None:
     assert time.monotonic() - start < TIME_LIMIT
 
 
+@pytest.mark.slow
 def test_recipes_only_break_what_they_say(tmp_path: Path) -> None:
     """The building blocks make valid files when nothing is broken, so each case fails for its own reason."""
     (tmp_path / "a.bpk").write_bytes(with_tag(b"\x01"))
@@ -338,6 +339,7 @@ def test_recipes_only_break_what_they_say(tmp_path: Path) -> None:
             assert reader.tensors
 
 
+@pytest.mark.slow
 def test_a_large_legitimate_tensor_table_is_still_decoded(tmp_path: Path) -> None:
     """The pricing that refuses hostile metadata (tests/test_fuzz.py) must let a real 100,000-tensor table through."""
     import cbor2

@@ -274,6 +274,7 @@ def roundtrip(model, metadata, scalars, layout) -> None:
         assert copy == first, "re-writing what was read changed the bytes"
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     model=models(),
@@ -475,6 +476,7 @@ def test_writer_refuses_bad_scalars(scalars: dict[str, Scalar], fragment: str, t
         write_bpk(tmp_path / "out.bpk", [], scalars=scalars)
 
 
+@pytest.mark.slow
 def test_writer_refuses_more_than_max_tensors(tmp_path: Path) -> None:
     filled = []
 

@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.errors import SyncdError, VerificationError
 
+pytestmark = pytest.mark.torch
+
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
@@ -70,6 +72,7 @@ def _rewrite_in_place_keeping_size_and_mtime(shard: Path) -> None:
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
 
 
+@pytest.mark.daemon
 def test_a_shard_rewritten_in_place_with_the_same_size_and_mtime_updates_the_set(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -108,6 +111,7 @@ def _set_missing_a_shard(runs: Path, age: float = 0.0) -> tuple[Path, Path]:
     return index, aside
 
 
+@pytest.mark.daemon
 def test_a_shard_that_is_not_there_yet_is_waited_for_with_one_line(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon()
     runs = run.watch_dir("runs")
@@ -125,6 +129,7 @@ def test_a_shard_that_is_not_there_yet_is_waited_for_with_one_line(make_daemon: 
     assert code == 0, run.stderr()
 
 
+@pytest.mark.daemon
 def test_a_shard_that_never_arrives_is_refused_once_naming_it(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon()
     runs = run.watch_dir("runs")
@@ -160,6 +165,7 @@ def _bytes_read(pid: int) -> int:
         return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
 
 
+@pytest.mark.daemon
 def test_an_index_is_parsed_once_per_version_not_on_every_event_beside_it(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:

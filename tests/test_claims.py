@@ -58,6 +58,7 @@ def holding_process(proc: subprocess.Popen[str]) -> int:
     return int(children[0]) if children else proc.pid
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("namespace", [(), ("unshare", "--pid", "--fork", "--kill-child", "--mount-proc")])
 def test_a_claim_is_exclusive_while_its_holder_lives_and_free_once_it_is_killed(
     tmp_path: Path, namespace: tuple[str, ...]

@@ -16,18 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import MNIST_BPK, MNIST_ST, REPO
-from convcheck import assert_one_line_error, dir_listing, run_cli
+from conftest import MNIST_BPK, MNIST_ST
+from convcheck import assert_one_line_error, cli_env, dir_listing, run_cli
 from safetensors.torch import save_file
 
 from syncd.daemon.synclog import SyncLog
 from syncd.formats.burnpack import MAGIC
 
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("SYNCD_DEBUG", None)
-    return env
+pytestmark = pytest.mark.torch
 
 
 def _ambiguous(path: Path) -> Path:
@@ -203,7 +199,12 @@ def test_a_closed_pipe_is_not_an_error(tmp_path: Path, args: tuple[str, ...]) ->
             sync_log.log("converted", watch="/w", source=f"/w/{n}.bpk", dest=f"/w/{n}.safetensors", bytes=n)
     command = [sys.executable, "-m", "syncd", *(arg.format(log=log) for arg in args)]
     proc = subprocess.run(
-        f"{' '.join(map(str, command))} | head -1", shell=True, env=_env(), capture_output=True, text=True, timeout=120
+        f"{' '.join(map(str, command))} | head -1",
+        shell=True,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.stdout.count("\n") == 1
     assert proc.stderr == "", proc.stderr
@@ -243,7 +244,7 @@ def _run_on_a_terminal(args: list[str], cwd: Path) -> tuple[int, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "syncd", *args],
         cwd=cwd,
-        env=_env(),
+        env=cli_env(),
         stdin=subprocess.DEVNULL,
         stdout=terminal,
         stderr=terminal,

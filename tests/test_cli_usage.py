@@ -12,15 +12,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
-from conftest import MNIST_BPK, REPO
-from convcheck import assert_one_line_error, run_cli
+from conftest import MNIST_BPK
+from convcheck import assert_one_line_error, cli_env, run_cli
+from daemonutil import runnable_by_others
 from safetensors.torch import save_file
 
 from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import STATUSES
 from syncd.formats.fileio import FileStamp
+
+pytestmark = pytest.mark.torch
 
 NOBODY = 65534  # a user that is not the daemon's: as a member of its group, it may read but not write
 
@@ -114,6 +118,7 @@ def test_retry_of_a_file_the_daemon_does_not_know_says_so(tmp_path: Path) -> Non
     assert "not known" in both.stderr and str(unknown) in both.stderr
 
 
+@pytest.mark.root
 def test_retry_by_someone_who_cannot_write_the_state_says_what_it_needs(tmp_path: Path) -> None:
     assert os.geteuid() == 0, "this test runs `syncd retry` as another user: run the suite as root, as CI does"
     root = Path(tempfile.mkdtemp(prefix="syncd-retry-", dir="/tmp"))
@@ -123,12 +128,10 @@ def test_retry_by_someone_who_cannot_write_the_state_says_what_it_needs(tmp_path
         source = _failed(root, "bad.safetensors")
         os.chmod(root / "state", 0o755)  # readable, as the service's group reads it; writable by its owner only
         os.chmod(root / "state" / "state.sqlite3", 0o644)
-        for path in (REPO, Path(sys.executable).resolve().parent, Path(sys.prefix)):
-            for directory in [path, *path.parents]:
-                os.chmod(directory, os.stat(directory).st_mode | 0o001)
+        runnable_by_others()
         proc = subprocess.run(
             [sys.executable, "-m", "syncd", "retry", "-c", str(config), str(source)],
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env=cli_env(),
             user=NOBODY,
             group=NOBODY,
             extra_groups=[],

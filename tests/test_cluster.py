@@ -22,10 +22,13 @@ from syncd.daemon.service import TICK_SECONDS as TICK
 from syncd.daemon.state import StateDB
 from syncd.daemon.watcher import Watcher
 
+pytestmark = [pytest.mark.daemon, pytest.mark.root]
+
 RESCAN = 2.0
 POLL = 0.5
 
 
+@pytest.mark.slow
 def test_three_nodes_convert_each_checkpoint_once_and_survive_one_killed_mid_conversion(tmp_path: Path) -> None:
     figures = run_cluster(tmp_path, nodes=3, checkpoints=18, width=128, rescan_interval=RESCAN, poll_interval=POLL)
     assert figures.wrong == [], figures

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import grp
 import io
 import os
+import pwd
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +21,8 @@ from syncd.daemon.config import (
     load_config,
 )
 from syncd.errors import ConfigError
+
+NOBODY = 65534
 
 
 def write_config(directory: Path, text: str, name: str = "syncd.yaml", mode: int = 0o644) -> Path:
@@ -200,15 +206,56 @@ def test_duplicate_keys_are_refused(tmp_path: Path, runs: Path) -> None:
     assert error_of(path) == f"{path}:4: workers: duplicate key (the earlier one would be ignored)"
 
 
-def test_config_writable_by_group_or_others_is_refused(tmp_path: Path, runs: Path) -> None:
+def test_a_config_only_syncds_user_or_root_can_edit_is_accepted_even_group_writable(tmp_path: Path, runs: Path) -> None:
+    """umask 002 (Debian, Ubuntu, Fedora users) writes 0664 with the owner's private group: nobody else can edit it."""
+    assert os.geteuid() == 0 and _members(0) <= {"root"}, "run the suite as root, whose group holds no one else"
     path = write_config(tmp_path, "watches:\n  - path: runs\n", mode=0o664)
+    assert load_config(path).watches[0].path == runs.resolve()
+
+
+def test_the_readme_first_command_starts_with_a_config_cloned_under_umask_002(tmp_path: Path) -> None:
+    # as `git clone` writes the example config: a new file, created under the user's umask
+    source, target = str(REPO / "config"), str(tmp_path / "config")
+    copy = f"import shutil; shutil.copytree({source!r}, {target!r}, copy_function=shutil.copyfile)"
+    subprocess.run([sys.executable, "-c", copy], preexec_fn=lambda: os.umask(0o002), check=True, timeout=60)
+    config = tmp_path / "config" / "syncd.yaml"
+    assert oct(os.stat(config).st_mode & 0o777) == "0o664"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    checked = subprocess.run(
+        [sys.executable, "-m", "syncd", "check-config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0 and "valid" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_a_config_someone_else_can_edit_is_refused_saying_why(tmp_path: Path, runs: Path) -> None:
+    daemon_group = grp.getgrnam("daemon")  # a group with a member other than root (the user `daemon`)
+    assert os.geteuid() == 0 and "daemon" in _members(daemon_group.gr_gid)
+    why = "whoever can edit it decides what syncd reads and overwrites as root"
+    path = write_config(tmp_path, "watches:\n  - path: runs\n", mode=0o664)
+    os.chown(path, 0, daemon_group.gr_gid)
     assert error_of(path) == (
-        f"{path}: refusing a config writable by group or others (mode 0664); run: chmod go-w {path}"
+        f"{path}: refusing a config writable by group daemon (mode 0664), whose members include daemon: {why}; "
+        f"run: chmod g-w {path} (a group-writable config is accepted only when its group holds no one else, "
+        "as a user's private group under umask 002)"
     )
     path.chmod(0o646)
-    assert "mode 0646" in error_of(path)
-    path.chmod(0o600)
+    assert error_of(path) == f"{path}: refusing a config writable by others (mode 0646): {why}; run: chmod go-w {path}"
+    path.chmod(0o644)
+    os.chown(path, NOBODY, 0)  # a service running as root, a config its owner `nobody` may edit
+    assert error_of(path) == (
+        f"{path}: refusing a config owned by nobody, not by root (the user syncd runs as) or root: {why}; "
+        f"run: chown root {path} (or make root its owner)"
+    )
+    os.chown(path, 0, daemon_group.gr_gid)  # root's, group-readable only: fine
     assert load_config(path).watches[0].path == runs.resolve()
+
+
+def _members(gid: int) -> set[str]:
+    return set(grp.getgrgid(gid).gr_mem) | {user.pw_name for user in pwd.getpwall() if user.pw_gid == gid}
 
 
 def test_watching_the_root_is_refused_even_through_a_symlink(tmp_path: Path) -> None:
@@ -307,7 +354,7 @@ def test_problems_in_a_modules_file_name_that_file(tmp_path: Path, runs: Path) -
         f"{missing}:3: watches[0].modules: module map file {tmp_path.resolve()}/nope.yaml does not exist"
     ]
     modules.chmod(0o666)
-    assert f"{modules.resolve()}: refusing a config writable by group or others" in error_of(path)
+    assert f"{modules.resolve()}: refusing a config writable by others (mode 0666)" in error_of(path)
 
 
 def test_load_config_reports_the_first_problem_and_counts_the_rest(tmp_path: Path, runs: Path) -> None:
@@ -354,7 +401,7 @@ def test_home_is_expanded(tmp_path: Path, runs: Path, monkeypatch: pytest.Monkey
 def test_the_shipped_example_config_is_valid_from_a_clone() -> None:
     example = REPO / "config" / "syncd.yaml"
     assert (REPO / "config" / "runs").is_dir()
-    assert not os.stat(example).st_mode & 0o022, "checked out with a group-writable umask: chmod 644 the config"
+    assert not os.stat(example).st_mode & 0o002, "checked out writable by others: chmod o-w the config"
     config = load_config(example)
     assert config.watches[0].path == (REPO / "config" / "runs").resolve()
     assert config.state_dir == (REPO / "config" / "state").resolve()

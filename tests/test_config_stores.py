@@ -41,9 +41,19 @@ def test_store_settings_are_read(tmp_path: Path, runs: Path) -> None:
     assert (watch.precision, watch.shard_size) == ("bf16", 5 * 10**9)
 
 
+def test_check_config_says_which_names_the_rules_see(tmp_path: Path, runs: Path) -> None:
+    path = write_config(tmp_path, GOOD)
+    out = io.StringIO()
+    assert run_check_config(path, out) == 0
+    lines = out.getvalue().splitlines()
+    assert f"{path}: watches[0].remap: 2 rules, applied to the source's names as in the file" in lines[0]
+    assert "weight/bias" in lines[0] and "gamma/beta" in lines[0]
+    assert lines[-1] == f"{path}: valid (1 watch)"
+
+
 def test_defaults(tmp_path: Path, runs: Path) -> None:
     (watch,) = load_config(write_config(tmp_path, "watches:\n  - path: runs\n")).watches
-    assert (watch.remap, watch.map_indices_contiguous) == ((), False)
+    assert (watch.remap, watch.map_indices_contiguous) == ((), None)  # None: as Burn's store for the format
     assert (watch.tensor_include, watch.tensor_exclude) == ((), ())
     assert (watch.precision, watch.shard_size) == (None, None)
 

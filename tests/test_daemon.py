@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES
-from daemonutil import CAP_LEASE, REPO, DaemonRun, scratch_files, wait_until
+from daemonutil import CAP_LEASE, REPO, DaemonRun, mentioning, scratch_files, stop_cleanly, wait_until, write_file
 from safetensors.torch import load_file, save
 
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
+
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
 
 # SIGTERM must not wait for an in-flight conversion to finish; generous, so a loaded machine does not fail it.
 STOP_BOUND = 30.0
@@ -90,11 +92,6 @@ def check_mnist_safetensors(path: Path) -> None:
     assert tensors["conv1.norm.weight"].numpy().tobytes() == burn_gamma
 
 
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-
-
 def write_slowly(
     path: Path,
     data: bytes,
@@ -127,10 +124,6 @@ def only(records: list[dict], status: str, source: Path) -> list[dict]:
     return [r for r in records if r["status"] == status and r.get("source") == str(source)]
 
 
-def mentioning(records: list[dict], text: str) -> list[dict]:
-    return [r for r in records if text in json.dumps(r)]
-
-
 # ------------------------------------------------------------------------------------------ fixtures
 
 
@@ -139,13 +132,6 @@ def daemon(make_daemon: Callable[..., DaemonRun]) -> DaemonRun:
     run = make_daemon()
     run.start()
     return run
-
-
-def stop_cleanly(run: DaemonRun, *roots: Path) -> None:
-    code, seconds = run.stop()
-    assert code == 0, f"exit status {code} after {seconds:.1f} s\n{run.stderr()}"
-    assert seconds < STOP_BOUND
-    assert scratch_files(*(roots or (run.root,))) == []
 
 
 # ------------------------------------------------------------------------------------------ systemd, signals
@@ -233,6 +219,7 @@ def memory_dir(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_large_conversion(memory_dir: Path) -> None:
     """The files live on tmpfs: what is timed is the daemon's stop, not the disk. (On a disk, the kernel frees
     an abandoned scratch file's blocks as the process exits; with an ext4 mounted `-o discard` under load that
@@ -284,6 +271,7 @@ def test_checkpoint_written_slowly_in_place_is_converted_once_when_complete(daem
     stop_cleanly(daemon)
 
 
+@pytest.mark.root
 def test_slow_writer_of_a_file_the_daemon_does_not_own(make_daemon: Callable[..., DaemonRun]) -> None:
     """As the service runs: its own user, without CAP_LEASE, so it cannot ask the kernel whether the file is
     still open for writing. Until the file has been seen closed, a file that does not read yet is not refused."""

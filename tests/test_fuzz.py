@@ -81,6 +81,7 @@ def report(name: str, counts: Counter, started: float) -> None:
 # ------------------------------------------------------------------------------------------------ readers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_reader_structured(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -98,6 +99,7 @@ def test_reader_structured(kind: str, tmp_path: Path) -> None:
     assert counts["ok"] > EXAMPLES // 20, "the generator should produce some valid files"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_reader_mutated(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -136,6 +138,7 @@ def _options(kind: str, option: tuple[str | None, str]) -> tuple[str | None, str
     return (kind if to_format == "same" else None), layout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_convert_structured(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -152,6 +155,7 @@ def test_convert_structured(kind: str, tmp_path: Path) -> None:
     assert sum(counts.values()) >= CONVERT_EXAMPLES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_convert_mutated(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -174,6 +178,7 @@ def test_convert_mutated(kind: str, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_cli_subprocess(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
@@ -200,6 +205,7 @@ def test_cli_subprocess(kind: str, tmp_path: Path) -> None:
 PT_OPTIONS = st.sampled_from([(None, "auto"), (None, "keep"), (None, "pytorch"), ("safetensors", "keep")])
 
 
+@pytest.mark.slow
 def test_pytorch_reader_structured(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()
@@ -215,6 +221,7 @@ def test_pytorch_reader_structured(tmp_path: Path) -> None:
     assert counts["ok"] > EXAMPLES // 20, "the generator should produce some valid files"
 
 
+@pytest.mark.slow
 def test_pytorch_reader_mutated(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()
@@ -229,6 +236,7 @@ def test_pytorch_reader_mutated(tmp_path: Path) -> None:
     assert sum(counts.values()) >= EXAMPLES
 
 
+@pytest.mark.slow
 def test_pytorch_convert(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()
@@ -244,6 +252,7 @@ def test_pytorch_convert(tmp_path: Path) -> None:
     assert counts["ok"] > 0, "some files should convert"
 
 
+@pytest.mark.slow
 def test_pytorch_cli_subprocess(tmp_path: Path) -> None:
     counts: Counter = Counter()
     started = time.monotonic()
@@ -268,6 +277,7 @@ def test_corpus_is_listed() -> None:
     assert [p.name for p in CORPUS if p.name not in readme] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CORPUS, ids=[p.name for p in CORPUS])
 def test_corpus_replay(path: Path, tmp_path: Path) -> None:
     blob = path.read_bytes()
@@ -315,6 +325,7 @@ LARGE_HEADERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LARGE_HEADERS))
 def test_large_headers_within_the_limits(name: str, tmp_path: Path) -> None:
     """Still a SyncdError (or success) within the time and memory budget, never a MemoryError."""
@@ -331,6 +342,7 @@ def test_header_too_big_to_decode_is_a_format_error(tmp_path: Path) -> None:
     assert check_reader(blob, ".safetensors", tmp_path, memory=64 * MIB) == "FormatError"
 
 
+@pytest.mark.slow
 def test_cbor_amplification_is_bounded(tmp_path: Path) -> None:
     """An 8 MiB burnpack header of empty arrays (Burn allows 100 MiB) read with no address-space limit: the
     reader's peak RSS grows by less than MEMORY_LIMIT (decoding it would take ~570 MB: it is priced first and

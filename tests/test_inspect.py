@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import MNIST_BPK, MNIST_ST
+from convcheck import run_cli
 from hfsets import save_llama
 
-
-def syncd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "syncd", *args], capture_output=True, text=True, timeout=60)
+pytestmark = pytest.mark.torch
 
 
 def test_json_lists_every_tensor_with_param_ids_as_decimal_strings() -> None:
-    result = syncd("inspect", str(MNIST_BPK), "--json")
+    result = run_cli("inspect", str(MNIST_BPK), "--json")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["format"] == "burnpack"
@@ -31,7 +28,7 @@ def test_json_lists_every_tensor_with_param_ids_as_decimal_strings() -> None:
 
 
 def test_hash_is_the_sha256_of_each_tensor_bytes() -> None:
-    doc = json.loads(syncd("inspect", str(MNIST_ST), "--json", "--hash").stdout)
+    doc = json.loads(run_cli("inspect", str(MNIST_ST), "--json", "--hash").stdout)
     data = MNIST_ST.read_bytes()
     for tensor in doc["tensors"]:
         raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
@@ -39,7 +36,7 @@ def test_hash_is_the_sha256_of_each_tensor_bytes() -> None:
 
 
 def test_table_is_aligned_with_a_header_row() -> None:
-    result = syncd("inspect", str(MNIST_BPK))
+    result = run_cli("inspect", str(MNIST_BPK))
     assert result.returncode == 0
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("name"))
@@ -61,7 +58,7 @@ def test_table_is_aligned_with_a_header_row() -> None:
 def test_bad_file_is_one_line_exit_1(tmp_path: Path, content: bytes, expected: str) -> None:
     path = tmp_path / "bad.bpk" if content.startswith(b"NRUB") else tmp_path / "bad.safetensors"
     path.write_bytes(content)
-    result = syncd("inspect", str(path))
+    result = run_cli("inspect", str(path))
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -69,15 +66,15 @@ def test_bad_file_is_one_line_exit_1(tmp_path: Path, content: bytes, expected: s
 
 
 def test_missing_file_and_usage_errors(tmp_path: Path) -> None:
-    missing = syncd("inspect", str(tmp_path / "nope.bpk"))
+    missing = run_cli("inspect", str(tmp_path / "nope.bpk"))
     assert missing.returncode == 1 and "no such file" in missing.stderr
-    usage = syncd("inspect")
+    usage = run_cli("inspect")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
 
 
 def test_a_sharded_sets_index_describes_the_whole_set(tmp_path: Path) -> None:
     index = save_llama(tmp_path / "llama", sharded=True)
-    doc = json.loads(syncd("inspect", str(index), "--json", "--hash").stdout)
+    doc = json.loads(run_cli("inspect", str(index), "--json", "--hash").stdout)
     listed = json.loads(index.read_text())
     assert doc["header"]["shards"] == sorted(set(listed["weight_map"].values()))
     assert {t["name"]: t["shard"] for t in doc["tensors"]} == listed["weight_map"]
@@ -87,13 +84,13 @@ def test_a_sharded_sets_index_describes_the_whole_set(tmp_path: Path) -> None:
         data = (index.parent / tensor["shard"]).read_bytes()
         raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
         assert tensor["sha256"] == hashlib.sha256(raw).hexdigest()
-    table = syncd("inspect", str(index)).stdout.splitlines()
+    table = run_cli("inspect", str(index)).stdout.splitlines()
     assert table[0].startswith(f"{index}: safetensors") and "shard" in next(r for r in table if r.startswith("name"))
 
 
 def test_a_set_with_a_missing_shard_is_one_line(tmp_path: Path) -> None:
     index = save_llama(tmp_path / "llama", sharded=True)
     (index.parent / "model-00002-of-00003.safetensors").unlink()
-    result = syncd("inspect", str(index))
+    result = run_cli("inspect", str(index))
     assert result.returncode == 1 and result.stdout == ""
     assert len(result.stderr.splitlines()) == 1 and "model-00002-of-00003.safetensors" in result.stderr

@@ -27,6 +27,8 @@ from syncd.adapters import FileContext, LayoutAmbiguityError, ModuleMap, TensorR
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.errors import UnsupportedError
 
+pytestmark = pytest.mark.torch
+
 hf.logging.set_verbosity_error()
 
 
@@ -368,21 +370,28 @@ def test_gpt2_conv1d_is_kept_and_the_decisions_name_their_sources(tmp_path: Path
     torch.manual_seed(1)
     model = _gpt2()
     model.save_pretrained(tmp_path)
-    done = run_cli("convert", tmp_path / "model.safetensors", "-v")
-    assert done.returncode == 0, done.stderr
-    lines = [line.strip() for line in done.stdout.splitlines()]
-    assert (
-        "source layout: pytorch (shown by format: pt metadata; names of transformer.h.0.ln_1, transformer.h.0.ln_2, "
-        "transformer.ln_f)" in lines
-    )
-    assert "config.json model_type 'gpt2': known architecture gpt2" in lines
-    assert any(
-        line.startswith("transformer.h.0.mlp.c_fc: LinearInOut (config.json model_type 'gpt2'")
-        and line.endswith("-> unchanged: weight stays [in, out] (Burn's Linear layout)")
-        for line in lines
-    )
-    c_fc = model.transformer.h[0].mlp.c_fc.weight
-    assert read_bpk(tmp_path / "model.bpk").tensors["transformer.h.0.mlp.c_fc.weight"].shape == tuple(c_fc.shape)
+    # with transformers importable the model's own definition decides; without it, the architectures table
+    for hide, evidence in (((), "model definition GPT2LMHeadModel (transformers "), (("transformers",), None)):
+        done = run_cli("convert", tmp_path / "model.safetensors", "-v", "--overwrite", hide=hide)
+        assert done.returncode == 0, done.stderr
+        lines = [line.strip() for line in done.stdout.splitlines()]
+        assert (
+            "source layout: pytorch (shown by format: pt metadata; names of transformer.h.0.ln_1, "
+            "transformer.h.0.ln_2, transformer.ln_f)" in lines
+        )
+        assert "config.json model_type 'gpt2': known architecture gpt2" in lines
+        decided_by = evidence or "config.json model_type 'gpt2'"
+        assert any(
+            line.startswith(f"transformer.h.0.mlp.c_fc: LinearInOut ({decided_by}")
+            and line.endswith("-> unchanged: weight stays [in, out] (Burn's Linear layout)")
+            for line in lines
+        ), lines
+        if hide:
+            assert (
+                "model definition not used: transformers is not installed (pip install 'syncd[transformers]')" in lines
+            )
+        c_fc = model.transformer.h[0].mlp.c_fc.weight
+        assert read_bpk(tmp_path / "model.bpk").tensors["transformer.h.0.mlp.c_fc.weight"].shape == tuple(c_fc.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -630,6 +639,7 @@ def test_the_chunk_order_is_pytorchs(tmp_path: Path) -> None:
     assert back.tensors == read_safetensors(tmp_path / "m.safetensors").tensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("build", "tensor", "why"),
     [
@@ -662,9 +672,11 @@ def test_packed_tensors_without_a_burn_slot_are_refused_naming_the_tensor(
     assert_same_state(model, fresh)
 
 
+@pytest.mark.daemon
 def test_the_sync_log_records_each_decision_with_its_source(tmp_path: Path) -> None:
     """The daemon converts a save_pretrained directory dropped into a watch; its log line says where each
-    decision came from (config.json, names, metadata) and the way back needs nothing either."""
+    decision came from (the model's definition, config.json, names, metadata) and the way back needs nothing
+    either."""
     from daemonutil import DaemonRun
 
     torch.manual_seed(4)
@@ -682,7 +694,8 @@ def test_the_sync_log_records_each_decision_with_its_source(tmp_path: Path) -> N
     assert layout[0] == "pytorch -> burn"
     assert "config.json model_type 'gpt2': known architecture gpt2" in layout
     assert any(line.startswith("source layout: pytorch (shown by format: pt metadata") for line in layout)
-    assert any(line.startswith("transformer.wte: Embedding (config.json model_type 'gpt2'") for line in layout)
+    assert "module types from the model definition GPT2LMHeadModel (transformers " + hf.__version__ + ")" in layout
+    assert any(line.startswith("transformer.wte: Embedding (model definition GPT2LMHeadModel") for line in layout)
     assert_burn_layout(model, tmp_path / "saved" / "model.safetensors", runs / "model.bpk")
 
 
@@ -780,6 +793,7 @@ def test_a_map_stating_a_packed_kind_that_the_tensors_do_not_fit_is_refused() ->
         plan_conversion(torch_side, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {"": "Lstm"}}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "precision", "dtype"),
     [("mha", "f16", torch.float16), ("lstm", "bf16", torch.bfloat16), ("bigru", "f16", torch.float16)],
@@ -835,6 +849,7 @@ def _save_as_set(state: dict[str, torch.Tensor], directory: Path, split: list[li
     return index
 
 
+@pytest.mark.slow
 def test_a_packed_module_in_a_sharded_set_is_split_and_joined_both_ways(tmp_path: Path) -> None:
     """nn.MultiheadAttention in a set whose shards cut the model apart (the attention's in_proj in one shard,
     its out_proj in the other): one .bpk equal to the single file's; back as the same set byte for byte, as
@@ -870,6 +885,7 @@ def test_a_packed_module_in_a_sharded_set_is_split_and_joined_both_ways(tmp_path
     assert joined == original
 
 
+@pytest.mark.daemon
 def test_convert_v_and_the_sync_log_show_each_packed_decision_and_its_evidence(tmp_path: Path) -> None:
     from daemonutil import DaemonRun
 

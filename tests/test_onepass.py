@@ -107,6 +107,7 @@ def assert_pass_fails(source: Path, tmp_path: Path, error: type[Exception], matc
     output.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("workers", "slot_bytes", "strip_bytes", "block_bytes"),
     [
@@ -445,15 +446,30 @@ def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -
     output.close()
 
 
+class _WatchedTurn(threading.Condition):
+    """A pass's turn condition that says when a job first waits on it for its turn to hash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()  # set holding the lock: whoever takes it next finds this job waiting
+        return super().wait(timeout)
+
+
 def test_a_failing_job_releases_the_jobs_waiting_for_their_turn(tmp_path: Path) -> None:
     source = _source(tmp_path)
     output = _Output(source, tmp_path / "out.safetensors")
     output.moves = [Move(m.name, m.src_offset, m.nbytes, m.dst_offset) for m in output.moves]  # all copies
     first = min(m.src_offset for m in output.moves)
 
+    turn = _WatchedTurn()
+
     def fails_early(fd: int, buf: memoryview, offset: int) -> int:
         if offset == first:  # the first tensor's first block, before any later one has had its turn
-            time.sleep(0.2)  # let later jobs read and queue up for their turn
+            # fail only once a later job has read its block and waits for its turn: the failure must wake it
+            assert turn.waited.wait(60), "no later job waited for its turn"
             raise OSError(5, "injected failure")
         return os.preadv(fd, [buf], offset)
 
@@ -461,7 +477,9 @@ def test_a_failing_job_releases_the_jobs_waiting_for_their_turn(tmp_path: Path) 
 
     def run() -> None:
         try:
-            output.engine(workers=4, block_bytes=1024, seam=Seam(fails_early)).run()
+            engine = output.engine(workers=4, block_bytes=1024, seam=Seam(fails_early))
+            engine._turn = turn  # the pass's turn to hash, watched
+            engine.run()
         except BaseException as exc:
             outcome.append(exc)
 
@@ -555,6 +573,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tran
     return str(request.param)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rows=DIMS,

@@ -15,11 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from clusterutil import stop_while_converting
-from daemonutil import DaemonRun, scratch_files, wait_until
+from daemonutil import DaemonRun, stop_cleanly, wait_until
 from safetensors.numpy import safe_open, save, save_file
 
 from syncd.daemon.state import StateDB
 from syncd.engine.convert import ConvertRequest, convert
+
+pytestmark = pytest.mark.daemon
 
 
 def checkpoint(seed: int, width: int = 16) -> bytes:
@@ -78,12 +80,6 @@ def next_line_for(run: DaemonRun, source: Path, seen: int) -> str:
         return wait_until(more, 60, f"a line about {source.name}")[seen]
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{run.log_text()}\n{run.stderr()}") from None
-
-
-def stop_cleanly(run: DaemonRun) -> None:
-    code, _ = run.stop()
-    assert code == 0, run.stderr()
-    assert scratch_files(run.root) == []
 
 
 # what a file that is not syncd's output of this source gets, by on_exists

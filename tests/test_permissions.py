@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from convcheck import run_cli
-from daemonutil import DaemonRun
+from daemonutil import DaemonRun, runnable_by_others
+
+pytestmark = [pytest.mark.daemon, pytest.mark.root]
 
 TRAINER = pwd.getpwnam("nobody")  # the training user
 OTHER = pwd.getpwnam("daemon")  # a system user like `syncd`, not the files' owner
@@ -30,20 +32,11 @@ save_file({"fc.weight": np.ones((4, 3), np.float32), "fc.bias": np.zeros(4, np.f
 """
 
 
-def _traversable_by_others(path: Path) -> None:
-    """Other users must reach the code and interpreter they run: add o+x along their paths."""
-    for directory in [path, *path.parents]:
-        mode = os.stat(directory).st_mode
-        if not mode & stat.S_IXOTH:
-            os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
-
-
 @pytest.fixture
 def shared_root() -> Iterator[Path]:
     """A directory other users can reach (pytest's tmp_path is root's alone)."""
     assert os.geteuid() == 0, "these tests act as other users: run the suite as root, as CI does"
-    for path in (REPO, Path(sys.executable).resolve().parent, Path(sys.prefix)):
-        _traversable_by_others(path)
+    runnable_by_others()
     root = Path(tempfile.mkdtemp(prefix="syncd-perm-", dir="/tmp"))
     os.chmod(root, 0o755)
     yield root

@@ -13,6 +13,8 @@ from syncd.adapters.precision import HALF_KINDS, plan_casts
 from syncd.engine.cast import cast_chunk
 from syncd.errors import UnsupportedError
 
+pytestmark = pytest.mark.torch
+
 
 def special_values() -> np.ndarray:
     rng = np.random.default_rng(0)

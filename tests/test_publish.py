@@ -211,6 +211,8 @@ def test_concurrent_publishers_exactly_one_wins_each_round(tmp_path: Path) -> No
     assert all(proc.exitcode == 0 for proc in procs)
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_sigkill_at_random_moments_never_leaves_a_partial_destination(tmp_path: Path) -> None:
     size = 4 * MIB
     rng = random.Random(20240604)
@@ -285,6 +287,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mount_point)], check=True)
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("replace", [False, True])
 def test_enospc_midway_keeps_previous_destination(small_fs: Path, replace: bool) -> None:
     dest = small_fs / "model.bpk"
@@ -435,21 +438,61 @@ def test_link_that_reports_eexist_after_succeeding_is_a_success(tmp_path: Path) 
     assert _scratch_files(tmp_path) == []
 
 
-# --- without hard links: renameat2(RENAME_NOREPLACE) ------------------------------------------------------
+# --- without hard links: renameat2(RENAME_NOREPLACE); other file systems stood in by PlacingCalls ---------
 
 
-def test_rename_noreplace_fallback(tmp_path: Path) -> None:
+class NoHardLinks(pub.PlacingCalls):
+    """A file system without hard links (vfat, some FUSE and network file systems): link(2) fails with
+    `error`, as theirs do; the rename without replace is the kernel's own."""
+
+    def __init__(self, error: int = errno.EPERM) -> None:
+        self.error = error
+
+    def link(self, src: Path, dst: Path) -> None:
+        raise OSError(self.error, os.strerror(self.error), str(src), None, str(dst))
+
+
+class NoHardLinksNorRenameat2(NoHardLinks):
+    """... on a kernel or file system that refuses renameat2's RENAME_NOREPLACE too (EINVAL)."""
+
+    def rename_noreplace(self, src: Path, dst: Path) -> None:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(src), None, str(dst))
+
+
+def _publish_with(calls: pub.PlacingCalls, dest: Path, data: bytes) -> pub.PublishResult:
+    with open_scratch(dest) as scratch:
+        _append(scratch, data)
+        return publish(scratch, source=Path("in.safetensors"), calls=calls)
+
+
+@pytest.mark.parametrize("error", [errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK], ids=errno.errorcode.get)
+def test_without_hard_links_a_rename_that_never_replaces_publishes(tmp_path: Path, error: int) -> None:
     dest = tmp_path / "model.bpk"
-    with open_scratch(dest) as scratch:
-        _append(scratch, b"first")
-        assert pub._place_new_by_rename(scratch) is True
-    assert dest.read_bytes() == b"first"
-    with open_scratch(dest) as scratch:
-        _append(scratch, b"second")
-        assert pub._place_new_by_rename(scratch) is False
-        assert scratch.path.read_bytes() == b"second"
-    assert dest.read_bytes() == b"first"
+    calls = NoHardLinks(error)
+    assert _publish_with(calls, dest, b"first").status == "published"
+    before = dest.stat()
+    assert _publish_with(calls, dest, b"first").status == "in_sync"
+    with pytest.raises(ConflictError):
+        _publish_with(calls, dest, b"second")
+    assert dest.read_bytes() == b"first" and dest.stat().st_ino == before.st_ino
     assert list(tmp_path.iterdir()) == [dest]
+
+
+def test_without_hard_links_or_renameat2_nothing_is_published_and_it_says_why(tmp_path: Path) -> None:
+    dest = tmp_path / "model.bpk"
+    with pytest.raises(SyncdError) as info:
+        _publish_with(NoHardLinksNorRenameat2(), dest, b"data")
+    assert str(info.value).startswith(f"{dest}: this file system supports neither hard links nor rename-without")
+    assert "--overwrite" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_link_that_fails_for_another_reason_is_an_error_naming_the_destination(tmp_path: Path) -> None:
+    dest = tmp_path / "model.bpk"
+    with pytest.raises(SyncdError) as info:
+        _publish_with(NoHardLinks(errno.EIO), dest, b"data")
+    assert str(info.value).startswith(f"{dest}: cannot link the finished output into place")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("via_syscall", [False, True], ids=["libc", "syscall"])

@@ -25,6 +25,8 @@ from torch import nn
 from syncd.errors import FormatError
 from syncd.formats import open_checkpoint
 
+pytestmark = pytest.mark.torch
+
 # every dtype torch saves, with the dtype syncd reads it as; the rest is refused by name
 READ_DTYPES = {
     torch.float64: "F64",
@@ -415,6 +417,7 @@ HOSTILE_ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(HOSTILE_ERRORS))
 def test_a_hostile_checkpoint_is_refused_in_one_line_and_runs_nothing(tmp_path: Path, case: str) -> None:
     marker = tmp_path / "pwned"
@@ -467,6 +470,7 @@ def test_an_entry_larger_than_declared_is_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- the daemon
 
 
+@pytest.mark.daemon
 def test_a_watch_converts_pytorch_checkpoints_only_when_asked(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon(
         [
@@ -577,6 +581,7 @@ def test_a_sharded_pytorch_model_bin_set_converts_as_one_model(tmp_path: Path) -
     assert_safetensors_equal(back / "pytorch_model.safetensors", model.state_dict())
 
 
+@pytest.mark.daemon
 def test_the_daemon_converts_a_sharded_bin_set_once_through_its_index(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:

@@ -28,6 +28,8 @@ from syncd.formats.dtypes import ITEMSIZE, SAFETENSORS_TO_DTYPE, SUBBYTE_BITS
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.formats.table import TensorSpec
 
+pytestmark = pytest.mark.torch
+
 FIXTURES = sorted((_FIXTURES_DIR / "pytorch").glob("*.safetensors"))
 
 # safetensors dtype -> the name the library's TensorSpec takes (torch's spelling)

@@ -6,15 +6,17 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import safetensors.numpy
-from daemonutil import REPO, DaemonRun, scratch_files, wait_until
+from daemonutil import DaemonRun, runnable_by_others, scratch_files, stop_cleanly, wait_until
 
 from syncd.formats import open_checkpoint
+
+pytestmark = pytest.mark.daemon
 
 
 def write_checkpoint(path: Path, seed: int = 0, mode: int | None = None) -> Path:
@@ -49,7 +51,7 @@ def test_symlinks_are_never_followed_out_of_the_tree(tmp_path: Path) -> None:
         assert files_below(outside) == before  # nothing read into or written beside the outside tree
         assert not (runs / "link.bpk").exists()
         assert not run.statuses(source=runs / "linked_dir" / "secret.safetensors")
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
 def test_a_fifo_named_like_a_checkpoint_does_not_block_a_worker(tmp_path: Path) -> None:
@@ -61,7 +63,7 @@ def test_a_fifo_named_like_a_checkpoint_does_not_block_a_worker(tmp_path: Path) 
         good = write_checkpoint(runs / "good.safetensors")
         run.wait_for("converted", [good], timeout=10)
         run.wait_for("skipped", [runs / "early.safetensors", runs / "late.safetensors"], timeout=10)
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
 def test_names_with_spaces_newlines_and_non_utf8_bytes(tmp_path: Path) -> None:
@@ -82,7 +84,7 @@ def test_names_with_spaces_newlines_and_non_utf8_bytes(tmp_path: Path) -> None:
         # the log keeps every name exactly (fsdecode'd, surrogates and all)
         logged = {os.fsencode(r["source"]) for r in run.statuses("converted")}
         assert {raw_runs + b"/" + name for name in names} <= logged
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
 def test_outputs_get_the_source_permission_bits_never_wider(tmp_path: Path) -> None:
@@ -94,7 +96,7 @@ def test_outputs_get_the_source_permission_bits_never_wider(tmp_path: Path) -> N
         run.wait_for("converted", [private, shared])
         assert stat.S_IMODE(os.stat(runs / "private.bpk").st_mode) == 0o600
         assert stat.S_IMODE(os.stat(runs / "shared.bpk").st_mode) == 0o640
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
 def test_a_mirror_subdirectory_that_is_a_symlink_is_not_written_through(tmp_path: Path) -> None:
@@ -108,7 +110,7 @@ def test_a_mirror_subdirectory_that_is_a_symlink_is_not_written_through(tmp_path
         run.wait_for("error", [source])
         assert list(outside.iterdir()) == []
         assert not scratch_files(mirror, outside)
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
 def test_a_tree_deeper_than_the_limit_is_reported_and_the_rest_served(tmp_path: Path) -> None:
@@ -123,9 +125,10 @@ def test_a_tree_deeper_than_the_limit_is_reported_and_the_rest_served(tmp_path: 
         limit = [r for r in run.statuses("skipped") if "deeper than" in r.get("reason", "")]
         assert limit, run.log_text()
         assert not run.statuses("converted", buried)  # not reached by the start-up scan
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_files_do_not_exhaust_memory(tmp_path: Path) -> None:
     with DaemonRun(tmp_path / "d") as run:
         runs = run.watch_dir()
@@ -140,9 +143,10 @@ def test_a_hundred_thousand_files_do_not_exhaust_memory(tmp_path: Path) -> None:
         assert run.proc is not None
         peak_kib = _peak_rss_kib(run.proc.pid)
         assert peak_kib < 256 * 1024, f"daemon peak RSS {peak_kib} KiB"
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
+@pytest.mark.root
 def test_running_out_of_inotify_watches_falls_back_to_polling_and_says_so(tmp_path: Path) -> None:
     limit_file = Path("/proc/sys/fs/inotify/max_user_watches")
     original = limit_file.read_text()
@@ -163,7 +167,7 @@ def test_running_out_of_inotify_watches_falls_back_to_polling_and_says_so(tmp_pa
         assert "inotify unavailable" in fallback[0]["reason"]
         source = write_checkpoint(runs / "sub7" / "model.safetensors")
         run.wait_for("converted", [source], timeout=20)  # served by polling
-        assert run.stop()[0] == 0
+        stop_cleanly(run)
 
 
 def _peak_rss_kib(pid: int) -> int:
@@ -176,23 +180,16 @@ def _peak_rss_kib(pid: int) -> int:
 NOBODY = 65534
 
 
-def _traversable_by_others(path: Path) -> None:
-    """The unprivileged daemon must reach the code and interpreter it runs: add o+x along their paths."""
-    for directory in [path, *path.parents]:
-        mode = os.stat(directory).st_mode
-        if not mode & stat.S_IXOTH:
-            os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
-
-
-def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tmp_path: Path) -> None:
+@pytest.mark.root
+@pytest.mark.slow
+@pytest.mark.parametrize("poll", [False, True], ids=["inotify", "polled"])
+def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tmp_path: Path, poll: bool) -> None:
     assert os.geteuid() == 0, "this test runs the daemon as another user: run the suite as root, as CI does"
-    _traversable_by_others(REPO)
-    _traversable_by_others(Path(sys.executable).resolve().parent)
-    _traversable_by_others(Path(sys.prefix))
+    runnable_by_others()
     root = Path(tempfile.mkdtemp(prefix="syncd-nobody-", dir="/tmp"))
     try:
         os.chmod(root, 0o777)
-        with DaemonRun(root / "d") as run:
+        with DaemonRun(root / "d", [{"path": "runs", "poll": poll}]) as run:
             os.chmod(run.root, 0o777)
             runs = run.watch_dir()
             os.chmod(runs, 0o777)
@@ -206,13 +203,19 @@ def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tm
             run.wait_for("skipped", [unreadable])
             late = write_checkpoint(runs / "late.safetensors", seed=3, mode=0o644)
             run.wait_for("converted", [late])
-            os.utime(unreadable)  # another event for the same version: no second line
+            os.close(os.open(unreadable, os.O_WRONLY))  # an event (a close after writing), the same version
             run.quiet(0.6)
             assert len(run.statuses("skipped", unreadable)) == 1, run.log_text()
-            assert "Permission denied" in run.statuses("skipped", unreadable)[0]["error"]
+            (skipped,) = run.statuses("skipped", unreadable)
+            assert "Permission denied" in skipped["error"]
+            assert (
+                f"syncd retry -c {run.config_path}" in skipped["reason"] and "syncd@root.service" in skipped["reason"]
+            )
             assert any("cannot list" in r.get("reason", "") for r in run.statuses("skipped", closed_dir))
             assert os.stat(runs / "readable.bpk").st_uid == NOBODY
             assert not (runs / "unreadable.bpk").exists()
-            assert run.stop()[0] == 0
+            os.chmod(unreadable, 0o644)  # the fix a person makes: the attribute change alone brings it back
+            run.wait_for("converted", [unreadable])
+            stop_cleanly(run)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from convcheck import run_cli
 from daemonutil import REPO, DaemonRun, scratch_files
 from hfsets import LLAMA_MODULES, save_llama
 from safetensors.torch import load_file
@@ -27,6 +28,8 @@ from syncd.engine.hashing import SOURCE_HASH_KEYS
 from syncd.errors import SyncdError
 from syncd.formats.burnpack import BurnpackReader
 from syncd.formats.shards import split_greedy
+
+pytestmark = pytest.mark.torch
 
 ORIGINAL_FILES = [
     "model-00001-of-00003.safetensors",
@@ -48,10 +51,8 @@ PORT_RULES = [
 
 
 def syncd(*args: str | Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-m", "syncd", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
-    )
+    """`syncd ARGS`, which must succeed (`ok`) or fail with one line."""
+    result = run_cli(*args, timeout=300)
     if ok:
         assert result.returncode == 0, result.stderr
     else:
@@ -129,6 +130,7 @@ def test_the_index_file_itself_is_a_source_and_a_bpk_beside_it_goes_back_beside_
     assert "already exists" in again.stderr and scratch_files(bpk.parent) == []
 
 
+@pytest.mark.slow
 def test_shard_size_splits_anew_and_none_writes_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
     bpk = single_bpk(saves, tmp_path)
     split = tmp_path / "split"
@@ -197,6 +199,7 @@ def test_remap_to_a_burn_port_and_back(saves: dict[str, Path], tmp_path: Path) -
         assert (back / name).read_bytes() == (index.parent / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_remap_collision_and_bad_rules_are_refused_in_one_line_with_nothing_written(
     saves: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -244,6 +247,7 @@ def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
     assert sorted(load_file(only)) == sorted(k for k in original if "layers.0.self_attn" in k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("precision", "dtype"), [("f16", torch.float16), ("bf16", torch.bfloat16)])
 def test_precision_both_ways(saves: dict[str, Path], tmp_path: Path, precision: str, dtype: torch.dtype) -> None:
     index = fresh_set(saves, tmp_path / "set")
@@ -296,6 +300,7 @@ def test_contiguous_indices_on_the_cli(tmp_path: Path) -> None:
     assert all(torch.equal(back[f"fc.{k}"], v) for k, v in seq.state_dict().items())
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_over_a_set_of_shards(tmp_path: Path) -> None:
     """Six shards of 64 MiB (8 MiB tensors) convert, and come back, within the bound docs/performance.md states for
     single files: the shards are read one tensor at a time."""
@@ -491,6 +496,7 @@ def test_a_damaged_set_is_refused_in_one_line_naming_the_shard(
 # ------------------------------------------------------------------------------------------ the daemon
 
 
+@pytest.mark.daemon
 def test_daemon_converts_a_set_once_when_its_index_lands_and_never_a_shard_alone(
     saves: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -511,6 +517,7 @@ def test_daemon_converts_a_set_once_when_its_index_lands_and_never_a_shard_alone
         assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()
 
 
+@pytest.mark.daemon
 def test_daemon_waits_for_every_shard_the_index_lists(saves: dict[str, Path], tmp_path: Path) -> None:
     with DaemonRun(
         tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}], settle_seconds=0.2
@@ -529,6 +536,7 @@ def test_daemon_waits_for_every_shard_the_index_lists(saves: dict[str, Path], tm
         assert tensors_of(target / "model.bpk") == tensors_of(single_bpk(saves, tmp_path))
 
 
+@pytest.mark.daemon
 def test_daemon_applies_a_watchs_store_settings(saves: dict[str, Path], tmp_path: Path) -> None:
     rules = [[rule.split("=", 1)[0], rule.split("=", 1)[1]] for rule in PORT_RULES]
     watch = {
@@ -573,3 +581,23 @@ def test_config_json_beside_the_set_needs_no_module_map(saves: dict[str, Path], 
     syncd("convert", index.parent / "model.bpk", "-o", back)  # the .bpk's own record settles them
     for name in ORIGINAL_FILES:
         assert (back / name).read_bytes() == (index.parent / name).read_bytes(), name
+
+
+@pytest.mark.daemon
+def test_daemon_turns_a_sets_bpk_back_into_its_shards_and_index(saves: dict[str, Path], tmp_path: Path) -> None:
+    original = fresh_set(saves, tmp_path / "set")
+    bpk = tmp_path / "model.bpk"
+    syncd("convert", original, "-o", bpk, "--modules", saves["modules"])
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
+        run.start()
+        back = run.watch_dir("runs") / "back"
+        back.mkdir()
+        shutil.copy(bpk, back / "model.bpk.part")
+        os.rename(back / "model.bpk.part", back / "model.bpk")  # as a trainer publishes: write, then rename
+        run.wait_for("converted", [back / "model.bpk"])
+        set_files = [name for name in ORIGINAL_FILES if name.endswith((".safetensors", ".index.json"))]
+        assert sorted(p.name for p in back.iterdir()) == sorted(["model.bpk", *set_files]), run.log_text()
+        for name in set_files:
+            assert (back / name).read_bytes() == (original.parent / name).read_bytes(), name
+        run.quiet(1.0)  # the shards and index it wrote are its own outputs: nothing converts them back
+        assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()

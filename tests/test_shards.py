@@ -25,6 +25,8 @@ from syncd.formats.shards import (
     split_greedy,
 )
 
+pytestmark = pytest.mark.torch
+
 
 @pytest.fixture(scope="module")
 def llama_set(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -10,8 +10,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MNIST_BPK, REPO
+from conftest import MNIST_BPK
+from convcheck import run_cli
 from daemonutil import DaemonRun, wait_until
 from safetensors.torch import save_file
 
@@ -28,6 +27,8 @@ from syncd.cli.status import render_status
 from syncd.daemon.journal import journal_line
 from syncd.daemon.status import CONVERTING_AFTER, STATUS_FILE, Activity
 from syncd.engine.convert import ConvertRequest, convert
+
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
 
 
 @pytest.fixture
@@ -51,13 +52,6 @@ def _populate(run: DaemonRun) -> dict[str, Path]:
     shutil.copy(MNIST_BPK, strict / "c.bpk")  # someone else's file where the output would go
     save_file({"fc.weight": torch.zeros(4, 3), "fc.bias": torch.zeros(4)}, files["conflict"])
     return files
-
-
-def _syncd(*args: object) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-m", "syncd", *map(str, args)], env=env, capture_output=True, text=True, timeout=60
-    )
 
 
 def test_the_journal_gets_one_line_per_decision(run: DaemonRun) -> None:
@@ -107,7 +101,7 @@ def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
         return doc if doc["counts"].get("conflict") and doc["queued"] == 0 and not doc["running"] else None
 
     wait_until(settled, 30, "the status file to show every decision")
-    shown = _syncd("status", "-c", run.config_path)
+    shown = run_cli("status", "-c", run.config_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"syncd: running; pid {run.proc.pid}")
     assert "since start: 1 converted, 0 updated, 0 in_sync, 2 refused, 1 conflict, 0 error, 0 skipped" in shown.stdout
@@ -115,7 +109,7 @@ def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
     assert "recent failures: 3" in shown.stdout
     assert f"refused  {files['not_a_checkpoint']}: not a safetensors or burnpack file" in shown.stdout
 
-    doc = json.loads(_syncd("status", "-c", run.config_path, "--json").stdout)
+    doc = json.loads(run_cli("status", "-c", run.config_path, "--json").stdout)
     assert doc["alive"] is True and doc["counts"] == {"converted": 1, "refused": 2, "conflict": 1}
     assert {f["source"] for f in doc["recent_failures"]} == {
         str(files[k]) for k in ("ambiguous", "not_a_checkpoint", "conflict")
@@ -129,7 +123,7 @@ def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
     wait_until(status_sent, 30, "STATUS= with the counts")
 
     run.stop()
-    after = _syncd("status", "-c", run.config_path)
+    after = run_cli("status", "-c", run.config_path)
     assert after.returncode == 1 and "not running" in after.stdout and "stopped" in after.stdout
 
 
@@ -148,14 +142,14 @@ def test_status_names_the_files_waiting_in_the_queue(tmp_path: Path) -> None:
 
         doc = wait_until(listed, 30, "the status file to list the waiting file")
         assert doc["queued"] == 1 and 500 < doc["waiting"][0]["due_in"] <= 600
-        shown = _syncd("status", "-c", run.config_path).stdout.splitlines()
+        shown = run_cli("status", "-c", run.config_path).stdout.splitlines()
         at = shown.index("queued: 1")
         assert re.fullmatch(rf"  {re.escape(str(waiting))}  due in (9|10):\d\d", shown[at + 1]), shown
 
 
 def test_status_without_a_daemon_is_one_line(tmp_path: Path) -> None:
     with DaemonRun(tmp_path / "d") as never_started:
-        proc = _syncd("status", "-c", never_started.config_path)
+        proc = run_cli("status", "-c", never_started.config_path)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip().endswith("no status file: the daemon has not run with this configuration")
     assert len(proc.stderr.splitlines()) == 1
@@ -227,7 +221,7 @@ def test_a_refused_reload_says_what_was_refused(run: DaemonRun) -> None:
     assert error["config"] == str(run.config_path) and "reload refused" in error["reason"]
 
     def listed() -> str | None:
-        shown = _syncd("status", "-c", run.config_path).stdout  # the running config: the edited one is invalid
+        shown = run_cli("status", "-c", run.config_path).stdout  # the running config: the edited one is invalid
         return shown if "recent failures: 1" in shown else None
 
     run.write_config([{"path": "runs"}, {"path": "strict", "direction": "safetensors->bpk", "on_exists": "error"}])

@@ -8,6 +8,9 @@ from hfsets import LLAMA_MODULES, tiny_llama
 from syncd.adapters import ModuleMap, TensorRef, plan_conversion
 from syncd.adapters.keys import NameCollisionError, TensorFilter, compile_rule
 from syncd.engine.options import StoreOptions, apply_options, undo_renames
+from syncd.errors import SyncdError
+
+pytestmark = pytest.mark.torch
 
 DTYPES = {"torch.float32": "F32"}
 
@@ -34,12 +37,13 @@ LLAMA_PORT = (
 )
 
 
-def test_remap_after_the_layout_adapter_and_undone_before_planning_back() -> None:
+def test_remap_on_the_source_names_then_the_adapter_and_undone_before_planning_back() -> None:
     refs = llama_table()
     plan = plan_to_burn(refs)
     options = StoreOptions(remap=tuple(compile_rule(p, r) for p, r in LLAMA_PORT))
     applied = apply_options(plan, refs, {r.name: r.name for r in refs}, options)
     names = {e.source: e.target for e in applied.entries}
+    # the rules matched `input_layernorm.weight` as in the file; the adapter then made its leaf `gamma`
     assert names["model.layers.1.input_layernorm.weight"] == "layers.1.attention_norm.gamma"
     assert names["model.layers.0.self_attn.k_proj.weight"] == "layers.0.attention.wk.weight"
     assert names["model.norm.weight"] == "norm.gamma" and names["lm_head.weight"] == "output.weight"
@@ -96,3 +100,29 @@ def test_contiguous_indices_on_a_sequential() -> None:
         "features.2.weight": "features.5.weight",
         "features.2.bias": "features.5.bias",
     }
+
+
+def test_a_rule_that_renames_a_parameter_the_adapter_renames_is_refused() -> None:
+    refs = llama_table()
+    options = StoreOptions(remap=(compile_rule(r"\.norm\.weight$", ".norm.scale"),))
+    with pytest.raises(SyncdError, match="'model.norm.weight' to 'model.norm.scale'"):
+        apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, options)
+
+
+def test_a_rule_written_for_burns_names_on_a_pytorch_file_is_noted() -> None:
+    refs = llama_table()
+    options = StoreOptions(remap=(compile_rule(r"\.gamma$", ".scale"),))
+    applied = apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, options)
+    assert applied.renames == {}
+    assert applied.notes == [
+        "note: remap rule '\\.gamma$' matched no tensor name (rules see the source's names, as in Burn)"
+    ]
+
+
+def test_contiguous_indices_default_to_what_burns_store_for_the_source_format_does() -> None:
+    # SafetensorsStore keeps indices as they are, PytorchStore makes them contiguous; an explicit choice wins
+    assert StoreOptions().for_source("safetensors").map_indices_contiguous is False
+    assert StoreOptions().for_source("burnpack").map_indices_contiguous is False
+    assert StoreOptions().for_source("pytorch").map_indices_contiguous is True
+    assert StoreOptions(map_indices_contiguous=False).for_source("pytorch").map_indices_contiguous is False
+    assert StoreOptions(map_indices_contiguous=True).for_source("safetensors").map_indices_contiguous is True

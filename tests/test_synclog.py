@@ -332,42 +332,117 @@ def test_missing_log_is_reported(tmp_path: Path) -> None:
     assert code == 1 and out == "" and "no sync log yet" in err
 
 
-def test_follow_prints_new_records_across_rotation(tmp_path: Path) -> None:
+HANG = 30.0  # seconds: catches a follower that hangs; never a measure of speed
+
+
+class Terminal(io.StringIO):
+    """A follower's output whose reader the test can pause, as a terminal or pipe nobody reads: while paused,
+    a write waits. The test can wait for lines to arrive and for a write to be waiting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cond = threading.Condition()
+        self._paused = False
+        self._waiting = False
+
+    def write(self, text: str) -> int:
+        with self._cond:
+            self._waiting = True
+            self._cond.notify_all()
+            assert self._cond.wait_for(lambda: not self._paused, HANG), "the terminal was never resumed"
+            self._waiting = False
+            written = super().write(text)
+            self._cond.notify_all()
+            return written
+
+    def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def wait_for_lines(self, count: int) -> None:
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: self.getvalue().count("\n") >= count, HANG)
+            assert arrived, f"{count} lines expected, got:\n{self.getvalue()}"
+
+    def wait_for_a_waiting_write(self) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._waiting and self._paused, HANG), "no write waited"
+
+
+def test_follow_prints_every_record_across_rotations_even_one_made_while_it_was_not_reading(tmp_path: Path) -> None:
     log_path = tmp_path / "sync.jsonl"
-    log = SyncLog(log_path, max_bytes=400, backups=2)
+    log = SyncLog(log_path, max_bytes=400, backups=2)  # 400 bytes: three ~110-byte records to a file
     log.log("started", watch="/runs")
-    out, err = io.StringIO(), io.StringIO()
-    finished = threading.Event()
+    terminal, err, finished = Terminal(), io.StringIO(), threading.Event()
+    sources: list[str] = []
+
+    def converted() -> bool:
+        """Log the next record; True if the log rotated to make room for it."""
+        before = log_path.stat().st_ino
+        sources.append(f"/runs/{len(sources):02d}.bpk")
+        log.log("converted", source=sources[-1], dest=sources[-1].replace(".bpk", ".safetensors"))
+        return log_path.stat().st_ino != before
 
     def follower() -> None:
-        show_log(log_path, as_json=True, follow=True, out=out, err=err, stop=finished.is_set, poll_interval=0.02)
+        show_log(log_path, as_json=True, follow=True, out=terminal, err=err, stop=finished.is_set, poll_interval=0.01)
 
     thread = threading.Thread(target=follower)
     thread.start()
     try:
-        for index in range(12):  # ~110 bytes each: rotates several times, beyond the 2 backups kept
-            log.log("converted", source=f"/runs/{index:02d}.bpk", dest=f"/runs/{index:02d}.safetensors")
-            time.sleep(0.03)
-        deadline = time.monotonic() + 5
-        while out.getvalue().count("\n") < 13 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        terminal.wait_for_lines(1)
+        rotations = 0
+        while rotations < 3:  # a follower that keeps up: each record printed before the next is logged
+            rotations += converted()
+            terminal.wait_for_lines(1 + len(sources))
+        # the last record began a new file. The follower stops reading (its terminal paused) holding that
+        # file; the file fills and the log rotates: the file's rest is read through the old descriptor
+        terminal.pause()
+        assert not converted()
+        terminal.wait_for_a_waiting_write()  # it has read that record, and nothing after it
+        assert not converted()
+        assert converted()
+        terminal.resume()
+        terminal.wait_for_lines(1 + len(sources))
     finally:
         finished.set()
-        thread.join(5)
+        terminal.resume()
+        thread.join(HANG)
         log.close()
-    statuses = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert statuses[0]["status"] == "started"
-    assert [r["source"] for r in statuses[1:]] == [f"/runs/{index:02d}.bpk" for index in range(12)]
+    records = [json.loads(line) for line in terminal.getvalue().splitlines()]
+    assert records[0]["status"] == "started"
+    assert [r["source"] for r in records[1:]] == sources
     assert err.getvalue() == ""
 
 
-def test_follow_waits_for_a_log_that_does_not_exist_yet_and_stops_on_timeout(tmp_path: Path) -> None:
+def test_follow_waits_for_a_log_that_does_not_exist_yet(tmp_path: Path) -> None:
     log_path = tmp_path / "sync.jsonl"
-    threading.Timer(0.1, lambda: SyncLog(log_path).log("started")).start()
+    out = io.StringIO()
+    looked = 0
+
+    def stop() -> bool:
+        """Asked after every look at the log: the log is created after the first look found none."""
+        nonlocal looked
+        looked += 1
+        if looked == 1:
+            assert not log_path.exists() and out.getvalue() == ""
+            SyncLog(log_path).log("started")
+        return "started" in out.getvalue()
+
+    code = show_log(log_path, follow=True, out=out, err=io.StringIO(), stop=stop, poll_interval=0.01)
+    assert code == 0 and looked >= 2
+    assert "started" in out.getvalue() and out.getvalue().startswith("TIME (UTC)")
+
+
+def test_follow_stops_after_its_timeout(sample_log: Path) -> None:
     started = time.monotonic()
-    code, out, _ = run_show(log_path, follow=True, timeout=0.6, poll_interval=0.02)
-    assert code == 0 and 0.5 < time.monotonic() - started < 30
-    assert "started" in out and out.startswith("TIME (UTC)")
+    code, out, _ = run_show(sample_log, follow=True, timeout=0.3, poll_interval=0.02)
+    assert code == 0 and time.monotonic() - started >= 0.3  # it followed for the time asked, then stopped
+    assert out.startswith("TIME (UTC)")
 
 
 def test_log_command_reads_the_log_named_by_the_config(sample_log: Path, tmp_path: Path) -> None:

@@ -10,16 +10,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
-from daemonutil import CAP_LEASE, DaemonRun, scratch_files, wait_until
+from convcheck import cli_env, run_cli
+from daemonutil import CAP_LEASE, DaemonRun, scratch_files, stop_cleanly, wait_until, write_file
 from hfsets import save_llama
 from safetensors.numpy import save
 
 from syncd.engine.convert import ConvertRequest, convert
+
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
 
 # ------------------------------------------------------------------------------------------ checkpoints
 
@@ -33,11 +36,6 @@ def checkpoint(seed: int, layers: int = 2, width: int = 8) -> bytes:
         tensors[f"layers.{i}.weight"] = rng.standard_normal((width, width * 3 // 4), dtype=np.float32)
         tensors[f"layers.{i}.bias"] = rng.standard_normal(width, dtype=np.float32)
     return save(tensors)
-
-
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
 
 
 def rewrite_in_place(path: Path, data: bytes, keep_times: os.stat_result | None = None) -> None:
@@ -101,17 +99,12 @@ def started_one_way(make_daemon: Callable[..., DaemonRun]) -> tuple[DaemonRun, P
     return run, runs
 
 
-def stop_cleanly(run: DaemonRun) -> None:
-    code, _ = run.stop()
-    assert code == 0, run.stderr()
-    assert scratch_files(run.root) == []
-
-
 # ------------------------------------------------------------------------------------------ 1. rewritten in place
 
 BIG = {"layers": 6, "width": 2048}  # 6 x 12 MiB transposed weights: the conversion takes long enough to meet
 
 
+@pytest.mark.slow
 def test_a_source_rewritten_in_place_during_its_conversion_is_never_published_mixed(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -137,9 +130,8 @@ def test_a_source_rewritten_in_place_during_its_conversion_is_never_published_mi
 def test_syncd_convert_refuses_a_source_changed_while_it_converts(tmp_path: Path) -> None:
     source = tmp_path / "model.safetensors"
     write_file(source, checkpoint(1, **BIG))
-    env = {**os.environ, "PYTHONPATH": os.fspath(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "syncd", "convert", os.fspath(source)], env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "syncd", "convert", os.fspath(source)], env=cli_env(), stderr=subprocess.PIPE, text=True
     )
     wait_until(lambda: has_open(proc.pid, source) or proc.poll() is not None, 60, "syncd convert opening it")
     size = source.stat().st_size
@@ -277,6 +269,7 @@ def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
 # ------------------------------------------------------------------------------------------ 5. reloads, lost log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "text",
     [
@@ -291,13 +284,7 @@ def test_a_reload_with_a_config_the_parser_chokes_on_keeps_the_daemon(
     run, runs = started_one_way(make_daemon)
     good = run.config_path.read_text()
     run.write_config_text(text)
-    check = subprocess.run(
-        [sys.executable, "-m", "syncd", "check-config", os.fspath(run.config_path)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    check = run_cli("check-config", os.fspath(run.config_path), timeout=60)
     assert check.returncode == 2 and "internal error" not in check.stdout + check.stderr
     assert (check.stdout + check.stderr).count("\n") == 1, check
     run.send(signal.SIGHUP)
@@ -344,14 +331,7 @@ def test_a_second_daemon_on_the_same_state_exits_1_naming_the_first(make_daemon:
     run = make_daemon([{"path": "runs"}])
     run.start()
     assert run.proc is not None
-    second = subprocess.run(
-        [sys.executable, "-m", "syncd", "run", "-c", os.fspath(run.config_path)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=run.root,
-    )
+    second = run_cli("run", "-c", os.fspath(run.config_path), cwd=run.root, timeout=60)
     assert second.returncode == 1, second
     assert second.stderr.count("\n") == 1 and f"pid {run.proc.pid}" in second.stderr, second.stderr
     assert [r["status"] for r in run.records()] == ["started"]
@@ -412,6 +392,7 @@ def _heal(fault: str, out: Path, disk: Tmpfs) -> None:
         (disk.path / "junk").unlink()
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("fault", FAULTS)
 def test_environment_errors_are_retried_until_they_heal_also_across_a_restart(
     make_daemon: Callable[..., DaemonRun], fault: str
@@ -439,6 +420,7 @@ def test_environment_errors_are_retried_until_they_heal_also_across_a_restart(
         stop_cleanly(run)
 
 
+@pytest.mark.root
 def test_a_full_disk_under_the_state_database_is_logged_and_retried(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}], state_dir="statefs/state")
     runs = run.watch_dir()
@@ -503,13 +485,7 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
     write_file(source, checkpoint(1))
     run.wait_for("error", [source])
     (run.root / "mirror" / "sub").unlink()  # fixed by the administrator; the source itself did not change
-    retry = subprocess.run(
-        [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), os.fspath(source)],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    retry = run_cli("retry", "-c", os.fspath(run.config_path), os.fspath(source), timeout=60)
     assert retry.returncode == 0, retry.stderr
     assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
     run.wait_for("converted", [source])
@@ -522,6 +498,8 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
 NOBODY = 65534
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_a_presized_file_filled_in_with_pauses_is_not_taken_for_complete_without_leases(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -560,6 +538,8 @@ def stop_wrapped(run: DaemonRun) -> None:
     assert scratch_files(run.root) == []
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
@@ -571,22 +551,21 @@ def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     live = wait_until(lambda: scratch_files(runs), 60, "the first daemon's scratch file")
     # held mid-conversion (alive, its flock held) while the second daemon starts and scans: a conversion that
     # finished first would leave nothing to test
-    first.send(signal.SIGSTOP)
-    try:
+    with first.held():
         # a second daemon on the same tree (another state), as a container or another host would run one
         (first.root.parent / "d1").mkdir()
         second = make_daemon([{"path": os.fspath(runs), "direction": "bpk->safetensors"}])
         second.start(wrapper=OWN_PID_NAMESPACE)
         second.quiet(1.0)
         assert scratch_files(runs) == live
-    finally:
-        first.send(signal.SIGCONT)
     first.wait_for("converted", [source], timeout=120)
     assert second.statuses("removed") == [], second.log_text()
     stop_wrapped(second)
     stop_cleanly(first)
 
 
+@pytest.mark.root
+@pytest.mark.slow
 def test_a_daemon_running_as_pid_1_removes_its_own_scratch_after_a_sigkill(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
@@ -625,6 +604,7 @@ def test_a_source_renamed_away_during_its_conversion_leaves_no_output(make_daemo
     stop_cleanly(run)
 
 
+@pytest.mark.slow
 def test_a_directory_moved_out_of_the_tree_mid_conversion_keeps_no_scratch(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
@@ -696,6 +676,14 @@ def test_a_file_that_stays_truncated_is_refused_once_saying_so(make_daemon: Call
     stop_cleanly(run)
 
 
+def holds(path: Path, data: bytes) -> bool:
+    """`path` exists and holds exactly `data`."""
+    try:
+        return path.read_bytes() == data
+    except FileNotFoundError:
+        return False
+
+
 def save_then_rename(temporary: Path, final: Path, epochs: range, delay: Callable[[int], float]) -> None:
     """A writer that saves each epoch under `temporary` and renames it to `final` `delay(epoch)` s later."""
     for epoch in epochs:
@@ -705,23 +693,36 @@ def save_then_rename(temporary: Path, final: Path, epochs: range, delay: Callabl
         time.sleep(0.1)
 
 
-def test_a_source_renamed_away_before_its_conversion_starts_is_not_reported(
+def test_a_source_renamed_away_before_the_daemon_looks_at_it_is_not_reported(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     run, runs = started_one_way(make_daemon)
     x, y = runs / "x.safetensors", runs / "y.safetensors"
-    # renamed at once (within the few ms a close is given to settle): x is never converted, never named
-    save_then_rename(x, y, range(1, 21), lambda epoch: 0.002 * (epoch % 20))
-    expected = conversion_of(checkpoint(20), y.name, tmp_path / "expected")
-    wait_until(lambda: (runs / "y.bpk").exists() and (runs / "y.bpk").read_bytes() == expected, 60, "y.bpk")
+    for epoch in range(1, 6):
+        # saved and renamed while the daemon is held: it sees x's close only once x is gone
+        with run.held():
+            write_file(x, checkpoint(epoch))
+            os.rename(x, y)
+        expected = conversion_of(checkpoint(epoch), y.name, tmp_path / "expected")
+        wait_until(partial(holds, runs / "y.bpk", expected), 60, f"y.bpk of epoch {epoch}")
     run.quiet(2.0)
     assert [r for r in run.records() if r.get("source") == str(x)] == [], run.log_text()
     assert sorted(p.name for p in runs.iterdir()) == ["y.bpk", "y.safetensors"], run.log_text()
-    # renamed while the daemon's first look at x is under way (its settle check, lease probe and open): x may
-    # have been converted when it sat closed long enough, but a vanished x is never reported as a failure
+    stop_cleanly(run)
+
+
+@pytest.mark.slow
+def test_a_source_renamed_away_while_the_daemon_first_looks_at_it_is_never_a_failure(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    run, runs = started_one_way(make_daemon)
+    x, y = runs / "x.safetensors", runs / "y.safetensors"
+    # renamed 40-100 ms after its close, while the daemon's first look at x may be under way (its settle
+    # check, lease probe and open): x may have been converted when it sat closed long enough, but a vanished
+    # x is never reported as a failure
     save_then_rename(x, y, range(21, 61), lambda epoch: 0.04 + 0.0015 * (epoch % 40))
     expected = conversion_of(checkpoint(60), y.name, tmp_path / "expected")
-    wait_until(lambda: (runs / "y.bpk").read_bytes() == expected, 60, "y.bpk of the last save")
+    wait_until(lambda: (runs / "y.bpk").exists() and (runs / "y.bpk").read_bytes() == expected, 60, "y.bpk")
     run.quiet(2.0)
     assert {r["status"] for r in run.records() if r.get("source") == str(x)} <= {"converted", "updated"}, run.log_text()
     assert not [r for r in run.records() if r["status"] in ("refused", "error", "conflict", "skipped")], run.log_text()
@@ -738,13 +739,7 @@ def test_syncd_retry_all_failed_looks_again_with_the_fixed_configuration(make_da
     run.wait_for("refused", [source])
     # the administrator adds the module map, with no SIGHUP; the source itself does not change
     run.write_config([{"path": "runs", "direction": "safetensors->bpk", "modules": SQUARE_ONLY, "layout": "pytorch"}])
-    retry = subprocess.run(
-        [sys.executable, "-m", "syncd", "retry", "-c", os.fspath(run.config_path), "--all-failed"],
-        env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    retry = run_cli("retry", "-c", os.fspath(run.config_path), "--all-failed", timeout=60)
     assert retry.returncode == 0, retry.stderr
     assert retry.stdout.startswith("1 failed file(s) marked") and retry.stdout.count("\n") == 1, retry.stdout
     run.wait_for("converted", [source])

@@ -5,16 +5,15 @@ inotify, real signals; see daemonutil.py for the harness."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
-from daemonutil import DaemonRun, scratch_files
+from daemonutil import DaemonRun, mentioning, stop_cleanly, write_file
 from safetensors.torch import save
 from watchdog.events import FileClosedEvent, FileSystemEvent
 
@@ -23,6 +22,8 @@ from syncd.daemon.watcher import Watcher
 from syncd.engine.publish import is_scratch_name, open_scratch
 from syncd.formats import BURNPACK, open_checkpoint
 
+pytestmark = [pytest.mark.daemon, pytest.mark.torch]
+
 MAX_QUEUED_EVENTS = Path("/proc/sys/fs/inotify/max_queued_events")
 
 
@@ -30,11 +31,6 @@ def checkpoint(seed: int) -> bytes:
     """A small PyTorch checkpoint: one Linear (`fc.weight` [4, 3], `fc.bias` [4])."""
     generator = torch.Generator().manual_seed(seed)
     return save({"fc.weight": torch.randn(4, 3, generator=generator), "fc.bias": torch.randn(4, generator=generator)})
-
-
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
 
 
 def check_converted(source: Path, data: bytes) -> None:
@@ -48,16 +44,6 @@ def check_converted(source: Path, data: bytes) -> None:
 
 def names(directory: Path) -> set[str]:
     return {path.name for path in directory.iterdir()}
-
-
-def mentioning(run: DaemonRun, text: str) -> list[dict]:
-    return [r for r in run.records() if text in json.dumps(r)]
-
-
-def stop_cleanly(run: DaemonRun) -> None:
-    code, seconds = run.stop()
-    assert code == 0, f"exit status {code} after {seconds:.1f} s\n{run.stderr()}"
-    assert scratch_files(run.root) == []
 
 
 # ------------------------------------------------------------------------------------------ temporary names
@@ -88,7 +74,7 @@ def test_a_writers_temporary_names_are_never_converted(make_daemon: Callable[...
     for final, content in data.items():
         check_converted(runs / final, content)
     for temporary in [*settled, ".quick"]:
-        assert mentioning(run, temporary) == []
+        assert mentioning(run.records(), temporary) == []
     stop_cleanly(run)
 
 
@@ -115,16 +101,7 @@ def test_the_ignore_setting_replaces_the_default(make_daemon: Callable[..., Daem
 # ------------------------------------------------------------------------------------------ lost events
 
 
-@contextlib.contextmanager
-def stopped(run: DaemonRun) -> Iterator[None]:
-    """The daemon held with SIGSTOP: nothing reads its inotify queue until the block ends."""
-    run.send(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        run.send(signal.SIGCONT)
-
-
+@pytest.mark.root
 def test_a_real_inotify_queue_overflow_is_caught_up_by_a_rescan(make_daemon: Callable[..., DaemonRun]) -> None:
     """While the daemon is stopped, more files appear than the kernel queues events for (each new file makes
     at least two: create and close); the checkpoints written last find the queue full and their events are
@@ -138,7 +115,7 @@ def test_a_real_inotify_queue_overflow_is_caught_up_by_a_rescan(make_daemon: Cal
     run.quiet(0.5)  # the new directory is watched
     flood = int(MAX_QUEUED_EVENTS.read_text()) + 1000
     data = {runs / f"late-{index}.safetensors": checkpoint(index) for index in range(5)}
-    with stopped(run):
+    with run.held():
         for index in range(flood):
             (noise / f"{index}.txt").touch()
         for path, content in data.items():
@@ -162,6 +139,7 @@ def bind_mounted(source: Path, target: Path) -> Iterator[None]:
         subprocess.run(["umount", os.fspath(target)], check=True)
 
 
+@pytest.mark.root
 def test_the_safety_rescan_finds_files_no_event_announced(make_daemon: Callable[..., DaemonRun]) -> None:
     """A directory mounted over a watched subdirectory: inotify watches the directory underneath, so files
     written into the mounted one make no event at all. Only the periodic rescan finds them."""

@@ -18,7 +18,7 @@ API
     `rows` (r0, r1): the output is only those rows of the source's first dimension (a piece of a PyTorch packed
     tensor going to Burn); `parts`: the output is these entries' outputs end to end (Burn's pieces joined back
     into the packed tensor; `source` is then the first part's). ``entry.pieces`` / ``entry.sources`` list them.
-``AdapterPlan(entries, dropped, source_layout, target_layout, decisions, kinds)``, ``.is_identity``
+``AdapterPlan(entries, dropped, source_layout, target_layout, decisions, kinds, packed, notes)``, ``.is_identity``
     entries in source data order, dropped tensors left out; source_layout "pytorch" | "burn" | "neutral"
     (the file has nothing that differs between layouts) | "keep"; kinds: module path -> kind.
 ``plan_conversion(tensors, *, to_layout, source_layout="auto", module_map=None, context=None) -> AdapterPlan``
@@ -56,6 +56,9 @@ Rules, in order
    num_batches_tracked are adapted; tensors with other leaves always pass through unchanged.
 3. Kind, strongest evidence first, each decision line saying where it came from:
    a. the module map (exact path, else first matching glob);
+   a'. the model's own definition (``FileContext.definition``: module path -> the kind of the module's type,
+      built by the convert layer from the class config.json names, where transformers is installed; a kind
+      that does not fit the module's tensors is passed over);
    b. the kinds a syncd-made file recorded (`syncd.kinds`);
    c. config.json's `model_type` / `architectures` matched in `architectures.yaml` (one module map per
       family; a rule that does not fit a module's tensors is passed over);
@@ -63,9 +66,14 @@ Rules, in order
       weight -> a convolution; 2-D weight + 1-D bias fitting one of its dims -> Linear; 1-D weight + bias of the
       same length -> a norm (LayerNorm/GroupNorm/InstanceNorm, all renamed);
    e. naming conventions (evidence.py) for what the tensors leave open: a bias-free 2-D weight (`*_proj`,
-      `fc*`, `dense`, `query`... -> Linear; `embed*`, `*_emb`, `*embedding*`, `wte`, `wpe`, `shared` ->
-      Embedding), a lone 1-D weight or gamma (`*norm*`, `ln_*` -> RmsNorm; `ls1`, `*layer_scale*` -> Other, a
-      LayerScale; `act`, `*prelu*` -> PRelu); a lone 1-element weight is a PRelu;
+      `*qkv*`, `fc*`, `dense`, `query`... -> Linear; `embed*`, `*_emb`, `*embedding*`, `wte`, `wpe`, `shared`
+      -> Embedding), a lone 1-D weight or gamma (`*norm*`, `ln_*` -> RmsNorm; `ls1`, `*layer_scale*` -> Other,
+      a LayerScale; `act`, `*prelu*` -> PRelu); a lone 1-element weight is a PRelu. A convention never
+      overrules the rest of the file: in a decoder-only language model (config.json's `*ForCausalLM`,
+      `*LMHeadModel`), a bias-free [vocab, hidden] weight at the top of the module tree beside an embedding
+      of the same shape inside it is the output head, a Linear, whatever its name (GPT-NeoX's `embed_out`);
+      two such candidates are undecided. Every kind taken on a convention alone is listed in one
+      ``plan.notes`` line (also among the decisions), so a wrong guess can be found afterwards;
    f. the file's layout (rule 4): in a pytorch-layout file a shape-inferred Linear whose bias matches dim 1 is
       a LinearInOut (transformers' Conv1D, [in, out]) and a lone gamma is no norm (Other); in a burn-layout
       file a lone 1-D weight is no norm (Other). Where LinearInOut layers exist, a square Linear with bias that
@@ -98,6 +106,7 @@ from syncd.adapters.model import (
     AdapterPlan,
     FileContext,
     LayoutAmbiguityError,
+    ModelDefinition,
     PlanEntry,
     TensorRef,
 )
@@ -116,6 +125,7 @@ __all__ = [
     "FileContext",
     "LayoutAmbiguityError",
     "MapProblem",
+    "ModelDefinition",
     "ModuleMap",
     "PlanEntry",
     "TensorRef",

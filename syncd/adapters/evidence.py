@@ -22,7 +22,7 @@ TABLE_FILE = "architectures.yaml"
 # Naming conventions shared across families, matched case-insensitively against a module's last
 # path segment. They settle only what the tensors leave open (a bias-free 2-D weight, a lone 1-D weight or
 # gamma); a module whose tensors contradict its name keeps what its tensors say.
-LINEAR_NAMES = ("*_proj", "proj", "qkv", "lm_head", "fc*", "dense", "query", "key", "value")
+LINEAR_NAMES = ("*_proj", "proj", "*qkv*", "lm_head", "fc*", "dense", "query", "key", "value")
 EMBEDDING_NAMES = ("emb", "embed*", "*_emb", "*embedding*", "wte", "wpe", "shared")
 NORM_NAMES = ("ln", "ln_*", "*_ln", "*norm*", "*rms*")
 PRELU_NAMES = ("*prelu*", "act", "act?", "activation")
@@ -75,6 +75,19 @@ def suggested_matrix_kind(path: str) -> tuple[str, ...]:
     if any(hint in last for hint in ("emb", "bias", "position", "pos", "table", "token")):
         return (EMBEDDING, LINEAR)
     return (LINEAR, EMBEDDING)
+
+
+# Model classes whose only language-modeling head sits at the top of the module tree beside the backbone
+# holding the input embedding (decoder-only models, as transformers builds them).
+DECODER_LM_CLASSES = ("ForCausalLM", "LMHeadModel")
+
+
+def decoder_lm_class(config: dict[str, Any] | None) -> str | None:
+    """The decoder-only language-model class config.json names (`GPTNeoXForCausalLM`), or None."""
+    classes = (config or {}).get("architectures")
+    if not isinstance(classes, list):
+        return None
+    return next((c for c in classes if isinstance(c, str) and c.endswith(DECODER_LM_CLASSES)), None)
 
 
 def metadata_layout(metadata: dict[str, str]) -> str | None:

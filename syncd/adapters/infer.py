@@ -16,6 +16,7 @@ from syncd.adapters.model import (
     BATCH_NORM,
     BURN,
     BY_CONFIG,
+    BY_DEFINITION,
     BY_MAP,
     BY_NAME,
     BY_RECORD,
@@ -36,6 +37,7 @@ from syncd.adapters.model import (
     RECORDED_KINDS,
     RMS_NORM,
     UNKNOWN,
+    ModelDefinition,
     TensorRef,
 )
 from syncd.adapters.modulemap import ModuleMap, ModuleRule
@@ -96,11 +98,13 @@ class ModuleKind:
 
 @dataclass(frozen=True)
 class KindSources:
-    """Everything that states kinds, strongest first: the user's map, the file's own record, the table."""
+    """Everything that states kinds, strongest first: the user's map, the model's definition, the file's own
+    record, the table."""
 
     module_map: ModuleMap | None = None
     recorded: dict[str, str] = field(default_factory=dict)
     architecture: Architecture | None = None
+    definition: ModelDefinition | None = None  # the model's own module types: strongest after the map
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,10 @@ def kind_of(module: Module, sources: KindSources) -> ModuleKind:
         return mapped_kind(module, rule, module_map.source if module_map is not None else "module map")
     if not module.params:
         return ModuleKind(module.path, OTHER, "no layer parameters: unchanged")
+    if sources.definition is not None:
+        defined = _defined_kind(module, sources.definition)
+        if defined is not None:
+            return defined
     recorded = _recorded_kind(module, sources.recorded.get(module.path))
     if recorded is not None:
         return recorded
@@ -150,6 +158,20 @@ def kind_of(module: Module, sources: KindSources) -> ModuleKind:
         if found is not None:
             return found
     return infer_kind(module)
+
+
+def _defined_kind(module: Module, definition: ModelDefinition) -> ModuleKind | None:
+    """The type of the module that owns these tensors in the model's definition; a kind that does not fit
+    the tensors (a file from another version of the model) is passed over, and the other evidence decides."""
+    kind = definition.kinds.get(module.path)
+    if kind is None or kind in PACKED_KINDS:
+        return None
+    rule = ModuleMap.from_dict({"modules": {module.path or "": kind}}, source=definition.source).rules[0]
+    try:
+        mapped_kind(module, rule, definition.source)
+    except (ConfigError, UnsupportedError):
+        return None
+    return ModuleKind(module.path, kind, definition.source, by=BY_DEFINITION)
 
 
 def _recorded_kind(module: Module, kind: str | None) -> ModuleKind | None:
@@ -171,6 +193,62 @@ def _table_kind(module: Module, architecture: Architecture) -> ModuleKind | None
         return None  # the family's rule does not fit this module: its names and shapes decide
     reason = f"config.json {architecture.matched_by}: known architecture {architecture.family}, {rule.pattern!r}"
     return ModuleKind(module.path, found.kind, reason, rule.pattern, by=BY_CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# conventions checked against the rest of the file
+
+
+def settle_output_heads(
+    classified: list[tuple[Module, ModuleKind]], lm_class: str | None, vocab: int | None
+) -> list[tuple[Module, ModuleKind]]:
+    """In a decoder-only language model (`lm_class`), a bias-free [vocab, hidden] weight at the top of the module
+    tree beside an embedding of the same shape deeper in it is the output head, a Linear, whatever its name
+    says (GPT-NeoX writes it `embed_out`): the embed* convention alone would keep it [vocab, hidden]. Where
+    more than one top-level module could be that head, none is guessed: undecided, a module map settles it."""
+    if lm_class is None:
+        return classified
+    groups: dict[tuple[int, ...], list[tuple[Module, ModuleKind]]] = {}
+    for module, kind in classified:
+        if kind.kind == EMBEDDING and set(module.params) == {"weight"}:
+            shape = module.shape("weight")
+            if vocab is None or shape[0] == vocab:
+                groups.setdefault(shape, []).append((module, kind))
+    settled: dict[str, ModuleKind] = {}
+    for shape, group in groups.items():
+        top = [(m, k) for m, k in group if "." not in m.path and k.by == BY_NAME]
+        deeper = [m for m, _ in group if "." in m.path]
+        if not top or not deeper:
+            continue
+        beside = f"beside the embedding {deeper[0].path} {list(shape)} in a {lm_class}"
+        if len(top) == 1:
+            module = top[0][0]
+            reason = f"2-D weight {list(shape)} without bias {beside}: its output head, whatever its name says"
+            settled[module.path] = ModuleKind(module.path, LINEAR, reason, by=BY_NAME)
+        else:
+            for module, _ in top:
+                reason = f"2-D weight {list(shape)} without bias {beside}: the output head or an embedding"
+                settled[module.path] = _unknown(module, reason, (LINEAR, EMBEDDING))
+    return [(module, settled.get(module.path, kind)) for module, kind in classified]
+
+
+def order_vocab_options(
+    classified: list[tuple[Module, ModuleKind]], vocab: int | None
+) -> list[tuple[Module, ModuleKind]]:
+    """What to suggest first for an undecided bias-free [vocab, hidden] weight (config.json's vocab_size): an
+    Embedding inside the model (CTRL's `transformer.w`), the output head (a Linear) at its top. A suggestion
+    only: the module stays undecided, and the refusal prints the map."""
+    if vocab is None:
+        return classified
+    ordered = []
+    for module, kind in classified:
+        if kind.kind == UNKNOWN and set(kind.options) == {LINEAR, EMBEDDING} and module.shape("weight")[0] == vocab:
+            first = EMBEDDING if "." in module.path else LINEAR
+            options = (first, LINEAR if first == EMBEDDING else EMBEDDING)
+            reason = f"{kind.reason}; [vocab_size, hidden] {'inside the model' if first == EMBEDDING else 'at its top'}"
+            kind = ModuleKind(kind.path, UNKNOWN, reason, options=options)
+        ordered.append((module, kind))
+    return ordered
 
 
 # ---------------------------------------------------------------------------------------------------------

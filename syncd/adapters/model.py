@@ -70,6 +70,7 @@ RECORDED_KINDS = frozenset({*MAP_KINDS, NORM, CONV})
 
 # Where a module's kind came from, strongest first (evidence in a stated order).
 BY_MAP = "module map"
+BY_DEFINITION = "model definition"
 BY_RECORD = "recorded in the file"
 BY_CONFIG = "config.json"
 BY_NAME = "name"
@@ -86,6 +87,16 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class ModelDefinition:
+    """The module kinds the model's own definition gives (its class built by the convert layer): module path,
+    as the file names it, -> kind. Modules of types Burn's adapters do not know are not in it."""
+
+    kinds: dict[str, str]
+    source: str  # e.g. "model definition LlamaForCausalLM (transformers 5.24.0)"
+    written: tuple[str, ...] = ()  # the tensor names save_pretrained writes, in its order
+
+
+@dataclass(frozen=True)
 class FileContext:
     """What a checkpoint's surroundings say about it, gathered by the convert layer (the adapters do no I/O).
 
@@ -99,6 +110,7 @@ class FileContext:
     recorded_kinds: dict[str, str] = field(default_factory=dict)
     config: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()  # what the convert layer found while gathering (e.g. an unreadable config.json)
+    definition: ModelDefinition | None = None  # the module types of the model config.json names, if built
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,10 @@ class AdapterPlan:
     decisions: list[str]  # human lines: the file's layout first, then one line per module
     kinds: dict[str, str] = field(default_factory=dict)  # module path -> kind ("" is the root module)
     packed: frozenset[str] = frozenset()  # source tensors of packed MHA/RNN modules (all Linears in Burn)
+    # what a user must see even without -v (also among `decisions`): kinds taken on a naming convention alone,
+    # index gaps a Burn Vec cannot load, rules that matched nothing
+    notes: list[str] = field(default_factory=list)
+    guessed: dict[str, str] = field(default_factory=dict)  # module path -> why, for kinds a convention alone decided
 
     @property
     def is_identity(self) -> bool:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from syncd.adapters.infer import Evidence, KindSources, split_name
 from syncd.adapters.model import (
     BURN,
+    BY_DEFINITION,
     BY_MAP,
     BY_NAME,
     BY_RECORD,
@@ -358,6 +359,9 @@ def _stated_burn_kind(root: str, sources: KindSources) -> tuple[str | None, str,
     rule = module_map.lookup(root) if module_map is not None else None
     if rule is not None and module_map is not None:
         return rule.kind, BY_MAP, f"module map {rule.pattern!r}", module_map.source
+    defined = sources.definition.kinds.get(root) if sources.definition is not None else None
+    if defined in PACKED_KINDS and sources.definition is not None:  # nn.MultiheadAttention, nn.LSTM... by type
+        return defined, BY_DEFINITION, sources.definition.source, ""
     recorded = sources.recorded.get(root)
     if recorded is not None:
         return recorded, BY_RECORD, "recorded in the file (syncd.kinds)", ""

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from syncd.adapters.evidence import architecture_for, metadata_layout
+from syncd.adapters.evidence import architecture_for, decoder_lm_class, metadata_layout
 from syncd.adapters.infer import (
     Evidence,
     KindSources,
@@ -16,12 +16,15 @@ from syncd.adapters.infer import (
     group_modules,
     kind_of,
     layout_evidence,
+    order_vocab_options,
     resolve_with_layout,
+    settle_output_heads,
 )
 from syncd.adapters.model import (
     AUTO,
     BATCH_NORM,
     BURN,
+    BY_NAME,
     BY_SHAPE,
     INSTANCE_NORM,
     KEEP,
@@ -89,11 +92,13 @@ def plan_conversion(
         return _keep_plan(tensors)
     context = context or FileContext()
     architecture, table_note = architecture_for(context.config)
-    sources = KindSources(module_map, dict(context.recorded_kinds), architecture)
+    sources = KindSources(module_map, dict(context.recorded_kinds), architecture, context.definition)
     packed = find_packed(tensors, sources)
     in_packed = {t.name for module in packed for t in module.tensors.values()}
     modules = group_modules(t for t in tensors if t.name not in in_packed)
     classified = [(module, kind_of(module, sources)) for module in modules]
+    vocab = _vocab_size(context.config)
+    classified = order_vocab_options(settle_output_heads(classified, decoder_lm_class(context.config), vocab), vocab)
     extra = [module.evidence() for module in packed]
     source, source_note = _decide_layout(classified, source_layout, module_map, context, extra)
     classified = _resolve_with_layout(classified, source)
@@ -101,9 +106,11 @@ def plan_conversion(
     converting = source not in (None, to_layout)
     steps: dict[str, _Step] = {}
     decisions = [f"source layout: {source_note}", f"target layout: {to_layout}", *context.notes]
+    if context.definition is not None:
+        decisions.append(f"module types from the {context.definition.source}")
     if architecture is not None:
         decisions.append(f"config.json {architecture.matched_by}: known architecture {architecture.family}")
-    elif table_note is not None:
+    elif table_note is not None and context.definition is None:
         decisions.append(table_note)
     if not converting:
         decisions.append(f"nothing to adapt: identity plan ({_why_identity(source, to_layout)})")
@@ -112,6 +119,8 @@ def plan_conversion(
         steps.update(module_steps)
         if module.params:
             decisions.append(f"{module.label}: {_kind_label(kind)} ({kind.reason}) -> {action}")
+    by_convention = [kind for _, kind in classified if kind.by == BY_NAME and kind.kind != UNKNOWN]
+    guessed = _convention_note(by_convention)
     joined = _packed_steps(packed, converting, decisions)
     if module_map is not None:
         paths = [m.path for m in modules] + [m.path for m in packed]
@@ -120,7 +129,28 @@ def plan_conversion(
     plan.kinds = {module.path: kind.kind for module, kind in classified}
     plan.kinds.update({module.path: module.kind for module in packed if module.kind is not None})
     plan.packed = frozenset(t.name for module in packed for t in module.tensors.values())
+    if guessed and converting:
+        plan.decisions.append(guessed)
+        plan.notes.append(guessed)
+        plan.guessed = {kind.path: f"{kind.kind}: {kind.reason}" for kind in by_convention}
     return plan
+
+
+def _vocab_size(config: dict[str, object] | None) -> int | None:
+    vocab = (config or {}).get("vocab_size")
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _convention_note(guessed: list[ModuleKind]) -> str | None:
+    """One line listing every kind taken on a naming convention alone, so a wrong guess can be found later."""
+    if not guessed:
+        return None
+    listed = ", ".join(f"{_label(k.path)} ({k.kind})" for k in guessed[:_LIST_LIMIT])
+    more = f" and {len(guessed) - _LIST_LIMIT} more" if len(guessed) > _LIST_LIMIT else ""
+    return (
+        f"note: {len(guessed)} module kind(s) decided by naming convention alone: {listed}{more}; check them "
+        "(-v gives the reasons) or state them in a module map (`syncd modules` writes a model's exact map)"
+    )
 
 
 def _packed_steps(packed: list[PackedModule], converting: bool, decisions: list[str]) -> list[PlanEntry]:
@@ -316,7 +346,7 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
         listed = ", ".join(f"{_label(k.path)} ({_question(k)})" for k in undecided)
         parts.append(
             f"the tensors do not decide what {len(undecided)} module(s) are: {_clip(listed)}; "
-            "state them in a module map"
+            "state them in a module map (`syncd modules` writes a model's exact map from its definition)"
         )
     if layoutless:
         listed = ", ".join(f"{m.params['weight'].name} {list(m.shape('weight'))}" for m in layoutless)

@@ -10,6 +10,11 @@ from syncd.daemon.access import access_warnings
 from syncd.daemon.config import validate
 from syncd.errors import ConfigError
 
+REMAP_SEES = (
+    "applied to the source's names as in the file, before the layout adapter renames weight/bias to "
+    "gamma/beta (as Burn's stores do): a .safetensors' weight/bias/running_mean, a .bpk's gamma/beta"
+)
+
 
 def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, user: str | None = None) -> int:
     """Prints one line per problem; 0 when valid, 2 when not. A valid config also gets a warning line for each
@@ -22,6 +27,9 @@ def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, us
         return ConfigError.exit_code
     for warning in access_warnings(config, user):
         print(warning, file=out)
+    for i, watch in enumerate(config.watches):
+        if watch.remap:  # which names the rules see changed once (Burn's order): say it where they are checked
+            print(f"{path}: watches[{i}].remap: {len(watch.remap)} rules, {REMAP_SEES}", file=out)
     count = len(config.watches)
     print(f"{path}: valid ({count} watch{'es' if count != 1 else ''})", file=out)
     return 0

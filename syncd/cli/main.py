@@ -1,4 +1,4 @@
-"""The `syncd` command line: convert, inspect, run (the daemon), status, log, check-config, completion.
+"""The `syncd` command line: convert, inspect, run (the daemon), status, log, check-config, modules, completion.
 
 Every error a user sees is one line naming the file and what is wrong (a JSON document with `--json`); exit
 status 1 for bad input or a refused conversion, 2 for usage and configuration errors, 3 when the destination
@@ -85,6 +85,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from syncd.cli.log import add_log_arguments
 
         add_log_arguments(log)
+    modules = _add_command(commands, "modules", help="write a model's exact module map from its definition")
+    if command in (None, "modules"):
+        from syncd.cli.modules import add_arguments
+
+        add_arguments(modules)
     completion = _add_command(commands, "completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash"])
     return parser
@@ -131,10 +136,17 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PATTERN=REPLACEMENT",
-        help="rename tensors as Burn's KeyRemapper (repeatable, applied in order; $1 for groups)",
+        help="rename tensors as Burn's KeyRemapper (repeatable, applied in order; $1 for groups); the rules "
+        "see the source's names as in the file, as in Burn: a .safetensors' norm1.weight, a .bpk's norm1.gamma; "
+        "a rule set that moves part of a module is refused",
     )
     stores.add_argument(
-        "--map-indices-contiguous", action="store_true", help="renumber indices 0..n-1 (fc.0, fc.2 -> fc.0, fc.1)"
+        "--map-indices-contiguous",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="renumber indices 0..n-1 (fc.0, fc.2 -> fc.0, fc.1) as a Burn Vec expects; undone on the way back. "
+        "Default: as Burn's store for the source's format (off for .safetensors and .bpk, as SafetensorsStore; "
+        "on for .pt, as PytorchStore)",
     )
     stores.add_argument("--include", action="append", default=[], metavar="REGEX", help="only tensors matching")
     stores.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="leave out tensors matching")
@@ -253,6 +265,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from syncd.cli.log import run_log_command
 
         return run_log_command(args)
+    if args.command == "modules":
+        from syncd.cli.modules import run
+
+        return run(args)
     if args.command == "completion":
         from syncd.cli.completion import bash_completion
 
@@ -280,10 +296,11 @@ def target_format(to: str | None, output: Path | None) -> str | None:
     from syncd.formats.shards import is_index_name
 
     named = format_for_path(output) if output is not None else None
-    if output is not None and named is None and not is_index_name(output) and not output.is_dir():
+    # a suffix that names no format would lie about the bytes (`-o x.txt`); a name without one is taken as it is
+    if output is not None and output.suffix and named is None and not is_index_name(output) and not output.is_dir():
         suffixes = " or ".join(fmt.extension for fmt in FORMATS)
         raise UsageError(
-            f"convert: -o {output}: unknown output suffix {output.suffix or '(none)'!r}; "
+            f"convert: -o {output}: unknown output suffix {output.suffix!r}; "
             f"name the file {suffixes}, or give an existing directory"
         )
     wanted = BY_SHORT[to] if to else None
@@ -331,8 +348,8 @@ def _convert(args: argparse.Namespace) -> int:
     if args.verbose:
         for line in result.decisions:
             print(f"  {line}")
-    else:  # what of a PyTorch checkpoint was taken and what left is said even without -v
-        for line in result.source_notes:
+    else:  # what of a PyTorch checkpoint was taken and what left, and what a user must check, even without -v
+        for line in [*result.source_notes, *result.notes]:
             print(f"  {line}")
     if args.verbose or len(result.dropped) <= SHOWN_CARRIED:
         for name in result.dropped:

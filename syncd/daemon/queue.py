@@ -4,6 +4,9 @@ A path is queued at most once: a new event for a path already waiting only moves
 it `closed` if the writer closed it); a path being worked on is queued again after its worker finishes,
 so a file rewritten mid-conversion is looked at once more. When the queue is full, new paths are dropped
 and `overflowed` is set, and the daemon schedules a full scan for when there is room again.
+
+Due times are read from `clock` (time.monotonic unless given): a test passes a clock it moves by hand, then
+calls `wake()` so that idle workers look at it again (tests/test_queue.py).
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ Work = Callable[[Any, Path, bool], float | None]  # returns seconds until a retr
 
 
 class WorkQueue:
-    def __init__(self, work: Work, workers: int, capacity: int = 100_000) -> None:
+    def __init__(
+        self, work: Work, workers: int, capacity: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.work = work
         self.capacity = capacity
+        self._clock = clock
         self.overflowed = False
         self._items: dict[tuple[Any, Path], _Item] = {}
         self._heap: list[tuple[float, int, tuple[Any, Path]]] = []
@@ -60,35 +66,37 @@ class WorkQueue:
             thread.start()
 
     def put(self, watch: Any, path: Path, closed: bool, delay: float = 0.0) -> bool:
-        key = (watch.path, path)
-        due = time.monotonic() + delay
         with self._cond:
-            if self._stopping:
-                return False
-            if key in self._busy:
-                self._again[key] = _Item(
-                    key, watch, path, due, closed or key in self._again and self._again[key].closed
-                )
-                return True
-            item = self._items.get(key)
-            if item is None:
-                if len(self._items) >= self.capacity:
-                    self.overflowed = True
-                    return False
-                item = self._items[key] = _Item(key, watch, path, due, closed)
-            else:
-                item.closed = item.closed or closed
-                item.due = due if not closed else min(item.due, due)
-            heapq.heappush(self._heap, (item.due, next(self._seq), key))
-            self._cond.notify()
+            return self._put(watch, path, closed, self._clock() + delay)
+
+    def _put(self, watch: Any, path: Path, closed: bool, due: float) -> bool:
+        """`put` with the lock held: `_finish` queues a path again in the same hold that ends its work, so
+        `pending()` and `idle()` never see it out of the queue in between."""
+        if self._stopping:
+            return False
+        key = (watch.path, path)
+        if key in self._busy:
+            self._again[key] = _Item(key, watch, path, due, closed or key in self._again and self._again[key].closed)
             return True
+        item = self._items.get(key)
+        if item is None:
+            if len(self._items) >= self.capacity:
+                self.overflowed = True
+                return False
+            item = self._items[key] = _Item(key, watch, path, due, closed)
+        else:
+            item.closed = item.closed or closed
+            item.due = due if not closed else min(item.due, due)
+        heapq.heappush(self._heap, (item.due, next(self._seq), key))
+        self._cond.notify()
+        return True
 
     def pending(self) -> int:
         with self._cond:
             return len(self._items) + len(self._busy)
 
     def waiting(self, limit: int) -> list[tuple[Path, float]]:
-        """The `limit` waiting paths due first, each with its due time (time.monotonic): what `syncd status`
+        """The `limit` waiting paths due first, each with its due time (on the queue's clock): what `syncd status`
         shows, so an operator sees a file settling or backing off instead of guessing."""
         with self._cond:
             return [(item.path, item.due) for item in heapq.nsmallest(limit, self._items.values(), key=_due)]
@@ -98,7 +106,7 @@ class WorkQueue:
             while True:
                 if self._stopping:
                     return None
-                now = time.monotonic()
+                now = self._clock()
                 while self._heap:
                     due, _, key = self._heap[0]
                     item = self._items.get(key)
@@ -130,17 +138,24 @@ class WorkQueue:
             self._since.pop(threading.current_thread().name, None)
             self.done += 1
             again = self._again.pop(item.key, None)
+            now = self._clock()
+            if again is not None:
+                self._put(again.watch, again.path, again.closed, max(now, again.due))
+            elif retry is not None:
+                self._put(item.watch, item.path, item.closed, now + retry)
             self._cond.notify_all()
-        if again is not None:
-            self.put(again.watch, again.path, again.closed, max(0.0, again.due - time.monotonic()))
-        elif retry is not None:
-            self.put(item.watch, item.path, item.closed, retry)
 
     def stuck(self, limit: float) -> list[tuple[str, float, Path]]:
         """Workers busy with one path for more than `limit` seconds: (worker, seconds, path)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._cond:
             return [(name, now - t, path) for name, (t, path) in self._since.items() if now - t > limit]
+
+    def wake(self) -> None:
+        """Have idle workers read the clock again. With time.monotonic nothing needs it (a worker's wait ends
+        when the first waiting path falls due); a clock moved by hand does."""
+        with self._cond:
+            self._cond.notify_all()
 
     def idle(self) -> bool:
         with self._cond:

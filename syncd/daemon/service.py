@@ -44,13 +44,15 @@ SCRATCH_GRACE_SECONDS = 10.0
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.activity = Activity(config.state_dir, config.path)  # status file, STATUS= and `converting` lines
+        # status file, STATUS=, `converting` lines and the metrics file
+        self.activity = Activity(config.state_dir, config.path, config.metrics)
         self.synclog = JournalingSyncLog(
             config.log.path, config.log.max_bytes, config.log.backups, observers=(self.activity.record,)
         )
         self.state = StateDB(config.state_dir)
         self.syncer = Syncer(self.state, self.synclog, config.settle_seconds, config.hash_name)
         self.syncer.progress_for = self.activity.progress_for
+        self.syncer.config_path = config.path
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
         self.shared: dict[Path, str] = {}  # watches other nodes write to -> their filesystem's name
@@ -284,6 +286,7 @@ class Daemon:
         self.config = new
         self.syncer.settle_seconds = new.settle_seconds
         self.syncer.hash_name = new.hash_name
+        self.activity.metrics_path = new.metrics
         self._start_watcher()
 
     def _retry_config_failures(self) -> None:

@@ -178,13 +178,22 @@ class StateDB:
     def record_failure(
         self, source: PathArg, version: FileStamp, error: str, *, transient: bool, kind: str | None = None
     ) -> bool:
-        """Remember a failure; True if it is the first for this version of `source` (so worth logging).
+        """Remember a failure; True if it is the first for this version of `source` (so worth logging). A
+        version that differs only in its ctime (a chmod, a chown) and fails with the same error is not new.
 
         A transient failure (file busy, disk full) is retried on the next event; a permanent one is not
         retried until the file changes (see failed_same_version).
         """
         previous = self.get(source)
-        repeated = previous is not None and previous.status == "failed" and not previous.version.changed(version)
+        repeated = (
+            previous is not None
+            and previous.status == "failed"
+            # the same version, or only its attributes changed (a chmod that did not help) and it failed alike
+            and (
+                not previous.version.changed(version)
+                or (_same_but_ctime(previous.version, version) and previous.error == error)
+            )
+        )
         # the output last published from this source stays known as ours: a later save replaces it
         values = {
             **_version_columns("", version),
@@ -409,3 +418,7 @@ def _row_to_state(row: sqlite3.Row) -> SourceState:
         updated=datetime.fromisoformat(row["updated"].replace("Z", "+00:00")),
         kind=row["kind"],
     )
+
+
+def _same_but_ctime(a: FileStamp, b: FileStamp) -> bool:
+    return (a.dev, a.ino, a.size, a.mtime_ns) == (b.dev, b.ino, b.size, b.mtime_ns)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from syncd.daemon.statuses import FAILURES, LIFECYCLE, SUCCESSES
+from syncd.daemon import metrics
+from syncd.daemon.statuses import FAILURES, LIFECYCLE, SUCCESSES, Status
 from syncd.daemon.synclog import utc_timestamp
 from syncd.engine.progress import ProgressCallback, ProgressState, describe, human_bytes
 from syncd.errors import SyncdError
@@ -50,6 +51,11 @@ class Running:
         return {"source": self.source, **{key: _rounded(value) for key, value in snap.items()}}
 
 
+def _number(value: Any) -> float:
+    """A record's numeric field, 0 when absent or not a number."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else 0
+
+
 def _rounded(value: Any) -> Any:
     return round(value, 2) if isinstance(value, float) else value
 
@@ -57,16 +63,23 @@ def _rounded(value: Any) -> Any:
 class Activity:
     """Thread-safe: workers start and feed conversions, the sync log reports records, the main thread ticks."""
 
-    def __init__(self, state_dir: Path, config_path: Path) -> None:
+    def __init__(self, state_dir: Path, config_path: Path, metrics_path: Path | None = None) -> None:
         self.path = Path(state_dir) / STATUS_FILE
         self.config_path = config_path
+        self.metrics_path = metrics_path  # a Prometheus textfile, rewritten with the status (None: none)
         self.started = utc_timestamp()
+        self.started_unix = time.time()
         self.counts: Counter[str] = Counter()
+        self.converted_bytes = 0  # of outputs written (converted, updated)
+        self.converted_seconds = 0.0  # spent in those conversions
+        self.last_success_unix: float | None = None
+        self.last_failure_unix: float | None = None
         self.failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self.queued = 0
         self.waiting: list[dict[str, Any]] = []
         self._running: dict[int, Running] = {}  # by worker thread
         self._lock = threading.Lock()
+        self._metrics_error: str | None = None
 
     # -- fed by the workers and the sync log
 
@@ -97,7 +110,13 @@ class Activity:
             return
         with self._lock:
             self.counts[status] += 1
+            if status in SUCCESSES:
+                self.last_success_unix = time.time()
+            if status in (Status.CONVERTED, Status.UPDATED):
+                self.converted_bytes += int(_number(record.get("bytes")))
+                self.converted_seconds += _number(record.get("duration_ms")) / 1000
             if status in FAILURES:
+                self.last_failure_unix = time.time()
                 why = str(record.get("error") or str(record.get("reason") or "").split("\n")[0])
                 # what failed: a source, else the configuration (a refused reload) or a watched tree
                 what = record.get("source") or record.get("config") or record.get("watch")
@@ -120,13 +139,32 @@ class Activity:
             _write_atomically(self.path, json.dumps(doc, indent=1) + "\n")
         except OSError as exc:  # a status nobody can read is no reason to stop converting
             log.debug("cannot write %s: %s", self.path, exc)
+        self._write_metrics(doc)
         return status_line(doc)
+
+    def _write_metrics(self, doc: dict[str, Any]) -> None:
+        if self.metrics_path is None:
+            return
+        try:
+            metrics.write(self.metrics_path, doc)
+        except OSError as exc:  # said once per cause, not every second
+            if self._metrics_error != str(exc):
+                self._metrics_error = str(exc)
+                log.warning("cannot write the metrics file %s: %s", self.metrics_path, exc.strerror or exc)
+        else:
+            self._metrics_error = None
 
     def document(self, now: float, state: str = "running") -> dict[str, Any]:
         with self._lock:
             running = [item.doc(now) for item in self._running.values() if item.progress.total]
             counts = dict(self.counts)
             failures = list(self.failures)
+            totals = {
+                "converted_bytes": self.converted_bytes,
+                "converted_seconds": round(self.converted_seconds, 3),
+                "last_success_unix": self.last_success_unix,
+                "last_failure_unix": self.last_failure_unix,
+            }
         return {
             "state": state,
             "pid": os.getpid(),
@@ -139,6 +177,8 @@ class Activity:
             "waiting": self.waiting,
             "counts": counts,
             "recent_failures": failures,
+            "started_unix": self.started_unix,
+            **totals,
         }
 
     def _announce(self, now: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pwd
 import stat
 import threading
 import time
@@ -119,6 +120,7 @@ class Syncer:
         self.synclog = synclog
         self.readiness = Readiness(settle_seconds, self._warn)
         self.hash_name = hash_name
+        self.config_path: Path | None = None  # named in what a person is told to run (`syncd retry -c ...`)
         # who wants to follow a conversion's bytes (the daemon's status); called with the source path
         self.progress_for: Callable[[Path], ProgressCallback | None] = lambda _path: None
         # a set is reached through its index and through each shard's events: one worker at a time per set
@@ -455,17 +457,8 @@ class Syncer:
         first = self.state.record_failure(path, version, text, transient=transient, kind=kind)
         if first:
             fields = {**base, "duration_ms": round((time.monotonic() - started) * 1000, 1), "error": text}
-            suggestion = getattr(exc, "suggestion", None)
-            if suggestion:
-                fields["reason"] = "module map that would settle it:\n" + suggestion
-            elif isinstance(exc, IncompleteFileError):
-                fields["reason"] = (
-                    f"shorter than its header says and unchanged for "
-                    f"{INCOMPLETE_GRACE_SECONDS:.0f} s: truncated, not still being written"
-                )
-            elif transient:
-                fields["reason"] = "will retry"
-            self.synclog.log(status, **fields)
+            reason = self._failure_reason(path, exc, status, transient)
+            self.synclog.log(status, **fields, reason=reason)
         if status is Status.ERROR and not transient and not isinstance(exc, SyncdError | OSError):
             # a bug of ours: the traceback goes to the journal (the sync log's line already says what failed)
             log.error("%s: %s", path, text, exc_info=True)
@@ -474,6 +467,20 @@ class Syncer:
             attempts = row.attempts if row else 1
             return Outcome(status, retry_in=min(MAX_BACKOFF_SECONDS, 2.0 ** min(attempts, 6)))
         return Outcome(status)
+
+    def _failure_reason(self, path: Path, exc: BaseException, status: Status, transient: bool) -> str | None:
+        """What a person can do about a failure, for its sync log line."""
+        suggestion = getattr(exc, "suggestion", None)
+        if suggestion:
+            return "module map that would settle it:\n" + suggestion
+        if isinstance(exc, IncompleteFileError):
+            return (
+                f"shorter than its header says and unchanged for "
+                f"{INCOMPLETE_GRACE_SECONDS:.0f} s: truncated, not still being written"
+            )
+        if status is Status.SKIPPED and os.path.lexists(path) and not os.access(path, os.R_OK):
+            return _unreadable_reason(path, self.config_path)
+        return "will retry" if transient else None
 
 
 def classify(exc: BaseException) -> tuple[Status, bool]:
@@ -501,6 +508,29 @@ def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
     if restored:
         parts.append(f"restored from metadata: {', '.join(restored)}")
     return "; ".join(parts) or None
+
+
+def _unreadable_reason(path: Path, config_path: Path | None) -> str:
+    """A file the daemon's user may not read: what heals it (a chmod, noticed by itself; `syncd retry` at
+    once) and what serves files only their writer may read (the service instance running as that writer)."""
+    me = _user_name(os.geteuid())
+    try:
+        owner = _user_name(os.lstat(path).st_uid)
+    except OSError:
+        owner = "OWNER"
+    config = f" -c {config_path}" if config_path is not None else ""
+    return (
+        f"{me} may not read it; once its mode lets {me} read it, it is converted (the change is noticed; "
+        f"`syncd retry{config} PATH` asks at once); for checkpoints only their writer may read, run "
+        f"syncd@{owner}.service, which runs as {owner}"
+    )
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _lstat(path: Path) -> os.stat_result | None:

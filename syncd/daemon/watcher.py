@@ -29,6 +29,7 @@ from typing import Protocol
 from watchdog.events import (
     DirCreatedEvent,
     DirMovedEvent,
+    FileAttribEvent,
     FileClosedEvent,
     FileCreatedEvent,
     FileModifiedEvent,
@@ -49,9 +50,19 @@ log = logging.getLogger("syncd.watcher")
 
 FALLBACK_POLL_SECONDS = 2.0
 MAX_DEPTH = 64  # directory levels scanned below a watch; deeper trees are reported, not walked
-EVENTS = [FileClosedEvent, FileCreatedEvent, FileModifiedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
-# what the kernel is asked for: EVENTS without IN_MODIFY (IN_ATTRIB still makes FileModifiedEvents); moves both
-# ways, which watchdog pairs; IN_DELETE_SELF, on which watchdog drops the watch of a removed directory
+# FileAttribEvent (IN_ATTRIB, or a mode change a poll sees): a file skipped as unreadable gets looked at
+# again once a chmod lets the daemon read it
+EVENTS = [
+    FileAttribEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    DirCreatedEvent,
+    DirMovedEvent,
+]
+# what the kernel is asked for: EVENTS without IN_MODIFY (no event per write; IN_ATTRIB makes FileAttribEvents);
+# moves both ways, which watchdog pairs; IN_DELETE_SELF, on which watchdog drops the watch of a removed directory
 INOTIFY_MASK = (
     InotifyConstants.IN_CLOSE_WRITE
     | InotifyConstants.IN_MOVE
@@ -99,7 +110,7 @@ class _Handler(FileSystemEventHandler):
             self._file(event.dest_path, closed=True)
         elif isinstance(event, FileClosedEvent):
             self._file(event.src_path, closed=True)
-        elif isinstance(event, FileCreatedEvent | FileModifiedEvent):
+        elif isinstance(event, FileCreatedEvent | FileModifiedEvent | FileAttribEvent):
             self._file(event.src_path, closed=False)
 
     def _file(self, raw_path: bytes | str, closed: bool) -> None:

@@ -36,6 +36,8 @@ BURN_LAYOUT = "syncd.burnpack_layout"
 SCALARS = "syncd.scalars"
 DROPPED = "syncd.dropped"
 SAFETENSORS_METADATA = "syncd.safetensors_metadata"
+# module path -> kind and why, for the kinds a naming convention alone decided: a wrong guess can be found
+GUESSED = "syncd.guessed"
 KINDS = "syncd.kinds"  # module path -> the kind it was converted as (the way back needs no map)
 # a sharded set's layout, the names remap rules changed (final -> before), and a precision cast
 SHARDS = "syncd.shards"
@@ -245,6 +247,12 @@ def record_kinds(metadata: dict[str, str], layout: str, kinds: dict[str, str]) -
     decided = {path: kind for path, kind in kinds.items() if kind != "Unknown"}
     if layout in CARRIED_LAYOUTS and decided:
         metadata[KINDS] = dumps(decided)
+
+
+def record_guesses(metadata: dict[str, str], guessed: dict[str, str]) -> None:
+    """The kinds a naming convention alone decided, with why, in the output itself (also in the sync log)."""
+    if guessed:
+        metadata[GUESSED] = dumps(guessed)
 
 
 def _kinds(value: Any) -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 The adapters do no I/O (README, "How it is built"); the convert layer reads the `config.json` a Hugging Face
 `save_pretrained` writes beside the weights, and passes its parsed contents with the file's own metadata and
-syncd record as one `FileContext` (the evidence order is applied in `syncd.adapters`).
+syncd record as one `FileContext` (the order of the evidence is applied in `syncd.adapters`), with the module
+types of the model that config names, where `transformers` can build its class (definition.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from syncd.adapters import FileContext
+from syncd.adapters import FileContext, ModelDefinition
+from syncd.engine.definition import definition_for
+from syncd.errors import SyncdError
 
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB; anything larger is not one
@@ -23,23 +26,44 @@ def gather_context(
     source: str, metadata: dict[str, str], recorded_layout: str | None, recorded_kinds: dict[str, str]
 ) -> FileContext:
     config, note = read_config_beside(Path(source))
+    definition, definition_note = definition_for(config)
     return FileContext(
         metadata=dict(metadata),
         recorded_layout=recorded_layout,
         recorded_kinds=dict(recorded_kinds),
         config=config,
-        notes=(note,) if note else (),
+        notes=tuple(n for n in (note, definition_note) if n),
+        definition=definition,
     )
+
+
+def definition_of(config_path: Path) -> ModelDefinition:
+    """The definition of the model a config.json (or the directory holding one) describes, for `syncd modules`;
+    SyncdError naming the file when it cannot be had."""
+    path = config_path / CONFIG_NAME if config_path.is_dir() else config_path
+    if not path.exists():
+        raise SyncdError("not found: name a save_pretrained directory or its config.json", str(path))
+    config, note = read_config(path)
+    if config is None:
+        raise SyncdError(note or "not a model's config: it names no model_type", str(path))
+    definition, note = definition_for(config)
+    if definition is None:
+        raise SyncdError(note or "no model definition", str(path))
+    return definition
 
 
 def read_config_beside(source: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(the parsed config.json in the source's directory, or None; a note when one is there but unusable).
 
     A config that cannot be used never stops a conversion: the names and shapes still decide, and the note
-    says why it was passed over. Opened without following a symlink and never blocking (a FIFO named
-    config.json is not read).
+    says why it was passed over.
     """
-    path = source.parent / CONFIG_NAME
+    return read_config(source.parent / CONFIG_NAME)
+
+
+def read_config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the parsed config at `path`, or None; a note when one is there but unusable). Opened without following
+    a symlink and never blocking (a FIFO named config.json is not read)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -119,6 +119,7 @@ class ConvertResult:
     left_out: list[str] = field(default_factory=list)  # excluded by the tensor filter
     cast: list[str] = field(default_factory=list)  # tensors whose precision changed
     files: list[Path] = field(default_factory=list)  # every file written (a set: its shards, then its index)
+    notes: list[str] = field(default_factory=list)  # shown without -v: guesses by convention, index gaps
     source_notes: list[str] = field(default_factory=list)  # what of the source was taken and what was left
 
 
@@ -173,6 +174,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
         left_out=conversion.store.left_out,
         cast=sorted(conversion.store.casts),
         files=conversion.output_paths(),
+        notes=conversion.plan.notes,
         source_notes=source_notes(conversion.source.header.facts),
     )
 
@@ -234,7 +236,8 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     entries = target.order(adapted.entries, carried)
     casts = _casts(source, store, entries)
     specs = [_tensor_spec(source, carried, target, entry, casts.get(entry.target)) for entry in entries]
-    restored = target.extra_specs(source, carried, adapted.target_layout, {spec.name for spec in specs})
+    taken = {spec.name for spec in specs}
+    restored = target.extra_specs(source, carried, adapted.target_layout, taken, store.carried_names)
     specs += restored
     metadata, scalars = target.metadata(source, carried, adapted, entries)
     cast = [e.target for e in entries if e.source in store.casts]
@@ -248,6 +251,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         hashing.placeholder(request.hash_name),
     )
     carry.record_kinds(metadata, adapted.target_layout, adapted.kinds)
+    carry.record_guesses(metadata, adapted.guessed)
     shards = _output_shards(request, target, source, carried, store, dest, specs)
     directory = dest if dest.is_dir() else dest.parent
     if shards is not None:
@@ -295,7 +299,9 @@ def _adapt(
             module_map=request.module_map,
             context=context,
         )
-        store = apply_options(adapted, refs, real, request.store)
+        restoring = list(carried.dropped) if to_layout == PYTORCH else []
+        options = request.store.for_source(source.header.format)
+        store = apply_options(adapted, refs, real, options, restoring)
     except SyncdError as exc:
         raise _naming_file(exc, source.path) from None
     return _with_store(adapted, store), store
@@ -307,12 +313,14 @@ def _with_store(plan: AdapterPlan, store: StorePlan) -> AdapterPlan:
     decisions = plan.decisions + [f"left out by the tensor filter: {name}" for name in store.left_out]
     if store.renames:
         decisions.append(f"renamed {len(store.renames)} tensors (remap rules, contiguous indices)")
+    decisions += store.notes
     if store.restored:
         decisions.append(f"restored the original names of {len(store.restored)} tensors (carried renames)")
     for dtype in sorted(set(store.casts.values())):
         count = sum(1 for d in store.casts.values() if d == dtype)
         decisions.append(f"cast {count} tensors to {dtype} (precision)")
-    return replace(plan, entries=store.entries, dropped=store.dropped, decisions=decisions)
+    notes = plan.notes + store.notes
+    return replace(plan, entries=store.entries, dropped=store.dropped, decisions=decisions, notes=notes)
 
 
 def _tensor_spec(
@@ -486,9 +494,10 @@ def verify_one_pass(
         if c.request.verify == "full":
             check_digests(written.ledger, output)
             verify_full([(piece, s.name, at) for s in specs for piece, at in source_pieces(s.fill)], output)
+        carried_as = {final: carried for carried, final in c.store.carried_names.items()}
         for spec in specs:
             if spec.name in c.restored:
-                if output.read(spec.name) != c.carried.dropped[spec.name][2]:
+                if output.read(spec.name) != c.carried.dropped[carried_as.get(spec.name, spec.name)][2]:
                     raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
             elif spec.name in c.casts:
                 c.casts[spec.name].verify(output, spec.name)

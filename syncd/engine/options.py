@@ -6,10 +6,14 @@ The converter calls, in order:
     plan = plan_conversion(refs, ...)                     # the layout adapter, on the original names
     names = apply_options(plan, real, options)            # filter, remap, contiguous indices, casts
 
-Renames are undone *before* planning, so that module maps and inference see the names they were written for;
-remap rules run *after* the layout adapter, as a Burn user writes them (on `gamma`, not `weight`); filters match
-the names as they are in the file being converted. Every name the output gets is checked to be unique before
-anything is written (NameCollisionError names both sources).
+Renames are undone *before* planning, so that module maps and inference see the names they were written for.
+Remap rules see the source's names, as Burn's stores do (burn-store's `PytorchStore` / `SafetensorsStore`
+remap the names as they are in the file, then their adapter renames `weight`/`bias` to `gamma`/`beta`): for a
+PyTorch-layout source the rules match `norm1.weight`, for a `.bpk` source `norm1.gamma`. The layout adapter's
+own change of a name (a norm's leaf, a packed tensor's pieces) is then made on the remapped name. A rule set
+that moves some tensors of a module and not the others would split it: refused, naming both sides. Filters
+match the names as they are in the file being converted. Every name the output gets is checked to be unique
+before anything is written (NameCollisionError names both sources).
 """
 
 from __future__ import annotations
@@ -18,16 +22,36 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from syncd.adapters import AdapterPlan, PlanEntry, TensorRef
-from syncd.adapters.keys import RemapRule, TensorFilter, invert, rename_all, renames
+from syncd.adapters.keys import RemapRule, TensorFilter, apply_rules, check_unique, contiguous_indices, invert, renames
 from syncd.adapters.precision import plan_casts
+from syncd.errors import SyncdError
+
+_LIST_LIMIT = 4  # tensor names shown per side of a split module
+
+
+class SplitModuleError(SyncdError):
+    """Remap rules that move some tensors of a module and not the others."""
+
+
+# Burn's defaults for what a user leaves unsaid, by the format of the source, as the Burn store that reads that
+# format has them: SafetensorsStore keeps indices as they are (crates/burn-store/src/safetensors/store.rs),
+# PytorchStore makes them contiguous (crates/burn-store/src/pytorch/store.rs). docs/conversion-evidence.md
+# lists where syncd's defaults differ from Burn's.
+CONTIGUOUS_BY_DEFAULT = {"safetensors": False, "burnpack": False, "pytorch": True}
 
 
 @dataclass(frozen=True)
 class StoreOptions:
     remap: tuple[RemapRule, ...] = ()
-    map_indices_contiguous: bool = False
+    map_indices_contiguous: bool | None = None  # None: the source format's default (CONTIGUOUS_BY_DEFAULT)
     tensors: TensorFilter = field(default_factory=TensorFilter)
     precision: str | None = None  # f16 | bf16 | f32
+
+    def for_source(self, source_format: str) -> StoreOptions:
+        """These options with what they leave unsaid set as Burn's store for `source_format` has it."""
+        if self.map_indices_contiguous is not None:
+            return self
+        return replace(self, map_indices_contiguous=CONTIGUOUS_BY_DEFAULT.get(source_format, False))
 
 
 @dataclass
@@ -40,6 +64,8 @@ class StorePlan:
     casts: dict[str, str]  # real source name -> dtype it is cast to
     renames: dict[str, str]  # final name -> name before the rules, for the names the rules changed
     restored: dict[str, str]  # real source name -> original name given back from carried renames
+    notes: list[str] = field(default_factory=list)  # what the user should know: index gaps, rules that matched nothing
+    carried_names: dict[str, str] = field(default_factory=dict)  # carried tensor written back -> its final name
 
     @classmethod
     def empty(cls) -> StorePlan:
@@ -55,9 +81,15 @@ def undo_renames(tensors: Iterable[TensorRef], carried: dict[str, str]) -> tuple
 
 
 def apply_options(
-    plan: AdapterPlan, refs: Sequence[TensorRef], real: dict[str, str], options: StoreOptions
+    plan: AdapterPlan,
+    refs: Sequence[TensorRef],
+    real: dict[str, str],
+    options: StoreOptions,
+    restoring: Sequence[str] = (),
 ) -> StorePlan:
-    """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`)."""
+    """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`).
+    `restoring`: tensors a .bpk carried that are written back (BatchNorm counters): the rules move them with
+    their module."""
     kept: list[PlanEntry] = []
     excluded: list[PlanEntry] = []
     for entry in plan.entries:  # one pass: `e not in kept` compared dataclasses, quadratic in the tensor count
@@ -65,7 +97,8 @@ def apply_options(
     left_out = list(dict.fromkeys(real[name] for e in excluded for name in e.sources))
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
-    final = rename_all([e.target for e in kept], options.remap, options.map_indices_contiguous)
+    carried = [PlanEntry(name, name, False, ()) for name in restoring]
+    final = final_names([*kept, *carried], options)
     casts = {}
     if options.precision is not None:
         wanted = {name for e in kept for name in e.sources}
@@ -74,12 +107,135 @@ def apply_options(
         casts = {real[name]: dtype for name, dtype in planned.items()}
     return StorePlan(
         entries=[_with_real_sources(e, real, final[e.target]) for e in kept],
+        carried_names={name: final[name] for name in restoring},
         dropped=dropped,
         left_out=left_out,
         casts=casts,
         renames=renames(final),
         restored={name: original for original, name in real.items() if name != original},
+        notes=_rule_notes(kept, options) + _gap_notes(final.values(), options),
     )
+
+
+def final_names(entries: Sequence[PlanEntry], options: StoreOptions) -> dict[str, str]:
+    """Each entry's target -> its final name: the rules on its source names, then the adapter's own change of
+    the name (a norm's leaf, a packed tensor's pieces) on the remapped name, then contiguous indices."""
+    check_modules_move_whole(entries, options.remap)
+    mapped = {entry.target: _remapped_target(entry, options.remap) for entry in entries}
+    if options.map_indices_contiguous:
+        renumbered = contiguous_indices(list(dict.fromkeys(mapped.values())))
+        mapped = {target: renumbered[new] for target, new in mapped.items()}
+    check_unique(mapped)
+    return mapped
+
+
+def _remapped_target(entry: PlanEntry, rules: Sequence[RemapRule]) -> str:
+    """The entry's target with the rules applied to its source name(s). Source and target share a module
+    path; what the adapter put after it (`weight` -> `gamma`, `in_proj_weight` -> `query.weight`) is put
+    after the remapped module path."""
+    if not rules:
+        return entry.target
+    heads = set()
+    for piece in entry.pieces:
+        module, tail = _split_common(piece.source, entry.target)
+        remapped = apply_rules(piece.source, rules)
+        if piece.source == entry.target:
+            return remapped
+        if not _ends_with_segments(remapped, tail):
+            raise SyncdError(
+                f"remap rules rename '{piece.source}' to '{remapped}', changing its '{tail}', which the layout "
+                f"adapter turns into '{entry.target.removeprefix(module + '.') if module else entry.target}': "
+                "rules may move a module, not change the names of its parameters"
+            )
+        heads.add(remapped[: len(remapped) - len(tail)])
+    if len(heads) > 1:  # the pieces of one joined tensor moved apart: the split check names them
+        raise SyncdError(f"remap rules move the pieces of '{entry.target}' to different modules: {sorted(heads)}")
+    module, tail_target = _split_common(entry.pieces[0].source, entry.target)
+    return heads.pop() + entry.target[len(module) + 1 if module else 0 :]
+
+
+def _split_common(source: str, target: str) -> tuple[str, str]:
+    """(the module path source and target share, whole segments; the rest of source after it)."""
+    a, b = source.split("."), target.split(".")
+    shared = 0
+    while shared < min(len(a), len(b)) - 1 and a[shared] == b[shared]:
+        shared += 1
+    return ".".join(a[:shared]), ".".join(a[shared:])
+
+
+def _ends_with_segments(name: str, tail: str) -> bool:
+    return name == tail or name.endswith("." + tail)
+
+
+def check_modules_move_whole(entries: Sequence[PlanEntry], rules: Sequence[RemapRule]) -> None:
+    """Refuse rules that send the tensors of one module (a name minus its last segment) to different places:
+    Burn keys a module's parameters on its one path, so a BatchNorm whose running stats moved and whose
+    gamma/beta did not is two broken modules. Tensors at the root belong to no module."""
+    if not rules:
+        return
+    moved: dict[str, dict[str, list[str]]] = {}
+    for source in dict.fromkeys(piece.source for entry in entries for piece in entry.pieces):
+        module, _, leaf = source.rpartition(".")
+        if not module:
+            continue
+        remapped = apply_rules(source, rules)
+        head, _, new_leaf = remapped.rpartition(".")
+        moved.setdefault(module, {}).setdefault(head if new_leaf == leaf else remapped, []).append(source)
+    for module, places in moved.items():
+        if len(places) > 1:
+            raise SplitModuleError(_split_message(module, places))
+
+
+def _split_message(module: str, places: dict[str, list[str]]) -> str:
+    sides = "; ".join(f"{_short(names)} -> '{place}'" for place, names in places.items())
+    return (
+        f"remap rules split module '{module}': {sides}; a module's tensors must move together (rules see the "
+        "source's names, as in Burn: a PyTorch file's weight/bias/running_mean, a .bpk's gamma/beta)"
+    )
+
+
+def _short(names: list[str]) -> str:
+    shown = ", ".join(names[:_LIST_LIMIT])
+    return shown + (f" and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else "")
+
+
+def _rule_notes(entries: Sequence[PlanEntry], options: StoreOptions) -> list[str]:
+    """A rule that changed no name is most often written for other names (gamma where the file says weight)."""
+    sources = [piece.source for entry in entries for piece in entry.pieces]
+    return [
+        f"note: remap rule '{rule.pattern}' matched no tensor name (rules see the source's names, as in Burn)"
+        for rule in options.remap
+        if not any(rule.regex.search(name) for name in sources)
+    ]
+
+
+def _gap_notes(names: Iterable[str], options: StoreOptions) -> list[str]:
+    """Indices with gaps (an nn.Sequential with parameter-free layers between its Linears: fc.0, fc.2, fc.4)
+    load into no Burn Vec, whose indices run 0..n-1; Burn's PytorchStore closes them by default, its
+    SafetensorsStore does not, and neither does syncd unless asked."""
+    if options.map_indices_contiguous:
+        return []
+    gaps = index_gaps(names)
+    if not gaps:
+        return []
+    shown = "; ".join(", ".join(f"{prefix}{i}" for i in found) for prefix, found in gaps[:3])
+    more = f" and {len(gaps) - 3} more" if len(gaps) > 3 else ""
+    return [
+        f"note: module indices with gaps: {shown}{more}; a Burn Vec expects 0..n-1: convert with "
+        "--map-indices-contiguous (map_indices_contiguous: true in a watch), undone on the way back"
+    ]
+
+
+def index_gaps(names: Iterable[str]) -> list[tuple[str, list[int]]]:
+    """(prefix, its indices) for every name prefix whose indices are not 0..n-1, in order of first appearance."""
+    seen: dict[str, dict[int, None]] = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit() and part.isascii():
+                prefix = ".".join(parts[:i]) + "." if i else ""
+                seen.setdefault(prefix, {})[int(part)] = None
+    return [(prefix, sorted(found)) for prefix, found in seen.items() if sorted(found) != list(range(len(found)))]
 
 
 def _with_real_sources(entry: PlanEntry, real: dict[str, str], target: str) -> PlanEntry:

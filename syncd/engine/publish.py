@@ -8,7 +8,7 @@ API::
 
     ensure_destination_free(dest: Path) -> None      # early AlreadyExistsError, before any work
     open_scratch(dest: Path, mode: int = 0o644) -> Scratch
-    publish(scratch: Scratch, *, replace: bool = False, source: Path | None = None) -> PublishResult
+    publish(scratch: Scratch, *, replace: bool = False, source: Path | None = None, ...) -> PublishResult
     remove_stale_scratch(directory: Path) -> list[Path]
     is_scratch_name(name: str) -> bool
 
@@ -24,7 +24,8 @@ API::
   bytes the result is "in_sync"; otherwise AlreadyExistsError (ConflictError when it is a regular file
   with other content). ``ensure_destination_free`` only fails early; it guards nothing.
 * Where hard links are unavailable (EPERM, ENOTSUP, EXDEV, EMLINK) renameat2(RENAME_NOREPLACE) is used;
-  if that is unsupported too we refuse with a SyncdError rather than fall back to a replacing rename.
+  if that is unsupported too we refuse with a SyncdError rather than fall back to a replacing rename. The two
+  calls come from a ``PlacingCalls`` (``publish(..., calls=)``): tests stand in such file systems with it.
 * With ``replace`` the scratch is renamed over the destination; a symlink there is replaced, not followed.
 * Anything that fails or is interrupted (KeyboardInterrupt included) before the file is in place removes
   the scratch. A SIGKILL cannot be caught: ``remove_stale_scratch`` later deletes scratch files whose lock
@@ -54,6 +55,8 @@ from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
 from syncd.formats.fileio import FileStamp
 
 __all__ = [
+    "SYSTEM_CALLS",
+    "PlacingCalls",
     "Published",
     "PublishResult",
     "Scratch",
@@ -90,6 +93,23 @@ _open_lock = threading.Lock()
 
 # What publish did. "in_sync": the destination already held exactly these bytes; nothing changed.
 Published = Literal["published", "in_sync", "replaced"]
+
+
+class PlacingCalls:
+    """The system calls that put a finished scratch file at its destination without replacing anything:
+    link(2), and where the file system has no hard links renameat2(2) with RENAME_NOREPLACE.
+
+    `publish` takes them as an object, the seam through which a test stands in a file system this machine
+    does not have (no hard links, no renameat2) with calls that fail as that file system's do."""
+
+    def link(self, src: Path, dst: Path) -> None:
+        os.link(src, dst, follow_symlinks=False)
+
+    def rename_noreplace(self, src: Path, dst: Path) -> None:
+        _renameat2(src, dst, _RENAME_NOREPLACE)
+
+
+SYSTEM_CALLS = PlacingCalls()
 
 
 @dataclass(frozen=True)
@@ -197,6 +217,7 @@ def publish(
     replace_if: FileStamp | None = None,
     source: Path | None = None,
     before_placing: Callable[[], None] | None = None,
+    calls: PlacingCalls = SYSTEM_CALLS,
 ) -> PublishResult:
     """Make the finished scratch file `scratch.dest`; `source` names the input in a ConflictError.
 
@@ -204,7 +225,8 @@ def publish(
     else AlreadyExistsError/ConflictError. With `replace_if`, a destination that is still exactly that file
     (identity, size, mtime and ctime) is replaced; anything else there is left alone (ConflictError).
     `before_placing` runs after the fsync, right before the file is put in place, and may raise to stop it.
-    The scratch file is gone afterwards in every case.
+    `calls` places a new file (link, or rename without replacing). The scratch file is gone afterwards in
+    every case.
     """
     try:
         _fsync_file(scratch)
@@ -213,9 +235,9 @@ def publish(
         if replace:
             result = _publish_replacing(scratch)
         elif replace_if is not None:
-            result = _publish_replacing_ours(scratch, replace_if, source)
+            result = _publish_replacing_ours(scratch, replace_if, source, calls)
         else:
-            result = _publish_new(scratch, source)
+            result = _publish_new(scratch, source, calls)
     finally:
         scratch.discard()
     if result.status != "in_sync":
@@ -331,7 +353,9 @@ def _publish_replacing(scratch: Scratch) -> PublishResult:
     return PublishResult("replaced" if existed else "published", scratch.dest)
 
 
-def _publish_replacing_ours(scratch: Scratch, expected: FileStamp, source: Path | None) -> PublishResult:
+def _publish_replacing_ours(
+    scratch: Scratch, expected: FileStamp, source: Path | None, calls: PlacingCalls
+) -> PublishResult:
     """Replace the destination only while it is still the file we published (`expected`); else as new.
 
     The identity is checked as late as possible, right before the rename. A writer that changes the file in
@@ -341,7 +365,7 @@ def _publish_replacing_ours(scratch: Scratch, expected: FileStamp, source: Path 
     try:
         theirs = os.lstat(scratch.dest)
     except FileNotFoundError:
-        return _publish_new(scratch, source)  # gone meanwhile: publish without replacing anything
+        return _publish_new(scratch, source, calls)  # gone meanwhile: publish without replacing anything
     if not stat.S_ISREG(theirs.st_mode) or expected.changed(FileStamp.of(theirs)):
         raise ConflictError(
             "changed since syncd published it (someone else's file now); nothing was replaced", str(scratch.dest)
@@ -349,8 +373,8 @@ def _publish_replacing_ours(scratch: Scratch, expected: FileStamp, source: Path 
     return _publish_replacing(scratch)
 
 
-def _publish_new(scratch: Scratch, source: Path | None) -> PublishResult:
-    if _place_new(scratch):
+def _publish_new(scratch: Scratch, source: Path | None, calls: PlacingCalls) -> PublishResult:
+    if _place_new(scratch, calls):
         return PublishResult("published", scratch.dest)
     verdict = _compare_with_destination(scratch)
     if verdict == "same":
@@ -364,27 +388,27 @@ def _publish_new(scratch: Scratch, source: Path | None) -> PublishResult:
     raise _already_exists(scratch.dest)
 
 
-def _place_new(scratch: Scratch) -> bool:
+def _place_new(scratch: Scratch, calls: PlacingCalls) -> bool:
     """Put the scratch file at its destination unless something is there; False if something was."""
     try:
-        os.link(scratch.path, scratch.dest, follow_symlinks=False)
+        calls.link(scratch.path, scratch.dest)
     except FileExistsError:
         # NFS: a link whose reply was lost is retried and reports EEXIST although it succeeded.
         if not _is_our_file(scratch, scratch.dest):
             return False
     except OSError as e:
         if e.errno in _NO_HARDLINKS:
-            return _place_new_by_rename(scratch)
+            return _place_new_by_rename(scratch, calls)
         raise SyncdError.from_os_error("cannot link the finished output into place", str(scratch.dest), e) from e
     scratch.published = True
     scratch.unlink()
     return True
 
 
-def _place_new_by_rename(scratch: Scratch) -> bool:
+def _place_new_by_rename(scratch: Scratch, calls: PlacingCalls) -> bool:
     """Fallback for file systems without hard links: renameat2(RENAME_NOREPLACE), never a plain rename."""
     try:
-        _renameat2(scratch.path, scratch.dest, _RENAME_NOREPLACE)
+        calls.rename_noreplace(scratch.path, scratch.dest)
     except FileExistsError:
         return False
     except OSError as e:

@@ -51,10 +51,10 @@ class Target(ABC):
         return TensorSpec(entry.target, info.dtype, entry.shape, _nbytes(entry, info), fill)
 
     def extra_specs(
-        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str]
+        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str], moved: dict[str, str]
     ) -> list[TensorSpec]:
         """Carried tensors written back besides the planned ones (`taken`: their names), for an output in
-        `target_layout` (default: none)."""
+        `target_layout`, under the names the remap rules `moved` them to (default: none)."""
         return []
 
     @abstractmethod
@@ -134,13 +134,14 @@ class SafetensorsTarget(Target):
     missing_dtype = "safetensors has no form"
 
     def extra_specs(
-        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str]
+        self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str], moved: dict[str, str]
     ) -> list[TensorSpec]:
         """PyTorch-only tensors dropped on the way to Burn (BatchNorm counters) come back on the way out."""
         if target_layout != PYTORCH:
             return []
         specs = []
-        for name, (dtype, shape, data) in carried.dropped.items():
+        for kept_as, (dtype, shape, data) in carried.dropped.items():
+            name = moved.get(kept_as, kept_as)  # the remap rules move it with its module
             if name in taken:
                 raise FormatError(f"carried tensor '{name}' collides with a converted tensor", source.path)
             specs.append(TensorSpec(name, dtype, shape, len(data), _bytes_fill(data)))

@@ -226,6 +226,9 @@ def _serve_as_the_service_user(root: Path, uid: int, gid: int) -> None:
             daemon.wait(10)
 
 
+@pytest.mark.slow
+@pytest.mark.daemon
+@pytest.mark.root
 def test_install_serve_upgrade_and_uninstall_as_the_doc_says(scratch: Path, tmp_path: Path) -> None:
     root = scratch
     clone = _clone(tmp_path / "clone")

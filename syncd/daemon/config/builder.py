@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml  # type: ignore[import-untyped]  # (no stubs installed)
+import yaml
 
 from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
 from syncd.adapters.keys import compile_filter, compile_rule
@@ -39,6 +39,7 @@ from syncd.daemon.config.schema import (
     DEFAULT_WORKERS,
     LOG_KEYS,
     LOG_LEVELS,
+    METRICS_SUFFIX,
     ON_EXISTS,
     SHARED_CHOICES,
     TENSOR_FILTER_KEYS,
@@ -80,6 +81,7 @@ class ConfigBuilder:
         stuck = top.number("stuck_worker_seconds", DEFAULT_STUCK_WORKER_SECONDS, minimum=0.0, strictly_positive=True)
         hash_name = top.choice("hash", DEFAULT_HASH_NAME, HASH_CHOICES)
         state_dir = top.path("state_dir", DEFAULT_STATE_DIR)
+        metrics = self._metrics(top)
         log = self._log(top)
         cluster = self._cluster(top)
         ignore = _ignore_list(top, DEFAULT_IGNORE)
@@ -96,8 +98,23 @@ class ConfigBuilder:
             rescan_interval=rescan_interval,
             stuck_worker_seconds=stuck,
             hash_name=hash_name,
+            metrics=metrics,
             cluster=cluster,
         )
+
+    def _metrics(self, top: Section) -> Path | None:
+        """`metrics:` the textfile node_exporter's collector reads: named *.prom, in a directory that exists."""
+        if top.raw("metrics") is None:
+            return None
+        path = top.path("metrics", None)
+        if path is None:
+            return None
+        node, key = top.node("metrics"), top.key("metrics")
+        if path.suffix != METRICS_SUFFIX:
+            self.file.problem(node, key, f"{path}: the textfile collector reads only files named *{METRICS_SUFFIX}")
+        elif self.check_filesystem and not path.parent.is_dir():
+            self.file.problem(node, key, f"{path.parent} is not a directory (node_exporter's textfile directory?)")
+        return path
 
     def _log(self, top: Section) -> LogSettings:
         default_path = resolve(self.file.dir, DEFAULT_LOG_PATH)
@@ -180,7 +197,7 @@ class ConfigBuilder:
             modules_file=modules_file,
             poll=section.boolean("poll", False),
             remap=_remap_rules(self.file, section),
-            map_indices_contiguous=section.boolean("map_indices_contiguous", False),
+            map_indices_contiguous=section.optional_boolean("map_indices_contiguous"),
             **_tensor_filter(self.file, section),
             precision=_precision(section),
             shard_size=_shard_size(self.file, section),

@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,19 +24,69 @@ from syncd.daemon.config.yamlfile import Problem, YamlFile
 
 
 def check_file_mode(file: YamlFile) -> None:
-    """Record a problem on `file` when it is writable by group or others."""
+    """Record a problem on `file` when someone other than the user syncd runs as (or root) may edit it.
+
+    Whoever can edit the config decides what the daemon reads and overwrites with its rights. Its editors are
+    the owner, the members of its group when it is group-writable, everyone when others may write. The rule:
+    every editor must be the user syncd runs as, or root. So a config written under umask 002 (mode 0664) is
+    accepted when its group is the owner's private group (no other member), as on Debian, Ubuntu and Fedora,
+    and the owner runs syncd; it is refused when the group has other members, when others may write, or when
+    the service runs as a user other than the file's owner.
+    """
     try:
-        mode = os.stat(file.path).st_mode
+        info = os.stat(file.path)
     except OSError as exc:
         file.problem(None, None, f"cannot stat: {exc.strerror}")
         return
-    if mode & 0o022:
-        file.problem(
-            None,
-            None,
-            f"refusing a config writable by group or others (mode {stat.S_IMODE(mode):04o}); "
-            f"run: chmod go-w {file.name}",
+    problem = _editable_by_others(info, file.name)
+    if problem is not None:
+        file.problem(None, None, problem)
+
+
+def _editable_by_others(info: os.stat_result, name: str) -> str | None:
+    me = os.geteuid()
+    mode = stat.S_IMODE(info.st_mode)
+    why = f"whoever can edit it decides what syncd reads and overwrites as {_user_name(me)}"
+    if mode & 0o002:
+        return f"refusing a config writable by others (mode {mode:04o}): {why}; run: chmod go-w {name}"
+    if info.st_uid not in (me, 0):
+        owner = _user_name(info.st_uid)
+        return (
+            f"refusing a config owned by {owner}, not by {_user_name(me)} (the user syncd runs as) or root: {why}; "
+            f"run: chown {_user_name(me)} {name} (or make root its owner)"
         )
+    if mode & 0o020:
+        others = sorted(_group_members(info.st_gid) - {_user_name(me), "root"})
+        if others:
+            return (
+                f"refusing a config writable by group {_group_name(info.st_gid)} (mode {mode:04o}), whose members "
+                f"include {', '.join(others)}: {why}; run: chmod g-w {name} (a group-writable config is accepted "
+                f"only when its group holds no one else, as a user's private group under umask 002)"
+            )
+    return None
+
+
+def _group_members(gid: int) -> set[str]:
+    """Every user in group `gid`: its listed members and the users whose primary group it is."""
+    try:
+        members = set(grp.getgrgid(gid).gr_mem)
+    except KeyError:
+        return {f"gid {gid} (unknown group)"}
+    return members | {user.pw_name for user in pwd.getpwall() if user.pw_gid == gid}
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
 
 
 def check_watch_safety(config: Config, file: str, mirror_lines: Mapping[int, int]) -> list[Problem]:

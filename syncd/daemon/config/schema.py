@@ -29,6 +29,7 @@ DEFAULT_RESCAN_INTERVAL = 600.0  # seconds between safety rescans of every watch
 # a worker busy with one file longer than this stops the watchdog pings (systemd then restarts syncd)
 DEFAULT_STUCK_WORKER_SECONDS = 1800.0
 DEFAULT_HASH_NAME = DEFAULT_HASH  # the source hash recorded in outputs (`hash:`)
+METRICS_SUFFIX = ".prom"  # node_exporter's textfile collector reads only files named so
 
 # log:
 DEFAULT_LOG_PATH = "./syncd.log.jsonl"
@@ -62,6 +63,7 @@ TOP_LEVEL_KEYS = (
     "stuck_worker_seconds",
     "ignore",
     "hash",
+    "metrics",
     "cluster",
     "watches",
 )
@@ -126,7 +128,7 @@ class Watch:
     poll: bool = False
     # Burn's store vocabulary; see syncd/adapters/keys.py and precision.py for the semantics
     remap: tuple[tuple[str, str], ...] = ()  # ordered (pattern, replacement) rules, Rust replacement syntax
-    map_indices_contiguous: bool = False
+    map_indices_contiguous: bool | None = None  # None: as Burn's store for the source's format
     tensor_include: tuple[str, ...] = ()  # regexes searched in tensor names; none: every tensor
     tensor_exclude: tuple[str, ...] = ()
     precision: str | None = None  # f16 | bf16 | f32 (f32: restore what an earlier conversion cast down)
@@ -159,6 +161,7 @@ class Config:
     rescan_interval: float | None = DEFAULT_RESCAN_INTERVAL  # None: no periodic safety rescan
     stuck_worker_seconds: float = DEFAULT_STUCK_WORKER_SECONDS
     hash_name: str = DEFAULT_HASH_NAME
+    metrics: Path | None = None  # a Prometheus textfile (`*.prom`) rewritten every second; None: none
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
     def polling_interval_for(self, watch: Watch) -> float | None:

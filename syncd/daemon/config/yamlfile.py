@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml  # type: ignore[import-untyped]  # (no stubs installed)
+import yaml
 
 from syncd.errors import ConfigError
 
@@ -228,6 +228,10 @@ class Section:
 
     def boolean(self, name: str, default: bool) -> bool:
         return self._get(name, default, lambda v: isinstance(v, bool), "true or false")
+
+    def optional_boolean(self, name: str) -> bool | None:
+        """true or false, or None where the key is absent (a default that depends on more than the config)."""
+        return self._get(name, None, lambda v: isinstance(v, bool), "true or false")
 
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         return self._get(name, default, lambda v: v in choices, f"one of {', '.join(choices)}", choices)

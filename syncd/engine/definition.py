@@ -1,0 +1,206 @@
+"""The model's own definition as evidence: the module type behind every parameter, read from the class a
+`config.json` names, built by `transformers` on the meta device (no weights, no memory, no download).
+
+Burn decides how to adapt a tensor by the type of the module that owns it, never by its name (burn-store's
+`PyTorchToBurnAdapter`, crates/burn-store/src/adapter.rs); a `.safetensors` file does not store module types.
+Where the model's class can be built, this is where they come from: `nn.Linear` (transposed), transformers'
+`Conv1D` (already [in, out]), `nn.Embedding`, the norms, convolutions, `nn.MultiheadAttention`, RNNs. A module
+whose type is none of these (a model's own class) is Other, left as it is, as Burn's adapters leave a type they
+do not know, unless its type's name says it is a norm (LlamaRMSNorm, T5LayerNorm).
+
+The names `save_pretrained` writes are not always the module tree's: transformers 5 reverts its weight
+conversions on save (GPT-NeoX's `lm_head` is written `embed_out`), ties weights and stores them once, and the
+base model may be saved with or without its prefix. The table is keyed by every one of those module paths.
+
+`transformers` is an optional extra (`pip install 'syncd[transformers]'`): without it, or for a class it
+cannot build, the result is None and a note saying why; the module map, the architectures table and the
+conventions decide as before. Built once per distinct config (the daemon converts the same model many times).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+from typing import Any
+
+from syncd.adapters import ModelDefinition
+from syncd.adapters.model import (
+    BATCH_NORM,
+    EMBEDDING,
+    GROUP_NORM,
+    GRU,
+    INSTANCE_NORM,
+    LAYER_NORM,
+    LINEAR,
+    LINEAR_IN_OUT,
+    LSTM,
+    MULTI_HEAD_ATTENTION,
+    OTHER,
+    PRELU,
+    RMS_NORM,
+    RNN,
+)
+
+_CACHE_SIZE = 16  # distinct configs whose tables are kept (a daemon watches a few models)
+
+
+def definition_for(config: dict[str, Any] | None) -> tuple[ModelDefinition | None, str | None]:
+    """(the module kinds of the model `config` describes, or None; a note when it could not be used)."""
+    if not config or os.environ.get("SYNCD_NO_MODEL_DEFINITION"):
+        return None, None
+    try:
+        key = json.dumps(config, sort_keys=True)
+    except (TypeError, ValueError):
+        return None, "model definition not used: config.json holds values JSON cannot hold again"
+    return _cached_definition(key)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _cached_definition(config_json: str) -> tuple[ModelDefinition | None, str | None]:
+    try:  # transformers first: without it, torch is not worth its import time here
+        import transformers
+    except ImportError:
+        return None, "model definition not used: transformers is not installed (pip install 'syncd[transformers]')"
+    try:
+        import torch
+    except ImportError:
+        return None, "model definition not used: transformers is not installed (pip install 'syncd[transformers]')"
+    config = json.loads(config_json)
+    try:
+        model, class_name = _build_on_meta(transformers, torch, config)
+    except Exception as exc:  # a class transformers cannot build here: the other evidence decides
+        text = " ".join(str(exc).split())[:160] or type(exc).__name__
+        return None, f"model definition not used: transformers cannot build it ({text})"
+    kinds = _saved_module_kinds(model, torch)
+    source = f"model definition {class_name} (transformers {transformers.__version__})"
+    return ModelDefinition(kinds, source, tuple(_written_names(model))), None
+
+
+def _build_on_meta(transformers: Any, torch: Any, config: dict[str, Any]) -> tuple[Any, str]:
+    """The model class `architectures` names (else the base model of `model_type`), its parameters on the meta
+    device. The config comes from the parsed config.json, read as its config class reads it (no hub, no
+    download); remote code is never run."""
+    transformers.logging.set_verbosity_error()
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError("config.json has no model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"transformers {transformers.__version__} has no model type {model_type!r}")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    # as the config class reads its own file: floats JSON cannot hold are written {"__float__": "Infinity"}
+    decode = getattr(config_class, "_decode_special_floats", None)
+    auto_config = config_class.from_dict(decode(config) if decode is not None else config)
+    classes = [c for c in config.get("architectures") or [] if isinstance(c, str)]
+    model_class = next((found for c in classes if _is_model_class(found := getattr(transformers, c, None))), None)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        if model_class is not None:
+            return model_class(auto_config), model_class.__name__
+        model = transformers.AutoModel.from_config(auto_config)
+        return model, type(model).__name__
+
+
+def _is_model_class(found: Any) -> bool:
+    """Only a model class is built: `architectures` comes from a file in a watched directory, and
+    transformers exports functions (`pipeline`) that would fetch from the hub if called."""
+    from transformers import PreTrainedModel
+
+    return isinstance(found, type) and issubclass(found, PreTrainedModel)
+
+
+def _saved_module_kinds(model: Any, torch: Any) -> dict[str, str]:
+    """Module path -> kind, under the module tree's own paths and the ones save_pretrained writes."""
+    own = {path: kind for path, module in model.named_modules() if (kind := module_kind(module, torch)) is not None}
+    kinds = dict(own)
+    for saved, original in _saved_names(model).items():
+        owner = original.rpartition(".")[0]
+        if owner in own:
+            kinds.setdefault(saved.rpartition(".")[0], own[owner])
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if prefix and hasattr(model, prefix):  # the base model saved alone drops its prefix, and the reverse
+        for path, kind in list(kinds.items()):
+            other = path.removeprefix(prefix + ".") if path.startswith(prefix + ".") else f"{prefix}.{path}"
+            kinds.setdefault(other, kind)
+    return kinds
+
+
+def _saved_names(model: Any) -> dict[str, str]:
+    """Name save_pretrained writes -> the model's own name, where transformers renames on save (its weight
+    conversions reversed); a tensor it rebuilds (merged or split) maps to nothing."""
+    state = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        saved = revert_weight_conversion(model, dict(state))
+    except Exception:  # older or newer transformers without it: the module tree's names serve
+        return {}
+    by_identity = {id(value): name for name, value in state.items()}
+    return {name: by_identity[id(value)] for name, value in saved.items() if id(value) in by_identity}
+
+
+def _written_names(model: Any) -> list[str]:
+    """The tensor names save_pretrained writes: the state dict under its saved names, less the weights tied to
+    another one (`all_tied_weights_keys`: tied -> source), which it stores once, under the source's name."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    state = model.state_dict()
+    saved = _saved_names(model) or {name: name for name in state}
+    return [name for name, original in saved.items() if not (original in tied and tied[original] in state)]
+
+
+def module_kind(module: Any, torch: Any) -> str | None:
+    """The kind of a module by its type, as Burn's adapters key on a module's type; None for a module without
+    parameters or buffers of its own."""
+    nn = torch.nn
+    if not any(True for _ in module.parameters(recurse=False)) and not any(True for _ in module.buffers(recurse=False)):
+        return None
+    for torch_class, kind in (
+        (nn.MultiheadAttention, MULTI_HEAD_ATTENTION),
+        (nn.LSTM, LSTM),
+        (nn.GRU, GRU),
+        (nn.RNN, RNN),
+        (nn.Linear, LINEAR),
+        (nn.Embedding, EMBEDDING),
+        (nn.modules.batchnorm._BatchNorm, BATCH_NORM),
+        (nn.modules.instancenorm._InstanceNorm, INSTANCE_NORM),
+        (nn.LayerNorm, LAYER_NORM),
+        (nn.GroupNorm, GROUP_NORM),
+        (nn.PReLU, PRELU),
+    ):
+        if isinstance(module, torch_class):
+            return kind
+    if isinstance(module, getattr(nn, "RMSNorm", ())):
+        return RMS_NORM
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return type_name_of_conv(module, nn)
+    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
+        return LINEAR_IN_OUT  # GPT-2's Conv1D: a Linear whose weight is stored [in, out]
+    return _named_norm(module)
+
+
+def type_name_of_conv(module: Any, nn: Any) -> str | None:
+    for torch_class in (
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+    ):
+        if isinstance(module, torch_class):
+            return torch_class.__name__
+    return None
+
+
+def _named_norm(module: Any) -> str:
+    """A model's own class: a norm when its type's name says so (LlamaRMSNorm, T5LayerNorm, MobileBERT's NoNorm,
+    Mamba2's MambaRMSNormGated): an RmsNorm with a weight and no bias, a LayerNorm with both. Any other type
+    is one Burn's adapters do not know, so they leave its tensors as they are: Other."""
+    params = {leaf for leaf, _ in module.named_parameters(recurse=False)}
+    if "norm" in type(module).__name__.lower():
+        if params == {"weight"}:
+            return RMS_NORM
+        if params == {"weight", "bias"}:
+            return LAYER_NORM
+    return OTHER

@@ -1,0 +1,297 @@
+"""Never a wrong file: a convention may refuse, never mislead; remap rules see the source's names, as in Burn;
+an nn.Sequential with gaps in its indices is named, with the flag that closes them.
+
+Every case runs the real CLI on files real torch/transformers models wrote; the expected tensors come from the
+model's own modules (nn.Linear -> transposed, norms renamed, ...), never from syncd's planner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as hf
+import yaml
+from conftest import REPO
+from convcheck import assert_one_line_error, read_bpk, read_safetensors, run_cli, transposed
+from safetensors.torch import save_file
+from torch import nn
+
+from syncd.adapters import FileContext, ModelDefinition, TensorRef, plan_conversion
+
+HIDE = {"with transformers": (), "without transformers": ("transformers",)}
+
+
+def _bits(value: torch.Tensor) -> bytes:
+    return value.detach().contiguous().numpy().tobytes()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a causal LM whose output head is named like an embedding (GPT-NeoX saves it as `embed_out`)
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
+    """A GPT-NeoX causal LM (not in syncd's architectures table) saved with save_pretrained: its head is written
+    as `embed_out.weight`, [vocab, hidden] like the input embedding beside it."""
+    torch.manual_seed(5)
+    config = hf.GPTNeoXConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    model = hf.GPTNeoXForCausalLM(config)
+    directory = tmp_path_factory.mktemp("neox")
+    model.save_pretrained(directory)
+    return directory, model
+
+
+@pytest.mark.parametrize("hide", HIDE.values(), ids=HIDE.keys())
+def test_an_output_head_named_embed_is_transposed_as_the_linear_it_is(
+    neox: tuple[Path, nn.Module], tmp_path: Path, hide: tuple[str, ...]
+) -> None:
+    directory, model = neox
+    source = directory / "model.safetensors"
+    assert "embed_out.weight" in read_safetensors(source).tensors  # what save_pretrained wrote
+    done = run_cli("convert", source, "-o", tmp_path / "neox.bpk", "--json", hide=hide)
+    if done.returncode != 0:  # a refusal is allowed only as one line naming the module and the map that settles it
+        line = assert_one_line_error(done, 1, "embed_out", "module map")
+        pytest.fail(f"refused instead of converting: {line}")
+    burn = read_bpk(tmp_path / "neox.bpk").tensors
+    head = model.get_output_embeddings().weight
+    assert isinstance(model.get_output_embeddings(), nn.Linear)
+    assert burn["embed_out.weight"].shape == (16, 64)  # Burn's Linear: [in, out]
+    assert burn["embed_out.weight"].data == transposed(_bits(head), (64, 16), 4)
+    embedding = model.get_input_embeddings().weight
+    assert burn["gpt_neox.embed_in.weight"].shape == (64, 16)  # an Embedding is never transposed
+    assert burn["gpt_neox.embed_in.weight"].data == _bits(embedding)
+    decisions = json.loads(done.stdout)["decisions"]
+    evidence = "model definition" if not hide else "convention"
+    assert any("embed_out" in line and evidence in line for line in decisions), decisions
+    # what a convention alone decided is in the output itself, so a wrong guess can be found afterwards
+    guessed = json.loads(read_bpk(tmp_path / "neox.bpk").metadata.get("syncd.guessed", "{}"))
+    assert (sorted(guessed) == ["embed_out", "gpt_neox.embed_in"]) if hide else (guessed == {})
+    assert guessed.get("embed_out", "Linear").startswith("Linear")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# remap rules written as a Burn user writes them: on the source's names, before weight/bias become gamma/beta
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm1d(8)
+        self.fc = nn.Linear(8, 4)
+
+
+@pytest.fixture
+def batchnorm(tmp_path: Path) -> Path:
+    torch.manual_seed(7)
+    model = WithBatchNorm()
+    model.train()
+    for _ in range(3):  # running stats and the counter away from their initial values
+        model.norm1(torch.randn(16, 8))
+    source = tmp_path / "bn.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, source)
+    return source
+
+
+BURN_RULE = r"^norm1\.(weight|bias|running_mean|running_var)$=bn.$1"
+
+
+def test_a_rule_copied_from_burn_code_moves_the_whole_batchnorm_and_comes_back_exactly(
+    batchnorm: Path, tmp_path: Path
+) -> None:
+    done = run_cli("convert", batchnorm, "-o", tmp_path / "bn.bpk", "--remap", BURN_RULE)
+    assert done.returncode == 0, done.stderr
+    burn = read_bpk(tmp_path / "bn.bpk").tensors
+    assert sorted(burn) == ["bn.beta", "bn.gamma", "bn.running_mean", "bn.running_var", "fc.bias", "fc.weight"]
+    source = read_safetensors(batchnorm).tensors
+    assert burn["bn.gamma"].data == source["norm1.weight"].data
+    assert burn["bn.running_var"].data == source["norm1.running_var"].data
+    back = run_cli("convert", tmp_path / "bn.bpk", "-o", tmp_path / "back.safetensors")  # no rules: carried
+    assert back.returncode == 0, back.stderr
+    assert read_safetensors(tmp_path / "back.safetensors").tensors == source
+
+
+def test_a_rule_set_that_splits_a_module_is_refused_naming_both_sides(batchnorm: Path, tmp_path: Path) -> None:
+    done = run_cli("convert", batchnorm, "-o", tmp_path / "bn.bpk", "--remap", r"^norm1\.(running_\w+)$=bn.$1")
+    line = assert_one_line_error(done, 1, str(batchnorm), "'norm1'", "norm1.running_mean", "norm1.weight", "'bn'")
+    assert "split" in line
+    assert not (tmp_path / "bn.bpk").exists()
+
+
+def test_a_rule_on_burns_names_is_applied_to_a_bpk_source(batchnorm: Path, tmp_path: Path) -> None:
+    assert run_cli("convert", batchnorm, "-o", tmp_path / "bn.bpk").returncode == 0
+    done = run_cli(
+        "convert", tmp_path / "bn.bpk", "-o", tmp_path / "x.safetensors", "--remap", r"^norm1\.(gamma|beta)$=n.$1"
+    )
+    # gamma/beta move, the running stats stay: the BatchNorm would be split, so nothing is written
+    assert_one_line_error(done, 1, "'norm1'", "norm1.gamma", "norm1.running_mean")
+    done = run_cli("convert", tmp_path / "bn.bpk", "-o", tmp_path / "y.safetensors", "--remap", r"^norm1\.=n.")
+    assert done.returncode == 0, done.stderr
+    assert sorted(read_safetensors(tmp_path / "y.safetensors").tensors) == [
+        "fc.bias",
+        "fc.weight",
+        "n.bias",
+        "n.num_batches_tracked",
+        "n.running_mean",
+        "n.running_var",
+        "n.weight",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# an nn.Sequential MLP with activations between its Linears: fc.0, fc.2, fc.4
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.fixture
+def mlp(tmp_path: Path) -> Path:
+    torch.manual_seed(11)
+    source = tmp_path / "mlp.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in Mlp().state_dict().items()}, source)
+    return source
+
+
+def test_gaps_in_a_sequentials_indices_are_named_with_the_flag_that_closes_them(mlp: Path, tmp_path: Path) -> None:
+    done = run_cli("convert", mlp, "-o", tmp_path / "gaps.bpk")
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stdout.splitlines() if "--map-indices-contiguous" in line]
+    assert len(notes) == 1 and "fc.0, fc.2, fc.4" in notes[0], done.stdout
+    as_json = run_cli("convert", mlp, "-o", tmp_path / "gaps2.bpk", "--json")
+    assert any("--map-indices-contiguous" in line for line in json.loads(as_json.stdout)["decisions"])
+    # --no-map-indices-contiguous: the indices stay as they are in the file
+    kept = run_cli("convert", mlp, "-o", tmp_path / "gaps3.bpk", "--no-map-indices-contiguous")
+    assert kept.returncode == 0, kept.stderr
+    assert sorted(read_bpk(tmp_path / "gaps3.bpk").tensors) == sorted(read_safetensors(mlp).tensors)
+
+
+def test_with_the_flag_the_names_a_burn_vec_expects_and_back_bit_exact(mlp: Path, tmp_path: Path) -> None:
+    done = run_cli("convert", mlp, "-o", tmp_path / "mlp.bpk", "--map-indices-contiguous")
+    assert done.returncode == 0, done.stderr
+    assert "--map-indices-contiguous" not in done.stdout  # nothing left to say
+    burn = read_bpk(tmp_path / "mlp.bpk").tensors
+    assert sorted(burn) == [f"fc.{i}.{leaf}" for i in range(3) for leaf in ("bias", "weight")]
+    source = read_safetensors(mlp).tensors
+    for new, old in ((0, 0), (1, 2), (2, 4)):
+        weight = source[f"fc.{old}.weight"]
+        assert burn[f"fc.{new}.weight"].data == transposed(weight.data, weight.shape, 4)
+        assert burn[f"fc.{new}.bias"].data == source[f"fc.{old}.bias"].data
+    back = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "back.safetensors")
+    assert back.returncode == 0, back.stderr
+    assert read_safetensors(tmp_path / "back.safetensors").tensors == source
+
+
+# ---------------------------------------------------------------------------------------------------------
+# syncd modules: the exact map, from the model's definition, for a daemon without transformers
+
+
+def test_syncd_modules_prints_the_exact_map_and_a_daemon_without_transformers_plans_the_same(
+    neox: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
+    directory, _ = neox
+    printed = run_cli("modules", directory)
+    assert printed.returncode == 0, printed.stderr
+    data = yaml.safe_load(printed.stdout)
+    assert data["modules"]["embed_out"] == "Linear" and data["modules"]["gpt_neox.embed_in"] == "Embedding"
+    assert data["modules"]["gpt_neox.layers.0.input_layernorm"] == "LayerNorm"
+    written = run_cli("modules", directory / "config.json", "-o", tmp_path / "map.yaml")
+    assert written.returncode == 0 and written.stdout.startswith(f"wrote {tmp_path / 'map.yaml'}: ")
+    assert yaml.safe_load((tmp_path / "map.yaml").read_text()) == data
+    source = directory / "model.safetensors"
+    mapped = run_cli(
+        "convert", source, "-o", tmp_path / "mapped.bpk", "--modules", tmp_path / "map.yaml", hide=("transformers",)
+    )
+    assert mapped.returncode == 0, mapped.stderr
+    assert "naming convention" not in mapped.stdout  # the map decided every module: nothing guessed
+    defined = run_cli("convert", source, "-o", tmp_path / "defined.bpk")
+    assert defined.returncode == 0, defined.stderr
+    assert read_bpk(tmp_path / "mapped.bpk").tensors == read_bpk(tmp_path / "defined.bpk").tensors
+
+
+def test_syncd_modules_says_in_one_line_why_it_cannot(neox: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    directory, _ = neox
+    hidden = run_cli("modules", directory, hide=("transformers",))
+    assert_one_line_error(hidden, 1, str(directory / "config.json"), "pip install 'syncd[transformers]'")
+    missing = run_cli("modules", tmp_path)
+    assert_one_line_error(missing, 1, str(tmp_path / "config.json"), "not found")
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    unknown = run_cli("modules", tmp_path / "config.json", "-o", tmp_path / "map.yaml")
+    assert_one_line_error(unknown, 1, "no model type 'no-such-family'")
+    assert not (tmp_path / "map.yaml").exists()
+
+
+def test_the_models_definition_joins_burns_attention_pieces_back_into_its_multihead_attention() -> None:
+    """A Burn file beside the config of a model whose `attn` is an nn.MultiheadAttention: its query/key/value
+    Linears are joined back into in_proj_weight by the module's type, with no map or record."""
+    table = [
+        TensorRef(f"blocks.0.attn.{field}.{leaf}", "F32", (8, 8) if leaf == "weight" else (8,))
+        for field in ("query", "key", "value", "output")
+        for leaf in ("weight", "bias")
+    ]
+    table += [TensorRef("blocks.0.norm.gamma", "F32", (8,)), TensorRef("blocks.0.norm.beta", "F32", (8,))]
+    alone = plan_conversion(table, to_layout="pytorch")
+    assert not any(e.parts for e in alone.entries)  # names alone never join them
+    definition = ModelDefinition({"blocks.0.attn": "MultiHeadAttention", "blocks.0.norm": "LayerNorm"}, "model X")
+    plan = plan_conversion(table, to_layout="pytorch", context=FileContext(definition=definition))
+    joined = {e.target: e for e in plan.entries}["blocks.0.attn.in_proj_weight"]
+    assert [p.source for p in joined.parts] == [f"blocks.0.attn.{f}.weight" for f in ("query", "key", "value")]
+    assert plan.kinds["blocks.0.attn"] == "MultiHeadAttention"
+
+
+def test_only_a_model_class_named_in_architectures_is_ever_built(tmp_path: Path) -> None:
+    """`architectures` comes from a file in a watched directory: a name that is no model class (transformers'
+    `pipeline` would fetch from the hub) is not called; the base model of model_type is built instead."""
+    config = hf.GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    config.architectures = ["pipeline"]
+    config.save_pretrained(tmp_path)
+    done = run_cli("modules", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "model definition GPTNeoXModel (transformers" in done.stdout.splitlines()[0]
+
+
+def test_syncd_no_model_definition_skips_building_it(neox: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    """The definition costs the transformers import on each `syncd convert`; the variable skips it, and the
+    conventions and the rest of the file decide (as without transformers)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), SYNCD_NO_MODEL_DEFINITION="1")
+    source = neox[0] / "model.safetensors"
+    argv = [sys.executable, "-m", "syncd", "convert", source, "-o", tmp_path / "x.bpk", "--json"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    decisions = json.loads(done.stdout)["decisions"]
+    assert not any("model definition" in line for line in decisions), decisions
+    assert any("naming convention alone" in line for line in decisions)
+
+
+def test_a_pt_file_gets_contiguous_indices_by_default_as_burns_pytorchstore_does(tmp_path: Path) -> None:
+    torch.manual_seed(13)
+    source = tmp_path / "mlp.pt"
+    state = {k: v.detach().clone() for k, v in Mlp().state_dict().items()}
+    torch.save(state, source)
+    done = run_cli("convert", source, "-o", tmp_path / "mlp.bpk")
+    assert done.returncode == 0, done.stderr
+    assert "--map-indices-contiguous" not in done.stdout
+    assert sorted(read_bpk(tmp_path / "mlp.bpk").tensors) == [
+        f"fc.{i}.{leaf}" for i in range(3) for leaf in ("bias", "weight")
+    ]
+    back = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "back.safetensors")
+    assert back.returncode == 0, back.stderr
+    assert {k: v.data for k, v in read_safetensors(tmp_path / "back.safetensors").tensors.items()} == {
+        k: v.contiguous().numpy().tobytes() for k, v in state.items()
+    }
