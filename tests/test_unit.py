@@ -102,3 +102,15 @@ def test_python_numpy_and_safetensors_work_without_writable_executable_memory(tm
     )
     assert result.returncode != 77, "this kernel has no PR_SET_MDWE (Linux < 6.3): the check cannot run here"
     assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+
+
+def test_the_system_unit_and_a_users_instance_share_no_state_or_log_directory() -> None:
+    """systemd creates (and chowns) each unit's StateDirectory/LogsDirectory for its own user: an instance's
+    directory inside syncd.service's would be handed to the syncd user, or be out of alice's reach under its
+    0750 parent."""
+    system = unit_directives(UNIT.read_text())
+    instance = unit_directives((REPO / "systemd" / "syncd@.service").read_text().replace("%i", "alice"))
+    for key, base in (("StateDirectory", "/var/lib"), ("LogsDirectory", "/var/log")):
+        (ours,), (theirs,) = system[key], instance[key]
+        mine, alices = Path(base, ours), Path(base, theirs)
+        assert mine != alices and not alices.is_relative_to(mine) and not mine.is_relative_to(alices), key
