@@ -40,9 +40,49 @@
     }
 
 DEFINE_TRANSPOSE(transpose8, uint8_t)
-DEFINE_TRANSPOSE(transpose16, uint16_t)
 #ifdef __SSE2__
 #include <emmintrin.h>
+/* 8x8 blocks of 16-bit elements (BF16, F16) through SSE2 registers: three rounds of unpacks, 16, 32 and 64
+ * bits wide. Element by element, a 16-bit transpose ran at a fifth of the 32-bit one's speed on tall bands
+ * (0.54 against 2.5 GiB/s on a Llama lm_head strip). */
+static inline void block8x8(const uint16_t *s, Py_ssize_t sstride, uint16_t *d, Py_ssize_t stride) {
+    __m128i a[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) a[k] = _mm_loadu_si128((const __m128i *)(s + k * sstride));
+    for (int k = 0; k < 4; k++) {
+        t[2 * k] = _mm_unpacklo_epi16(a[2 * k], a[2 * k + 1]);
+        t[2 * k + 1] = _mm_unpackhi_epi16(a[2 * k], a[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; k++) { /* rows 0-3 then 4-7 */
+        u[4 * k] = _mm_unpacklo_epi32(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm_unpackhi_epi32(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm_unpacklo_epi32(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm_unpackhi_epi32(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm_storeu_si128((__m128i *)(d + 2 * k * stride), _mm_unpacklo_epi64(u[k], u[k + 4]));
+        _mm_storeu_si128((__m128i *)(d + (2 * k + 1) * stride), _mm_unpackhi_epi64(u[k], u[k + 4]));
+    }
+}
+
+static void transpose16(const uint16_t *src, uint16_t *dst, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t sstride,
+                        Py_ssize_t stride) {
+    for (Py_ssize_t r0 = 0; r0 < rows; r0 += TILE) {
+        Py_ssize_t r1 = r0 + TILE < rows ? r0 + TILE : rows;
+        for (Py_ssize_t c0 = 0; c0 < cols; c0 += TILE) {
+            Py_ssize_t c1 = c0 + TILE < cols ? c0 + TILE : cols;
+            Py_ssize_t r = r0;
+            for (; r + 8 <= r1; r += 8) {
+                Py_ssize_t c = c0;
+                for (; c + 8 <= c1; c += 8) block8x8(src + r * sstride + c, sstride, dst + c * stride + r, stride);
+                for (; c < c1; c++)
+                    for (Py_ssize_t k = r; k < r + 8; k++) dst[c * stride + k] = src[k * sstride + c];
+            }
+            for (; r < r1; r++)
+                for (Py_ssize_t c = c0; c < c1; c++) dst[c * stride + r] = src[r * sstride + c];
+        }
+    }
+}
+
 /* 4x4 blocks of 32-bit elements through SSE2 registers (integer unpacks: the bits are not interpreted). */
 static inline void block4x4(const uint32_t *s, Py_ssize_t cols, uint32_t *d, Py_ssize_t stride) { /* cols: source row stride */
     __m128i a = _mm_loadu_si128((const __m128i *)(s));
@@ -76,6 +116,7 @@ static void transpose32(const uint32_t *src, uint32_t *dst, Py_ssize_t rows, Py_
     }
 }
 #else
+DEFINE_TRANSPOSE(transpose16, uint16_t)
 DEFINE_TRANSPOSE(transpose32, uint32_t)
 #endif
 DEFINE_TRANSPOSE(transpose64, uint64_t)
