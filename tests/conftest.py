@@ -7,14 +7,16 @@ spelling paths of their own.
 
 from __future__ import annotations
 
-import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
+
+from syncd.engine.write.kernels import compiled
 
 if TYPE_CHECKING:  # daemonutil imports this module's paths: import it where used
     from daemonutil import DaemonRun
@@ -77,11 +79,9 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonRun]]:
         run.close()
 
 
-@pytest.fixture(scope="session")
-def transpose_extension(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The compiled transpose kernel, built from the shipped C source with the project's own setup.py (into a
-    temporary directory): tests cover it whether or not the checkout was built with a compiler present."""
-    build = tmp_path_factory.mktemp("build")
+def build_kernel(directory: Path, env: dict[str, str] | None = None) -> Path:
+    """Build the compiled transpose kernel from the shipped C source with the project's own setup.py into
+    `directory` (with `env` added to the environment); the library's path."""
     subprocess.run(
         [
             sys.executable,
@@ -89,17 +89,23 @@ def transpose_extension(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "-q",
             "build_ext",
             "--build-lib",
-            str(build / "lib"),
+            str(directory / "lib"),
             "--build-temp",
-            str(build / "tmp"),
+            str(directory / "tmp"),
         ],
         cwd=REPO,
         check=True,
         capture_output=True,
+        env={**os.environ, **(env or {})},
     )
-    (so,) = (build / "lib" / "syncd" / "engine" / "write" / "kernels").glob("_transpose*.so")
-    spec = importlib.util.spec_from_file_location("syncd.engine.write.kernels._transpose", so)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    (library,) = (directory / "lib" / "syncd" / "engine" / "write" / "kernels").glob("_transpose*.so")
+    return library
+
+
+@pytest.fixture(scope="session")
+def compiled_kernel(tmp_path_factory: pytest.TempPathFactory) -> compiled.Library:
+    """The compiled transpose kernel, built here: tests cover it whether or not the checkout was installed with
+    a compiler present."""
+    library = compiled.load(build_kernel(tmp_path_factory.mktemp("build")))
+    assert library is not None
+    return library

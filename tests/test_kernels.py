@@ -1,32 +1,32 @@
 """The transpose kernels: the compiled one and the numpy fallback give identical, bit-exact bytes.
 
 The compiled kernel is built here from the shipped C source with the project's own setup.py (into a temporary
-directory), so this test covers it whether or not the checkout was installed with a compiler present.
+directory), so this test covers it whether or not the checkout was installed with a compiler present; and
+with Zig's compiler, as setup.py builds it on a machine without one.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, build_kernel
 
 from syncd.engine.write.kernels import Kernel, band_numpy, make_band, make_compiled, transpose_numpy
+from syncd.engine.write.kernels.compiled import Library, load
 
 SHAPES = [(1, 1), (1, 7), (7, 1), (31, 33), (32, 32), (64, 96), (100, 3), (3, 100), (257, 129), (4, 1000)]
 
 
 @pytest.fixture(scope="module")
-def extension(transpose_extension: Any) -> Any:
-    return transpose_extension
-
-
-@pytest.fixture(scope="module")
-def compiled(extension: Any) -> Kernel:
-    return make_compiled(extension.transpose)
+def compiled_transpose(compiled_kernel: Library) -> Kernel:
+    return make_compiled(compiled_kernel.transpose)
 
 
 def _kernels(compiled: Kernel) -> list[tuple[str, Kernel]]:
@@ -40,28 +40,28 @@ def _random(shape: tuple[int, int], dtype: type, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
-def test_both_kernels_transpose_every_shape_bit_for_bit(compiled: Kernel, dtype: type) -> None:
+def test_both_kernels_transpose_every_shape_bit_for_bit(compiled_transpose: Kernel, dtype: type) -> None:
     for i, shape in enumerate(SHAPES):
         src = _random(shape, dtype, i)
-        for name, kernel in _kernels(compiled):
+        for name, kernel in _kernels(compiled_transpose):
             out = np.full((shape[1], shape[0]), 0xA5, dtype=dtype)
             kernel(src, out, 0)
             assert np.array_equal(out, src.T), (name, shape)
             assert out.tobytes() == np.ascontiguousarray(src.T).tobytes()
 
 
-def test_both_kernels_write_into_a_column_window_and_nowhere_else(compiled: Kernel) -> None:
+def test_both_kernels_write_into_a_column_window_and_nowhere_else(compiled_transpose: Kernel) -> None:
     src = _random((37, 45), np.uint32, 7)
-    for name, kernel in _kernels(compiled):
+    for name, kernel in _kernels(compiled_transpose):
         out = np.full((45, 100), 0xDEADBEEF, dtype=np.uint32)
         kernel(src, out, 50)
         assert np.array_equal(out[:, 50:87], src.T), name
         assert (out[:, :50] == 0xDEADBEEF).all() and (out[:, 87:] == 0xDEADBEEF).all(), name
 
 
-def test_both_kernels_transpose_a_band_of_columns_of_a_larger_matrix(compiled: Kernel) -> None:
+def test_both_kernels_transpose_a_band_of_columns_of_a_larger_matrix(compiled_transpose: Kernel) -> None:
     whole = _random((53, 90), np.uint32, 11)
-    for name, kernel in _kernels(compiled):
+    for name, kernel in _kernels(compiled_transpose):
         for c0, c1 in [(0, 32), (32, 64), (64, 90), (5, 6), (0, 90)]:
             out = np.empty((c1 - c0, 53), dtype=np.uint32)
             kernel(whole[:, c0:c1], out, 0)
@@ -69,11 +69,11 @@ def test_both_kernels_transpose_a_band_of_columns_of_a_larger_matrix(compiled: K
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
-def test_both_band_kernels_transpose_each_band_of_a_byte_buffer(extension: Any, dtype: type) -> None:
+def test_both_band_kernels_transpose_each_band_of_a_byte_buffer(compiled_kernel: Library, dtype: type) -> None:
     whole = _random((70, 100), dtype, 12)
     item = whole.itemsize
     src = memoryview(whole).cast("B")
-    for name, kernel in [("numpy", band_numpy), ("compiled", make_band(extension.transpose))]:
+    for name, kernel in [("numpy", band_numpy), ("compiled", make_band(compiled_kernel.transpose))]:
         for c0, c1 in [(0, 32), (32, 64), (64, 100), (99, 100), (0, 100)]:
             out = bytearray(b"\x07" * ((c1 - c0) * 70 * item))
             kernel(src, out, 70, 100, item, c0, c1 - c0)
@@ -84,7 +84,7 @@ def test_both_band_kernels_transpose_each_band_of_a_byte_buffer(extension: Any, 
             kernel(src, bytearray(10 * 70 * item - 1), 70, 100, item, 0, 10)  # the band does not fit
 
 
-def test_signalling_nans_and_odd_float_bits_survive_unchanged(compiled: Kernel) -> None:
+def test_signalling_nans_and_odd_float_bits_survive_unchanged(compiled_transpose: Kernel) -> None:
     # float32 signalling NaN (quiet bit clear), a NaN with payload, -0.0, a denormal, infinities; and the
     # bfloat16 and float64 counterparts: a float load/store on x87 or a BLAS copy could quieten the sNaN
     specials32 = np.array(
@@ -95,35 +95,37 @@ def test_signalling_nans_and_odd_float_bits_survive_unchanged(compiled: Kernel) 
     specials64 = np.array([0x7FF0000000000001, 0xFFF0000000000001, 0x7FF8000000000001, 1 << 63], dtype=np.uint64)
     for specials in (specials32, specials16, specials64):
         src = np.resize(specials, 40 * 33).reshape(40, 33)
-        for name, kernel in _kernels(compiled):
+        for name, kernel in _kernels(compiled_transpose):
             out = np.zeros((33, 40), dtype=src.dtype)
             kernel(src, out, 0)
             assert out.tobytes() == np.ascontiguousarray(src.T).tobytes(), (name, src.dtype)
             assert set(np.unique(out)) == set(np.unique(specials)), name
 
 
-def test_both_kernels_agree_with_each_other_on_float_data(compiled: Kernel) -> None:
+def test_both_kernels_agree_with_each_other_on_float_data(compiled_transpose: Kernel) -> None:
     values = np.random.default_rng(3).standard_normal((300, 170)).astype(np.float32)
     values[5, 7] = np.float32(np.nan)
     src = values.view(np.uint32)
     outs = []
-    for _, kernel in _kernels(compiled):
+    for _, kernel in _kernels(compiled_transpose):
         out = np.empty((170, 300), dtype=np.uint32)
         kernel(src, out, 0)
         outs.append(out.tobytes())
     assert outs[0] == outs[1] == np.ascontiguousarray(src.T).tobytes()
 
 
-def test_the_compiled_kernel_refuses_what_does_not_fit(compiled: Kernel) -> None:
+def test_the_compiled_kernel_refuses_what_does_not_fit(compiled_transpose: Kernel) -> None:
     src = np.zeros((4, 6), dtype=np.uint32)
     with pytest.raises(ValueError):
-        compiled(src, np.zeros((6, 3), dtype=np.uint32), 0)  # 4 columns needed, 3 there
+        compiled_transpose(src, np.zeros((6, 3), dtype=np.uint32), 0)  # 4 columns needed, 3 there
     with pytest.raises(ValueError):
-        compiled(src, np.zeros((6, 4), dtype=np.uint16), 0)  # element sizes differ
+        compiled_transpose(src, np.zeros((6, 4), dtype=np.uint16), 0)  # element sizes differ
     with pytest.raises(ValueError):
-        compiled(src, np.zeros((6, 8), dtype=np.uint32)[:, ::2], 0)  # not contiguous
+        compiled_transpose(src, np.zeros((6, 8), dtype=np.uint32)[:, ::2], 0)  # not contiguous
     with pytest.raises(ValueError):
-        compiled(np.zeros((4, 12), dtype=np.uint32)[:, ::2], np.zeros((6, 4), dtype=np.uint32), 0)  # strided elements
+        compiled_transpose(
+            np.zeros((4, 12), dtype=np.uint32)[:, ::2], np.zeros((6, 4), dtype=np.uint32), 0
+        )  # strided elements
 
 
 def test_the_fallback_is_chosen_when_asked_and_gives_the_same_bytes() -> None:
@@ -136,3 +138,42 @@ def test_the_fallback_is_chosen_when_asked_and_gives_the_same_bytes() -> None:
     name, data = out.split()
     assert name == "numpy"
     assert bytes.fromhex(data) == np.arange(12, dtype=np.uint32).reshape(3, 4).T.copy().tobytes()
+
+
+@pytest.mark.slow
+def test_a_machine_without_a_c_compiler_builds_the_kernel_with_zigs(tmp_path: Path) -> None:
+    # $CC naming no program stands for a machine without a C compiler: setuptools alone would fail to build
+    library = build_kernel(tmp_path, env={"CC": str(tmp_path / "no-such-cc")})
+    assert b"clang version" in library.read_bytes()  # Zig's compiler is clang's (its .comment section says so)
+    loaded = load(library)
+    assert loaded is not None
+    zig_transpose = make_compiled(loaded.transpose)
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        src = _random((257, 129), dtype, 21)
+        out = np.zeros((129, 257), dtype=dtype)
+        zig_transpose(src, out, 0)
+        assert out.tobytes() == np.ascontiguousarray(src.T).tobytes(), dtype
+
+
+def _build_requirements(tree: Path, compiler: str) -> list[str]:
+    """What setup.py, as the PEP 517 backend pip calls, asks pip to install before it builds `tree` (editable
+    and wheel, which must agree), with $CC set to `compiler`."""
+    code = (
+        "import json, setup; print(json.dumps([setup.get_requires_for_build_editable(), "
+        "setup.get_requires_for_build_wheel()]))"
+    )
+    env = {**os.environ, "CC": compiler}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True, capture_output=True, text=True)
+    editable, wheel = json.loads(done.stdout.splitlines()[-1])
+    assert {r for r in editable if "ziglang" in r} == {r for r in wheel if "ziglang" in r}
+    return [r for r in wheel if "ziglang" in r]
+
+
+def test_the_build_asks_for_zigs_compiler_only_where_no_c_compiler_works(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"  # a copy: the hooks write the package's metadata into the tree they build
+    shutil.copytree(REPO / "syncd", tree / "syncd", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tree / name)
+    assert _build_requirements(tree, str(tmp_path / "no-such-cc")) == ["ziglang>=0.11"]
+    working = f"{sys.executable} -m ziglang cc"  # a compiler that works here, whatever the machine has
+    assert _build_requirements(tree, working) == []

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from syncd.engine.write import kernels, onepass
+from syncd.engine.write.kernels import compiled
 from syncd.engine.write.onepass import Move, OnePass, Seam
 from syncd.engine.write.planned import check_digests
 from syncd.errors import FormatError, SourceChangedError, VerificationError
@@ -214,9 +215,9 @@ def test_a_piece_written_to_a_wrong_place_in_its_window_is_caught(tmp_path: Path
     output.close()
 
 
-def _band_checks(extension: Any) -> dict[str, kernels.BandCheck]:
-    """The in-cache check in both forms: numpy (the fallback) and the compiled extension's."""
-    return {"numpy": kernels.band_check_numpy, "compiled": kernels.make_band_check(extension.check)}
+def _band_checks(library: compiled.Library) -> dict[str, kernels.BandCheck]:
+    """The in-cache check in both forms: numpy (the fallback) and the compiled kernel's."""
+    return {"numpy": kernels.band_check_numpy, "compiled": kernels.make_band_check(library.check)}
 
 
 # the geometries of a transposing pass: tensors read whole; in strips of the strip buffer, several parts each
@@ -231,7 +232,7 @@ GEOMETRIES = pytest.mark.parametrize("geometry", [WHOLE, STRIPS], ids=["whole", 
 def test_a_wrong_transpose_is_caught_in_cache(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    transpose_extension: Any,
+    compiled_kernel: compiled.Library,
     fault: str,
     check: str,
     geometry: dict[str, int],
@@ -249,7 +250,7 @@ def test_a_wrong_transpose_is_caught_in_cache(
         else:  # two source rows traded places
             result[:, [0, 1]] = result[:, [1, 0]]
 
-    monkeypatch.setattr(kernels, "band_matches", _band_checks(transpose_extension)[check])
+    monkeypatch.setattr(kernels, "band_matches", _band_checks(compiled_kernel)[check])
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
     with pytest.raises(VerificationError, match="a transposed block does not match its source"):
         output.engine(seam=Seam(transpose=wrong), **geometry).run()
@@ -334,9 +335,9 @@ def test_a_torn_tile_is_caught(tmp_path: Path, geometry: dict[str, int], reporte
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
 @pytest.mark.parametrize("shape", [(100, 70), (1000, 700)])  # compared whole; sampled per tile
 def test_the_tile_check_passes_a_right_transpose_and_fails_a_single_wrong_tile(
-    transpose_extension: Any, shape: tuple[int, int], dtype: type, check: str
+    compiled_kernel: compiled.Library, shape: tuple[int, int], dtype: type, check: str
 ) -> None:
-    matches = _band_checks(transpose_extension)[check]
+    matches = _band_checks(compiled_kernel)[check]
     rows, cols = shape
     item = np.dtype(dtype).itemsize
     src = np.random.default_rng(rows).integers(0, np.iinfo(dtype).max, shape, dtype=dtype, endpoint=True)
@@ -560,12 +561,12 @@ DIMS = st.one_of(st.sampled_from([1, 2, 3, 31, 32, 33, 64, 97, 127, 257]), st.in
 
 
 @pytest.fixture(params=["compiled", "numpy"])
-def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, transpose_extension: Any) -> str:
-    """The kernels in use: the extension's, or what a machine without a compiler gets."""
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, compiled_kernel: compiled.Library) -> str:
+    """The kernels in use: the compiled ones, or what a machine without a compiler gets."""
     if request.param == "compiled":
-        monkeypatch.setattr(kernels, "transpose_band", kernels.make_band(transpose_extension.transpose))
-        monkeypatch.setattr(kernels, "band_matches", kernels.make_band_check(transpose_extension.check))
-        monkeypatch.setattr(kernels, "pwrite_pieces", transpose_extension.pwrite_pieces)
+        monkeypatch.setattr(kernels, "transpose_band", kernels.make_band(compiled_kernel.transpose))
+        monkeypatch.setattr(kernels, "band_matches", kernels.make_band_check(compiled_kernel.check))
+        monkeypatch.setattr(kernels, "pwrite_pieces", compiled_kernel.pwrite_pieces)
     else:
         monkeypatch.setattr(kernels, "transpose_band", kernels.band_numpy)
         monkeypatch.setattr(kernels, "band_matches", kernels.band_check_numpy)

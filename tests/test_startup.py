@@ -7,9 +7,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from conftest import MNIST_BPK, REPO
+
+from syncd.engine.write.kernels import compiled
 
 PROBE = """
 import contextlib, io, json, sys
@@ -60,15 +61,15 @@ def test_a_conversion_without_transposes_does_not_import_numpy_or_yaml(tmp_path:
 
 
 def test_a_transposing_conversion_with_the_compiled_kernel_does_not_import_numpy(
-    tmp_path: Path, transpose_extension: Any
+    tmp_path: Path, compiled_kernel: compiled.Library
 ) -> None:
     root = tmp_path / "installed"  # the package as pip installs it with a compiler: the kernel beside the code
     shutil.copytree(REPO / "syncd", root / "syncd", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    shutil.copy(transpose_extension.__file__, root / "syncd" / "engine" / "write" / "kernels")
+    shutil.copy(compiled_kernel.path, root / "syncd" / "engine" / "write" / "kernels")
     argv = ("convert", str(MNIST_BPK), "-o", str(tmp_path / "out.safetensors"), "--layout", "burn")
     status, modules = _imports(*argv, root=root)
     assert status == 0 and (tmp_path / "out.safetensors").exists()
-    assert "syncd.engine.write.kernels._transpose" in modules  # it did transpose, with the compiled kernel
+    assert "syncd.engine.write.kernels" in modules  # it did transpose, and without numpy: the compiled kernel
     assert not {m for m in modules if m.split(".")[0] == "numpy"}
     (tmp_path / "out.safetensors").unlink()
     status, modules = _imports(*argv, root=root, env={"SYNCD_KERNEL": "numpy"})  # the fallback needs numpy

@@ -2,29 +2,30 @@
 
 Both move elements as unsigned integers of their width (never as floats), so every bit pattern, signalling
 NaNs included, arrives unchanged, and both give identical bytes (tests/test_kernels.py holds them to it).
-The compiled kernel (`_transpose.c`, an optional extension built by `pip install`) walks the matrix in
-32x32 tiles (4x4 SSE2 blocks for 4-byte elements) and releases the GIL, so transposes on several threads
-use several cores; numpy's best bit-exact form copies a few source rows at a time, about half as fast on
-blocks in cache (measured in the commit that added the kernel).
+The compiled kernel (`_transpose.c`, a plain C library built by `pip install` and loaded with ctypes by
+compiled.py) walks the matrix in 32x32 tiles (SSE2 blocks of 4x4 for 4-byte elements, 8x8 for 2-byte) and
+releases the GIL, so transposes on several threads use several cores. numpy's best bit-exact form copies a
+few source rows at a time: 0.3-1 GiB/s on the bands of large tensors, against 2-4 GiB/s compiled. setup.py
+makes sure a compiler is there at install time (Zig's, from the ziglang wheel, on a machine without one).
 
 The one-pass writer uses the band forms on plain byte buffers: `transpose_band` (a band of columns of a
 source block, transposed) and `band_matches` (the in-cache check of that band, checks.py's rule). With the
-extension neither touches numpy, so a transposing conversion does not import it (0.1 s of CPU) nor pay its
+compiled kernel neither touches numpy, so a transposing conversion does not import it (0.1 s of CPU) nor pay its
 per-call overhead on the check of every band (0.15 s of CPU per GiB, measured on linear-f32-1g); without it
 both run on numpy views of the same buffers.
 
 `pwrite_pieces` writes the output-row pieces of a tensor transposed in strips (each piece at its own offset):
-one call of the extension for a whole band, or one `os.pwrite` per piece without it.
+one call of the compiled kernel for a whole band, or one `os.pwrite` per piece without it.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from syncd.engine.write.checks import FULL_CHECK_ELEMENTS, SAMPLES_PER_TILE, check_transposed
+from syncd.engine.write.kernels.compiled import Library, load
 
 if TYPE_CHECKING:
     import numpy as np
@@ -88,17 +89,14 @@ def pwrite_pieces_python(fd: int, buf: Any, count: int, segment: int, offset: in
     return count * segment
 
 
-def _compiled() -> Any:
+def _compiled() -> Library | None:
     if os.environ.get("SYNCD_KERNEL") == "numpy":  # for measuring and testing the fallback
         return None
-    try:  # the compiled extension (setup.py); a module without type stubs, hence imported by name
-        return importlib.import_module("syncd.engine.write.kernels._transpose")
-    except ImportError:
-        return None
+    return load()
 
 
 def make_compiled(raw: Callable[..., None]) -> Kernel:
-    """Wrap the extension's transpose(src, dst, rows, cols, itemsize, src_stride, src_col, dst_stride, dst_col)
+    """Wrap the compiled transpose(src, dst, rows, cols, itemsize, src_stride, src_col, dst_stride, dst_col)
     as a Kernel. `src` may be a band of columns of a larger row-major matrix (rows contiguous, elements
     adjacent), `out` must be contiguous."""
 
@@ -123,7 +121,7 @@ def make_compiled(raw: Callable[..., None]) -> Kernel:
 
 
 def make_band(raw: Callable[..., None]) -> BandKernel:
-    """The extension's transpose as a BandKernel on byte buffers (this runs once per band of every tensor)."""
+    """The compiled transpose as a BandKernel on byte buffers (this runs once per band of every tensor)."""
 
     def band_compiled(src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int) -> None:
         if first < 0 or first + count > cols:
@@ -134,7 +132,7 @@ def make_band(raw: Callable[..., None]) -> BandKernel:
 
 
 def make_band_check(raw: Callable[..., bool]) -> BandCheck:
-    """The extension's check as a BandCheck: checks.py's rule (small blocks whole, larger ones sampled)."""
+    """The compiled check as a BandCheck: checks.py's rule (small blocks whole, larger ones sampled)."""
 
     def check_compiled(
         src: Any, out: Any, rows: int, cols: int, itemsize: int, first: int, count: int, seed: int
@@ -145,14 +143,14 @@ def make_band_check(raw: Callable[..., bool]) -> BandCheck:
     return check_compiled
 
 
-_EXTENSION = _compiled()
+_LIBRARY = _compiled()
 transpose: Kernel = transpose_numpy
 transpose_band: BandKernel = band_numpy
 band_matches: BandCheck = band_check_numpy
 pwrite_pieces: PiecesWriter = pwrite_pieces_python
-if _EXTENSION is not None:
-    transpose = make_compiled(_EXTENSION.transpose)
-    transpose_band = make_band(_EXTENSION.transpose)
-    band_matches = make_band_check(_EXTENSION.check)
-    pwrite_pieces = _EXTENSION.pwrite_pieces
-KERNEL_NAME = "compiled" if _EXTENSION is not None else "numpy"
+if _LIBRARY is not None:
+    transpose = make_compiled(_LIBRARY.transpose)
+    transpose_band = make_band(_LIBRARY.transpose)
+    band_matches = make_band_check(_LIBRARY.check)
+    pwrite_pieces = _LIBRARY.pwrite_pieces
+KERNEL_NAME = "compiled" if _LIBRARY is not None else "numpy"

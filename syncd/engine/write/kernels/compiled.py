@@ -1,0 +1,138 @@
+"""The compiled kernel (`_transpose.c`), loaded with ctypes: `load()` gives a `Library` or None.
+
+The C side trusts its arguments, so every geometry is checked here against the sizes of the buffers it is
+given, before any call: a bad geometry is a ValueError, never a write out of bounds. ctypes releases the GIL
+for the call, so transposes on several threads run on several cores, as they did when this was a CPython
+extension; a plain C library needs no Python headers to build, which is what makes it buildable everywhere
+(setup.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+from typing import Any
+
+ELEMENT_SIZES = (1, 2, 4, 8)
+LIBRARY_STEM = "_transpose"  # built by setup.py beside this module, with the interpreter's extension suffix
+
+
+def library_path(directory: Path = Path(__file__).parent) -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"{LIBRARY_STEM}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def load(path: Path | None = None) -> Library | None:
+    """The library at `path` (default: the one installed beside this module), or None if it is absent or
+    cannot be loaded (another architecture, a truncated file)."""
+    path = path or library_path()
+    if path is None:
+        return None
+    try:
+        return Library(ctypes.CDLL(os.fspath(path)), path)
+    except (OSError, AttributeError):
+        return None
+
+
+class _Pinned:
+    """The address of a buffer's first byte, valid while this object lives (it holds the buffer exported)."""
+
+    def __init__(self, buf: Any, writable: bool) -> None:
+        view = memoryview(buf)
+        if not view.c_contiguous:
+            raise ValueError("the compiled kernel needs contiguous buffers")
+        self.nbytes = view.nbytes
+        self._keep: Any = view
+        if self.nbytes == 0:
+            self.address = 0
+        elif not view.readonly:
+            self._keep = ctypes.c_char.from_buffer(view)
+            self.address = ctypes.addressof(self._keep)
+        elif writable:
+            raise ValueError("the compiled kernel cannot write into a read-only buffer")
+        elif isinstance(buf, bytes):
+            self.address = ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value or 0
+            self._keep = buf
+        else:  # read-only and not bytes (never on the conversion's path, whose buffers are its own): a copy
+            self._keep = ctypes.create_string_buffer(view.tobytes(), self.nbytes)
+            self.address = ctypes.addressof(self._keep)
+
+
+def _check_geometry(
+    src: _Pinned, dst: _Pinned, rows: int, cols: int, itemsize: int, sstride: int, scol: int, stride: int, col: int
+) -> None:
+    if min(rows, cols, scol, col) < 0 or sstride < cols + scol or stride < rows + col or itemsize not in ELEMENT_SIZES:
+        raise ValueError("bad transpose geometry")
+    if rows and cols:
+        if (rows - 1) * sstride + scol + cols > src.nbytes // itemsize:
+            raise ValueError("buffers too small for the transpose")
+        if (cols - 1) * stride + col + rows > dst.nbytes // itemsize:
+            raise ValueError("buffers too small for the transpose")
+        if src.address % itemsize or dst.address % itemsize:
+            raise ValueError("buffers not aligned to the element size")
+
+
+class Library:
+    """The three entry points, with the signatures the CPython extension had."""
+
+    def __init__(self, cdll: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        size, void = ctypes.c_ssize_t, ctypes.c_void_p
+        self._transpose = cdll.syncd_transpose
+        self._transpose.argtypes = [void, void, size, size, size, size, size, size, size]
+        self._transpose.restype = None
+        self._check = cdll.syncd_check
+        self._check.argtypes = [void, void, size, size, size, size, size, size, size, size, ctypes.c_uint64]
+        self._check.restype = ctypes.c_int
+        self._pwrite = cdll.syncd_pwrite_pieces
+        self._pwrite.argtypes = [ctypes.c_int, void, size, size, ctypes.c_longlong, ctypes.c_longlong]
+        self._pwrite.restype = ctypes.c_longlong
+
+    def transpose(
+        self, src: Any, dst: Any, rows: int, cols: int, itemsize: int, sstride: int, scol: int, stride: int, col: int
+    ) -> None:
+        """dst[c, col + r] = src[r, scol + c], bit for bit; rows sstride and stride elements apart."""
+        source, target = _Pinned(src, writable=False), _Pinned(dst, writable=True)
+        _check_geometry(source, target, rows, cols, itemsize, sstride, scol, stride, col)
+        if rows and cols:
+            self._transpose(source.address, target.address, rows, cols, itemsize, sstride, scol, stride, col)
+
+    def check(
+        self,
+        src: Any,
+        dst: Any,
+        rows: int,
+        cols: int,
+        itemsize: int,
+        sstride: int,
+        scol: int,
+        stride: int,
+        col: int,
+        samples: int,
+        seed: int,
+    ) -> bool:
+        """True if dst[c, col + r] == src[r, scol + c] at every element (samples 0) or at `samples` per tile."""
+        source, target = _Pinned(src, writable=False), _Pinned(dst, writable=False)
+        _check_geometry(source, target, rows, cols, itemsize, sstride, scol, stride, col)
+        if samples < 0:
+            raise ValueError("bad check geometry")
+        if not (rows and cols):
+            return True
+        args = (rows, cols, itemsize, sstride, scol, stride, col, samples, seed & (2**64 - 1))
+        return bool(self._check(source.address, target.address, *args))
+
+    def pwrite_pieces(self, fd: int, buf: Any, count: int, segment: int, offset: int, stride: int) -> int:
+        """The `count` pieces of `segment` bytes of buf, end to end, written at offset + k * stride; the bytes
+        written (every piece whole, or OSError)."""
+        data = _Pinned(buf, writable=False)
+        if min(count, segment, offset, stride) < 0 or count * segment > data.nbytes:
+            raise ValueError("bad pieces geometry")
+        written = self._pwrite(fd, data.address, count, segment, offset, stride)
+        if written < 0:
+            raise OSError(-written, os.strerror(-written))
+        return int(written)
