@@ -156,9 +156,19 @@ static inline uint64_t splitmix64(uint64_t *state) {
     return z ^ (z >> 31);
 }
 
-static int same_element(const char *src, const char *dst, isize r, isize c, isize itemsize,
-                        isize sstride, isize stride) {
-    return memcmp(src + (r * sstride + c) * itemsize, dst + (c * stride + r) * itemsize, (size_t)itemsize) == 0;
+/* Compared as bytes, through fixed-size copies the compiler turns into one load each (a memcmp call per sampled
+ * element was 5% of a Llama conversion's CPU). */
+#define SAME_AS(T, a, b) (memcpy(&x, (a), sizeof(T)), memcpy(&y, (b), sizeof(T)), x == y)
+static inline int same_element(const char *src, const char *dst, isize r, isize c, isize itemsize,
+                               isize sstride, isize stride) {
+    const char *a = src + (r * sstride + c) * itemsize, *b = dst + (c * stride + r) * itemsize;
+    switch (itemsize) {
+    case 1: return a[0] == b[0];
+    case 2: { uint16_t x, y; return SAME_AS(uint16_t, a, b); }
+    case 4: { uint32_t x, y; return SAME_AS(uint32_t, a, b); }
+    case 8: { uint64_t x, y; return SAME_AS(uint64_t, a, b); }
+    default: return memcmp(a, b, (size_t)itemsize) == 0;
+    }
 }
 
 static int matches(const char *src, const char *dst, isize rows, isize cols, isize itemsize,
