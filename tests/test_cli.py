@@ -97,6 +97,19 @@ def test_the_output_extension_decides_the_format(tmp_path: Path) -> None:
     assert (tmp_path / "z.safetensors").read_bytes()[8:9] == b"{"
 
 
+def test_convert_follows_a_symlink_named_on_the_command_line(tmp_path: Path) -> None:
+    # a link to the latest checkpoint is how many training scripts name it; the check that the source was not
+    # replaced while it was read must look the path up as it was opened (following the link)
+    link = tmp_path / "latest" / MNIST_ST.name  # the same name: the outputs record it
+    link.parent.mkdir()
+    link.symlink_to(MNIST_ST)
+    through_link = run_cli("convert", link, "-o", tmp_path / "a.bpk")
+    assert through_link.returncode == 0, through_link.stderr
+    direct = run_cli("convert", MNIST_ST, "-o", tmp_path / "b.bpk")
+    assert direct.returncode == 0, direct.stderr
+    assert (tmp_path / "a.bpk").read_bytes() == (tmp_path / "b.bpk").read_bytes()
+
+
 @pytest.mark.parametrize("to, output", [("safetensors", "y.bpk"), ("bpk", "y.safetensors")])
 def test_an_output_extension_contradicting_to_is_refused(tmp_path: Path, to: str, output: str) -> None:
     source = shutil.copy(MNIST_BPK, tmp_path / "x.bpk")

@@ -231,6 +231,7 @@ class TensorFileReader:
     def __init__(self, path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> None:
         self.path = os.fspath(path)
         self.fd, self.file_size = open_regular_file(path, within)
+        self._followed_symlink = within is None  # how the path was opened is how check_unchanged looks it up
         # before the first byte is read: what a conversion compares with at the end (check_unchanged)
         self.opened = FileStamp.of_fd(self.fd)
         self.tensors: list[TensorInfo] = []
@@ -287,12 +288,13 @@ class TensorFileReader:
         """Raise SourceChangedError unless this is the same, unchanged file from the first byte read to now.
 
         Compared with the stamp taken before the header was read: identity, size, mtime and ctime. The path
-        must still name that file (looked up without following a symlink): a source replaced or removed
-        meanwhile is not published either (the new file, if any, gets its own conversion)."""
+        must still name that file (looked up as it was opened: a symlink followed on the command line, never
+        in a watched tree): a source replaced or removed meanwhile is not published either (the new file, if
+        any, gets its own conversion)."""
         now = FileStamp.of_fd(self.fd)
         self.opened.check_unchanged(now, self.path)
         try:
-            at_path = FileStamp.of_path(self.path, follow_symlinks=False)
+            at_path = FileStamp.of_path(self.path, follow_symlinks=self._followed_symlink)
         except FileNotFoundError:
             raise source_changed(self.path, "was removed") from None
         if not at_path.same_file(now):
