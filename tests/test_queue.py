@@ -63,6 +63,7 @@ class Work:
 
     def __init__(self, retries: list[float | None] | None = None, held: tuple[Path, ...] = ()) -> None:
         self.calls: list[tuple[Path, Path, bool]] = []
+        self.watches: list[Tree] = []  # the watch of each call, settings and all
         self.retries = list(retries or [])
         self.gates = {path: threading.Event() for path in held}
         self.inside: dict[Path, int] = {}
@@ -72,6 +73,7 @@ class Work:
     def __call__(self, watch: Tree, path: Path, closed: bool) -> float | None:
         with self._cond:
             self.calls.append((watch.path, path, closed))
+            self.watches.append(watch)
             self.inside[path] = self.inside.get(path, 0) + 1
             self.most_inside = max(self.most_inside, self.inside[path])
             self._cond.notify_all()
@@ -220,6 +222,35 @@ def test_repeated_events_for_a_waiting_path_are_one_item_whose_due_time_they_mov
     finished(queue, 2)
     assert work.calls == [(OTHER.path, a, False), (RUNS.path, a, True)]  # the close is remembered
     assert queue.idle()
+
+
+@dataclass(frozen=True)
+class ReloadedTree(Tree):
+    """A watch of the same tree whose settings a reload changed."""
+
+    settle_seconds: float = 1.0
+
+
+def test_a_path_is_worked_on_with_the_watch_of_its_latest_event(
+    make_queue: Callable[..., WorkQueue], clock: ManualClock
+) -> None:
+    # a reload replaces a watch's settings while its paths wait or are worked on: the next conversion of each
+    # must see the new ones, not those of the event that first queued it
+    before, after = ReloadedTree(RUNS.path, 1.0), ReloadedTree(RUNS.path, 30.0)
+    work = Work(held=(b,))
+    queue = make_queue(work, workers=2)
+    assert queue.put(before, a, closed=False, delay=2.0)
+    assert queue.put(after, a, closed=True)  # waiting: one item, now with the reloaded watch
+    assert queue.pending() == 1
+    queue.start()
+    queue.put(before, b, closed=True)
+    work.wait_for_calls(2)  # a done (or being done), b held inside the work
+    assert queue.put(after, b, closed=True)  # an event for b while it is worked on: it comes back, reloaded
+    work.release(b)
+    finished(queue, 3)
+    calls = [(path, watch) for (_, path, _), watch in zip(work.calls, work.watches, strict=True)]
+    assert [watch for path, watch in calls if path == a] == [after]
+    assert [watch for path, watch in calls if path == b] == [before, after]
 
 
 def test_events_for_a_path_being_worked_on_bring_it_back_once_after_and_never_alongside(

@@ -85,6 +85,7 @@ class WorkQueue:
                 return False
             item = self._items[key] = _Item(key, watch, path, due, closed)
         else:
+            item.watch = watch  # the latest event's: a reload since the first event changed its settings
             item.closed = item.closed or closed
             item.due = due if not closed else min(item.due, due)
         heapq.heappush(self._heap, (item.due, next(self._seq), key))
