@@ -175,10 +175,25 @@ class Tail:
         elif self._was_replaced():
             # whatever was appended before the rename is still readable through the old descriptor
             lines += self.buffer.feed(self.file.read()) + self.buffer.flush()
+            left = os.fstat(self.file.fileno())
             self.close()
+            lines += self._rotated_after(left)
             if self.open_current():
                 lines += self.buffer.feed(self.file.read())
         return lines
+
+    def _rotated_after(self, left: os.stat_result) -> list[bytes]:
+        """The whole files rotated out after the one just left: the log rotated more than once between two
+        reads. None if that file is no longer among the backups (removed, or rotated past the last)."""
+        backups = [path for path in log_files(self.path) if path != self.path]  # oldest first
+        for at, backup in enumerate(backups):
+            try:
+                info = os.stat(backup)
+            except FileNotFoundError:
+                continue
+            if (info.st_dev, info.st_ino) == (left.st_dev, left.st_ino):
+                return [line for newer in backups[at + 1 :] for line in read_whole(newer)]
+        return []
 
     def _was_replaced(self) -> bool:
         assert self.file is not None
