@@ -279,6 +279,34 @@ def test_syncd_no_model_definition_skips_building_it(neox: tuple[Path, nn.Module
     assert any("naming convention alone" in line for line in decisions)
 
 
+def test_a_map_that_states_every_module_spares_building_the_definition_and_one_that_does_not_builds_it(
+    neox: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
+    """The definition ranks below the user's map: with a rule for every module it could decide nothing, so the
+    transformers import (seconds per `syncd convert`) is not paid; the output is the one the definition gives."""
+    directory, _ = neox
+    written = run_cli("modules", directory, "-o", tmp_path / "map.yaml")
+    assert written.returncode == 0, written.stderr
+    whole = yaml.safe_load((tmp_path / "map.yaml").read_text())
+    source = directory / "model.safetensors"
+
+    def convert(name: str, *args: object) -> list[str]:
+        done = run_cli("convert", source, "-o", tmp_path / name, "--json", *args)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["decisions"]
+
+    decisions = convert("mapped.bpk", "--modules", tmp_path / "map.yaml")
+    assert "model definition not built: the module map states every module" in decisions
+    assert not any(line.startswith("module types from the model definition") for line in decisions)
+    assert any(line.startswith("module types from the model definition") for line in convert("defined.bpk"))
+    assert read_bpk(tmp_path / "mapped.bpk").tensors == read_bpk(tmp_path / "defined.bpk").tensors
+    partial = {"modules": {k: v for k, v in whole["modules"].items() if k != "embed_out"}}  # the head left out
+    (tmp_path / "partial.yaml").write_text(yaml.safe_dump(partial))
+    decisions = convert("partial.bpk", "--modules", tmp_path / "partial.yaml")
+    assert any(line.startswith("module types from the model definition") for line in decisions), decisions
+    assert read_bpk(tmp_path / "partial.bpk").tensors == read_bpk(tmp_path / "defined.bpk").tensors
+
+
 def test_a_pt_file_gets_contiguous_indices_by_default_as_burns_pytorchstore_does(tmp_path: Path) -> None:
     torch.manual_seed(13)
     source = tmp_path / "mlp.pt"

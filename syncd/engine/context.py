@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from syncd.adapters import FileContext, ModelDefinition
+from syncd.adapters import FileContext, ModelDefinition, ModuleMap
 from syncd.engine.definition import definition_for
 from syncd.errors import SyncdError
 
@@ -23,10 +24,20 @@ MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB; anything larger is no
 
 
 def gather_context(
-    source: str, metadata: dict[str, str], recorded_layout: str | None, recorded_kinds: dict[str, str]
+    source: str,
+    metadata: dict[str, str],
+    recorded_layout: str | None,
+    recorded_kinds: dict[str, str],
+    map_states_every_module: bool = False,
 ) -> FileContext:
+    """`map_states_every_module`: the user's module map has a rule for every module of the checkpoint, so the
+    model's definition, the evidence after the map, could decide nothing: it is not built (building it imports
+    torch and transformers, 6-7 s of a one-shot conversion's start-up)."""
     config, note = read_config_beside(Path(source))
-    definition, definition_note = definition_for(config)
+    if map_states_every_module and config is not None:
+        definition, definition_note = None, "model definition not built: the module map states every module"
+    else:
+        definition, definition_note = definition_for(config)
     return FileContext(
         metadata=dict(metadata),
         recorded_layout=recorded_layout,
@@ -35,6 +46,13 @@ def gather_context(
         notes=tuple(n for n in (note, definition_note) if n),
         definition=definition,
     )
+
+
+def states_every_module(module_map: ModuleMap | None, names: Iterable[str]) -> bool:
+    """True when `module_map` has a rule for the module of every tensor named (`a.b.weight`'s is `a.b`)."""
+    if module_map is None:
+        return False
+    return all(module_map.lookup(path) is not None for path in {name.rpartition(".")[0] for name in names})
 
 
 def definition_of(config_path: Path) -> ModelDefinition:

@@ -33,7 +33,7 @@ from syncd.adapters import (
     plan_conversion,
 )
 from syncd.engine import carry, hashing
-from syncd.engine.context import gather_context
+from syncd.engine.context import gather_context, states_every_module
 from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.engine.progress import ProgressCallback
@@ -287,11 +287,12 @@ def _adapt(
     layout = request.layout
     to_layout = KEEP if layout == KEEP else target.native_layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
-    # our own record of what we wrote, the file's metadata and the config.json beside it
-    context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds)
     try:
         # renames a syncd output carried are undone first: context, maps and inference see the original names
         refs, real = undo_renames([TensorRef(t.name, t.dtype, t.shape) for t in source.tensors], carried.renames)
+        # our own record of what we wrote, the file's metadata and the config.json beside it
+        mapped = states_every_module(request.module_map, (ref.name for ref in refs))
+        context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds, mapped)
         adapted = plan_conversion(
             refs,
             to_layout=to_layout,
