@@ -34,9 +34,9 @@ def gather_context(
     model's definition, the evidence after the map, could decide nothing: it is not built (building it imports
     torch and transformers, 6-7 s of a one-shot conversion's start-up)."""
     config, note = read_config_beside(Path(source))
-    if map_states_every_module and config is not None:
-        definition, definition_note = None, "model definition not built: the module map states every module"
-    else:
+    definition: ModelDefinition | None = None
+    definition_note: str | None = "model definition not built: the module map states every module"
+    if not (map_states_every_module and config is not None):
         definition, definition_note = definition_for(config)
     return FileContext(
         metadata=dict(metadata),
