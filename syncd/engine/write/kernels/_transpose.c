@@ -75,25 +75,6 @@ static inline void block8x8(const uint16_t *s, isize sstride, uint16_t *d, isize
     }
 }
 
-static void transpose16(const uint16_t *src, uint16_t *dst, isize rows, isize cols, isize sstride,
-                        isize stride) {
-    for (isize r0 = 0; r0 < rows; r0 += TILE) {
-        isize r1 = r0 + TILE < rows ? r0 + TILE : rows;
-        for (isize c0 = 0; c0 < cols; c0 += TILE) {
-            isize c1 = c0 + TILE < cols ? c0 + TILE : cols;
-            isize r = r0;
-            for (; r + 8 <= r1; r += 8) {
-                isize c = c0;
-                for (; c + 8 <= c1; c += 8) block8x8(src + r * sstride + c, sstride, dst + c * stride + r, stride);
-                for (; c < c1; c++)
-                    for (isize k = r; k < r + 8; k++) dst[c * stride + k] = src[k * sstride + c];
-            }
-            for (; r < r1; r++)
-                for (isize c = c0; c < c1; c++) dst[c * stride + r] = src[r * sstride + c];
-        }
-    }
-}
-
 /* 4x4 blocks of 32-bit elements through SSE2 registers (integer unpacks: the bits are not interpreted). */
 static inline void block4x4(const uint32_t *s, isize cols, uint32_t *d, isize stride) { /* cols: source row stride */
     __m128i a = _mm_loadu_si128((const __m128i *)(s));
@@ -108,24 +89,28 @@ static inline void block4x4(const uint32_t *s, isize cols, uint32_t *d, isize st
     _mm_storeu_si128((__m128i *)(d + 3 * stride), _mm_unpackhi_epi64(ab1, ce1));
 }
 
-static void transpose32(const uint32_t *src, uint32_t *dst, isize rows, isize cols, isize sstride,
-                        isize stride) {
-    for (isize r0 = 0; r0 < rows; r0 += TILE) {
-        isize r1 = r0 + TILE < rows ? r0 + TILE : rows;
-        for (isize c0 = 0; c0 < cols; c0 += TILE) {
-            isize c1 = c0 + TILE < cols ? c0 + TILE : cols;
-            isize r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                isize c = c0;
-                for (; c + 4 <= c1; c += 4) block4x4(src + r * sstride + c, sstride, dst + c * stride + r, stride);
-                for (; c < c1; c++)
-                    for (isize k = r; k < r + 4; k++) dst[c * stride + k] = src[k * sstride + c];
-            }
-            for (; r < r1; r++)
-                for (isize c = c0; c < c1; c++) dst[c * stride + r] = src[r * sstride + c];
-        }
+/* Tiles walked in B x B register blocks (BLOCK), the edges element by element. */
+#define DEFINE_BLOCKED_TRANSPOSE(NAME, T, B, BLOCK)                                                         \
+    static void NAME(const T *src, T *dst, isize rows, isize cols, isize sstride, isize stride) {           \
+        for (isize r0 = 0; r0 < rows; r0 += TILE) {                                                         \
+            isize r1 = r0 + TILE < rows ? r0 + TILE : rows;                                                  \
+            for (isize c0 = 0; c0 < cols; c0 += TILE) {                                                     \
+                isize c1 = c0 + TILE < cols ? c0 + TILE : cols;                                              \
+                isize r = r0;                                                                                \
+                for (; r + B <= r1; r += B) {                                                                \
+                    isize c = c0;                                                                            \
+                    for (; c + B <= c1; c += B) BLOCK(src + r * sstride + c, sstride, dst + c * stride + r, stride); \
+                    for (; c < c1; c++)                                                                      \
+                        for (isize k = r; k < r + B; k++) dst[c * stride + k] = src[k * sstride + c];        \
+                }                                                                                            \
+                for (; r < r1; r++)                                                                          \
+                    for (isize c = c0; c < c1; c++) dst[c * stride + r] = src[r * sstride + c];              \
+            }                                                                                                \
+        }                                                                                                    \
     }
-}
+
+DEFINE_BLOCKED_TRANSPOSE(transpose16, uint16_t, 8, block8x8)
+DEFINE_BLOCKED_TRANSPOSE(transpose32, uint32_t, 4, block4x4)
 #else
 DEFINE_TRANSPOSE(transpose16, uint16_t)
 DEFINE_TRANSPOSE(transpose32, uint32_t)
