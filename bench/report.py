@@ -215,7 +215,7 @@ def report(
     args, cases: list[Case], infos: list[dict], measurements: list[Measurement], daemon: dict, startup: dict, log: Log
 ) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "results-quick" if args.quick else "results"
+    stem = args.name or ("results-quick" if args.quick else "results")
     env = environment()
     rows = table_rows(infos, measurements)
     targets = evaluate_targets(cases, measurements, daemon, args.quick)

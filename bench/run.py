@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-warmup", action="store_true", help="no warm-up round (the sources were just written: in the cache)"
     )
     parser.add_argument("--no-daemon-1g", action="store_true", help="skip the daemon's 1 GiB case")
+    parser.add_argument(
+        "--name", help="file stem of the results under bench/results/ (default results, or results-quick)"
+    )
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     cases = QUICK_CASES if args.quick else FULL_CASES
