@@ -17,7 +17,7 @@ from typing import Any
 import cbor2
 
 from syncd.errors import FormatError, IncompleteFileError
-from syncd.formats.dtypes import byte_length
+from syncd.formats.dtypes import byte_length, plain_byte_length
 from syncd.formats.fileio import (
     DECODE_BUDGET,
     TensorFileReader,
@@ -289,7 +289,36 @@ def parse_dtype(raw: Any) -> str | None:
     return None
 
 
+_DESCRIPTOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_DESCRIPTOR_FIELDS_WITH_ID = _DESCRIPTOR_FIELDS | {"param_id"}
+
+
 def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
+    """One tensor's descriptor, validated as Burn's reader does. A file holds one per tensor (up to
+    MAX_TENSOR_COUNT): the well-formed case is checked in a few C-speed tests, anything else goes through every
+    check, which names what is wrong."""
+    return _plain_descriptor(name, desc) or _checked_descriptor(name, desc, path)
+
+
+def _plain_descriptor(name: str, desc: Any) -> _Descriptor | None:
+    """The descriptor when it is plainly well formed (a unit dtype, plain ints whose sizes agree, a name with
+    no empty segment), else None; accepts nothing `_checked_descriptor` refuses and builds the same one."""
+    if type(desc) is not dict or (desc.keys() != _DESCRIPTOR_FIELDS and desc.keys() != _DESCRIPTOR_FIELDS_WITH_ID):
+        return None
+    raw, offsets, param_id = desc["dtype"], desc["data_offsets"], desc.get("param_id")
+    if type(raw) is not str or raw not in UNIT_DTYPES or type(offsets) is not list or len(offsets) != 2:
+        return None
+    start, end = offsets
+    if type(start) is not int or type(end) is not int or not 0 <= start <= end < U64_LIMIT:
+        return None
+    if end - start > MAX_TENSOR_SIZE or not (param_id is None or type(param_id) is int and 0 <= param_id < U64_LIMIT):
+        return None
+    if plain_byte_length(raw, desc["shape"]) != end - start or not has_module_path(name):
+        return None
+    return _Descriptor(name, raw, tuple(desc["shape"]), start, end, param_id, raw)
+
+
+def _checked_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
     def fail(message: str) -> FormatError:
         return FormatError(message, path, name)
 
@@ -328,8 +357,13 @@ def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
 def check_name(name: str, path: str | None) -> None:
     """Burn splits names on '.' into path segments (docs/burn-format.md#metadata): an empty name or segment has no
     module path."""
-    if name == "" or "" in name.split("."):
+    if not has_module_path(name):
         raise FormatError(f"tensor name {name!r} has an empty path segment", path)
+
+
+def has_module_path(name: str) -> bool:
+    """No empty segment: `name.split(".")` holds no "" (tested without splitting: it runs once per tensor)."""
+    return bool(name) and name[0] != "." and name[-1] != "." and ".." not in name
 
 
 def check_ranges(descriptors: Sequence[_Descriptor], path: str) -> None:
