@@ -125,8 +125,10 @@ def group_modules(tensors: Iterable[TensorRef]) -> list[Module]:
     """Modules in order of first appearance."""
     modules: dict[str, Module] = {}
     for tensor in tensors:
-        path, leaf = split_name(tensor.name)
-        module = modules.setdefault(path, Module(path))
+        path, _, leaf = tensor.name.rpartition(".")  # split_name, inline: once per tensor
+        module = modules.get(path)
+        if module is None:  # (setdefault would build a Module per tensor, to throw most of them away)
+            module = modules[path] = Module(path)
         if leaf in ADAPTABLE_LEAVES:
             module.params[leaf] = tensor
         else:

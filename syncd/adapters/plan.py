@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -497,11 +498,10 @@ def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
 
 
 def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _Step], str]:
-    to_burn = _PRELU_TO_BURN if kind == PRELU else _NORM_TO_BURN
-    renames = to_burn if target == BURN else {burn: torch for torch, burn in to_burn.items()}
-    present = {leaf: new for leaf, new in renames.items() if leaf in module.params}
-    steps = {module.params[leaf].name: _Step(_with_leaf(module, new)) for leaf, new in present.items()}
-    notes = [f"rename {', '.join(f'{leaf}->{new}' for leaf, new in present.items())}"] if present else []
+    renames = _RENAMES[(kind == PRELU, target == BURN)]
+    present = tuple((leaf, new) for leaf, new in renames if leaf in module.params)
+    steps = {module.params[leaf].name: _Step(_with_leaf(module, new)) for leaf, new in present}
+    notes = [_rename_note(present)] if present else []
     if target == BURN:
         dropped = [leaf for leaf in _NO_BURN_SLOT.get(kind, ()) if leaf in module.params]
         steps.update({module.params[leaf].name: _Step(None) for leaf in dropped})
@@ -516,6 +516,20 @@ def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _St
             "otherwise left out (PyTorch's BatchNorm starts it at 0 when loading a state dict without it)"
         )
     return steps, "; ".join(notes) or "unchanged"
+
+
+# (PRelu?, to Burn?) -> the leaf renames, built once rather than once per module
+_RENAMES = {
+    (prelu, to_burn): tuple(pairs.items() if to_burn else ((burn, torch) for torch, burn in pairs.items()))
+    for prelu, pairs in ((True, _PRELU_TO_BURN), (False, _NORM_TO_BURN))
+    for to_burn in (True, False)
+}
+
+
+@functools.cache
+def _rename_note(present: tuple[tuple[str, str], ...]) -> str:
+    """`rename weight->gamma, bias->beta`: the same few lines for every norm of a model, made once each."""
+    return f"rename {', '.join(f'{leaf}->{new}' for leaf, new in present)}"
 
 
 def _with_leaf(module: Module, leaf: str) -> str:
@@ -545,17 +559,21 @@ def _build_plan(
         if tensor.name in consumed:
             entries += placed.get(tensor.name, [])
             continue
-        step = steps.get(tensor.name, _Step(tensor.name))
-        if step.target is None:
+        step = steps.get(tensor.name)
+        if step is None:  # most tensors: copied under their own name
+            entries.append(PlanEntry(tensor.name, tensor.name, False, tensor.shape))
+        elif step.target is None:
             dropped.append(tensor.name)
-            continue
-        shape = tensor.shape[::-1] if step.transpose else tensor.shape
-        entries.append(PlanEntry(tensor.name, step.target, step.transpose, shape))
+        else:
+            shape = tensor.shape[::-1] if step.transpose else tensor.shape
+            entries.append(PlanEntry(tensor.name, step.target, step.transpose, shape))
     _check_no_collisions(entries)
     return AdapterPlan(entries, dropped, source, target, decisions)
 
 
 def _check_no_collisions(entries: list[PlanEntry]) -> None:
+    if len({entry.target for entry in entries}) == len(entries):
+        return  # every name once: nothing to list
     sources_by_target: dict[str, list[str]] = {}
     for entry in entries:
         sources_by_target.setdefault(entry.target, []).append(entry.source)
