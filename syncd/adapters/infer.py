@@ -42,6 +42,7 @@ from syncd.adapters.model import (
 )
 from syncd.adapters.modulemap import ModuleMap, ModuleRule
 from syncd.errors import ConfigError, UnsupportedError
+from syncd.records import cheap_init
 
 RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 PYTORCH_AFFINE = frozenset({"weight", "bias"})
@@ -85,6 +86,7 @@ class Module:
         return self.params[leaf].shape
 
 
+@cheap_init
 @dataclass(frozen=True)
 class ModuleKind:
     path: str
@@ -107,6 +109,7 @@ class KindSources:
     definition: ModelDefinition | None = None  # the model's own module types: strongest after the map
 
 
+@cheap_init
 @dataclass(frozen=True)
 class Evidence:
     module: str

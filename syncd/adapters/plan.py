@@ -49,6 +49,7 @@ from syncd.adapters.modulemap import ModuleMap
 from syncd.adapters.packed import PackedModule, find_packed, packed_entries
 from syncd.errors import SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import ITEMSIZE
+from syncd.records import cheap_init
 
 # Leaf renames PyTorch -> Burn (docs/burn-adapters.md#norms: Burn renames the norms; not PRelu, which Burn's own adapter
 # leaves alone, and InstanceNorm, which it skips: we rename both).
@@ -63,6 +64,7 @@ _NO_BURN_SLOT = {
 _LIST_LIMIT = 6  # names shown in a one-line error before "and N more"
 
 
+@cheap_init
 @dataclass(frozen=True)
 class _Step:
     """What happens to one source tensor."""

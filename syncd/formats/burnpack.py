@@ -28,6 +28,7 @@ from syncd.formats.fileio import (
     write_zeros,
 )
 from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
+from syncd.records import cheap_init
 
 NAME = "burnpack"  # described in registry.py
 MAGIC = 0x4255524E
@@ -147,6 +148,7 @@ class BurnpackReader(TensorFileReader):
         )
 
 
+@cheap_init
 @dataclass(frozen=True)
 class _Descriptor:
     name: str

@@ -25,6 +25,7 @@ from threading import Lock
 from typing import TYPE_CHECKING
 
 from syncd.errors import VerificationError
+from syncd.records import cheap_init
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,6 +68,7 @@ def check_transposed(
     return bool(np.array_equal(src[r, c], window[c, r]))
 
 
+@cheap_init
 @dataclass(frozen=True)
 class Entry:
     """`count` writes of `length` bytes at window offsets start, start+stride, ... (stride 0: one write)

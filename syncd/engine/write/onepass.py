@@ -42,6 +42,7 @@ from syncd.engine.write.checks import Entry, WriteLedger
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
+from syncd.records import cheap_init
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured to keep pread/pwrite cheap
 SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of the strip buffer
@@ -83,6 +84,7 @@ class Seam:
     write: Callable[[int, memoryview, int], int] | None = None
 
 
+@cheap_init
 @dataclass(frozen=True)
 class Move:
     """One target tensor: `nbytes` from `src_offset` in the source to `dst_offset` in the output (absolute);

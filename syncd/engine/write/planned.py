@@ -31,10 +31,12 @@ from syncd.errors import FormatError, VerificationError
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.fileio import TensorFileReader, TensorSink, bool_checker, pwrite_all, write_zeros
 from syncd.formats.table import TensorSpec
+from syncd.records import cheap_init
 
 VERIFY_CHOICES = ("fast", "full")
 
 
+@cheap_init
 @dataclass(frozen=True)
 class FromSource:
     """A TensorSpec fill naming the source tensor it comes from; `transpose`: written as its 2-D transpose;
