@@ -8,6 +8,7 @@ Types only safetensors knows (F8_*, F4, F6_*, C64) keep their safetensors names.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 # bytes per element; QFloat has none (its payload length comes from its scheme).
 ITEMSIZE: dict[str, int] = {
@@ -148,14 +149,15 @@ def byte_length(dtype: str, shape: tuple[int, ...]) -> int | None:
 # what `plain_byte_length` takes on: shapes of real models, whose product stays a small integer
 _PLAIN_RANK = 8
 _PLAIN_DIM = 1 << 32
+_PLAIN_SEQUENCES = (list, tuple)
 
 
-def plain_byte_length(dtype: str, shape: object) -> int | None:
-    """`byte_length` of the common case at C speed, for readers checking thousands of table entries: a list
-    of at most 8 plain ints, each in 0..2^32, of a dtype with a whole element size. None for anything else
-    (a bool or a float among the dims, a huge or negative one, QFloat, a sub-byte dtype): the caller then
-    takes its full checks, which say what is wrong."""
-    if type(shape) is not list or len(shape) > _PLAIN_RANK or dtype not in ITEMSIZE:
+def plain_byte_length(dtype: str, shape: Any) -> int | None:
+    """`byte_length` of the common case at C speed, for readers and writers checking thousands of table
+    entries: a list or tuple of at most 8 plain ints, each in 0..2^32, of a dtype with a whole element size.
+    None for anything else (a bool or a float among the dims, a huge or negative one, QFloat, a sub-byte
+    dtype): the caller then takes its full checks, which say what is wrong."""
+    if type(shape) not in _PLAIN_SEQUENCES or len(shape) > _PLAIN_RANK or dtype not in ITEMSIZE:
         return None
     if shape and (set(map(type, shape)) != {int} or min(shape) < 0 or max(shape) >= _PLAIN_DIM):
         return None

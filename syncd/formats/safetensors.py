@@ -238,6 +238,8 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
         if spec.name == "__metadata__":
             raise FormatError("a tensor cannot be named __metadata__")
         seen.add(spec.name)
+        if plain_byte_length(spec.dtype, spec.shape) == spec.nbytes:
+            continue  # the common case, at C speed
         expected = byte_length(spec.dtype, tuple(spec.shape))
         if expected != spec.nbytes:
             raise FormatError(
@@ -245,7 +247,8 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
                 tensor=spec.name,
             )
     st_dtypes = [safetensors_dtype(spec.dtype, spec.name) for spec in specs]
-    order = sorted(range(len(specs)), key=lambda i: (-SAFETENSORS_DTYPE_RANK[st_dtypes[i]], specs[i].name))
+    keys = [(-SAFETENSORS_DTYPE_RANK[st_dtype], spec.name) for st_dtype, spec in zip(st_dtypes, specs, strict=True)]
+    order = sorted(range(len(specs)), key=keys.__getitem__)
     document: dict[str, Any] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
