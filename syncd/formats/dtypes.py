@@ -7,7 +7,6 @@ Types only safetensors knows (F8_*, F4, F6_*, C64) keep their safetensors names.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 # bytes per element; QFloat has none (its payload length comes from its scheme).
@@ -153,12 +152,15 @@ _PLAIN_SEQUENCES = (list, tuple)
 
 
 def plain_byte_length(dtype: str, shape: Any) -> int | None:
-    """`byte_length` of the common case at C speed, for readers and writers checking thousands of table
+    """`byte_length` of the common case in a few cheap tests, for readers and writers checking thousands of table
     entries: a list or tuple of at most 8 plain ints, each in 0..2^32, of a dtype with a whole element size.
     None for anything else (a bool or a float among the dims, a huge or negative one, QFloat, a sub-byte
     dtype): the caller then takes its full checks, which say what is wrong."""
-    if type(shape) not in _PLAIN_SEQUENCES or len(shape) > _PLAIN_RANK or dtype not in ITEMSIZE:
+    size = ITEMSIZE.get(dtype)
+    if size is None or type(shape) not in _PLAIN_SEQUENCES or len(shape) > _PLAIN_RANK:
         return None
-    if shape and (set(map(type, shape)) != {int} or min(shape) < 0 or max(shape) >= _PLAIN_DIM):
-        return None
-    return math.prod(shape) * ITEMSIZE[dtype]
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim < _PLAIN_DIM:
+            return None
+        size *= dim
+    return size
