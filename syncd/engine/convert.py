@@ -502,8 +502,9 @@ def verify_one_pass(
             check_digests(written.ledger, output)
             verify_full([(piece, s.name, at) for s in specs for piece, at in source_pieces(s.fill)], output)
         carried_as = {final: carried for carried, final in c.store.carried_names.items()}
+        restored = set(c.restored)
         for spec in specs:
-            if spec.name in c.restored:
+            if spec.name in restored:
                 if output.read(spec.name) != c.carried.dropped[carried_as.get(spec.name, spec.name)][2]:
                     raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
             elif spec.name in c.casts:
