@@ -500,13 +500,23 @@ def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
 
 
 def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _Step], str]:
-    renames = _RENAMES[(kind == PRELU, target == BURN)]
-    present = tuple((leaf, new) for leaf, new in renames if leaf in module.params)
-    steps = {module.params[leaf].name: _Step(_with_leaf(module, new)) for leaf, new in present}
-    notes = [_rename_note(present)] if present else []
+    changes, action = _leaf_changes(kind, target, frozenset(module.params))
+    steps = {module.params[leaf].name: _Step(_with_leaf(module, new) if new else None) for leaf, new in changes}
+    return steps, action
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_changes(kind: str, target: str, leaves: frozenset[str]) -> tuple[tuple[tuple[str, str | None], ...], str]:
+    """What a norm or PRelu holding `leaves` becomes on `target`: (leaf, its new leaf or None when dropped)
+    and the decision's action. The same few answers for every norm of a model: worked out once each."""
+    to_burn = _PRELU_TO_BURN if kind == PRELU else _NORM_TO_BURN
+    renames = to_burn if target == BURN else {burn: torch for torch, burn in to_burn.items()}
+    present = [(leaf, new) for leaf, new in renames.items() if leaf in leaves]
+    notes = [f"rename {', '.join(f'{leaf}->{new}' for leaf, new in present)}"] if present else []
+    changes: list[tuple[str, str | None]] = list(present)
     if target == BURN:
-        dropped = [leaf for leaf in _NO_BURN_SLOT.get(kind, ()) if leaf in module.params]
-        steps.update({module.params[leaf].name: _Step(None) for leaf in dropped})
+        dropped = [leaf for leaf in _NO_BURN_SLOT.get(kind, ()) if leaf in leaves]
+        changes += [(leaf, None) for leaf in dropped]
         if dropped:
             notes.append(f"drop {', '.join(dropped)} (no Burn slot)")
     elif kind == BATCH_NORM:
@@ -517,21 +527,7 @@ def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _St
             "no num_batches_tracked in a Burn file: restored from metadata if recorded, "
             "otherwise left out (PyTorch's BatchNorm starts it at 0 when loading a state dict without it)"
         )
-    return steps, "; ".join(notes) or "unchanged"
-
-
-# (PRelu?, to Burn?) -> the leaf renames, built once rather than once per module
-_RENAMES = {
-    (prelu, to_burn): tuple(pairs.items() if to_burn else ((burn, torch) for torch, burn in pairs.items()))
-    for prelu, pairs in ((True, _PRELU_TO_BURN), (False, _NORM_TO_BURN))
-    for to_burn in (True, False)
-}
-
-
-@functools.cache
-def _rename_note(present: tuple[tuple[str, str], ...]) -> str:
-    """`rename weight->gamma, bias->beta`: the same few lines for every norm of a model, made once each."""
-    return f"rename {', '.join(f'{leaf}->{new}' for leaf, new in present)}"
+    return tuple(changes), "; ".join(notes) or "unchanged"
 
 
 def _with_leaf(module: Module, leaf: str) -> str:
@@ -551,10 +547,11 @@ def _build_plan(
     packed: list[PlanEntry],
 ) -> AdapterPlan:
     """Entries in source data order; a split or joined entry goes where the first of its sources is."""
-    position = {tensor.name: i for i, tensor in enumerate(tensors)}
     placed: dict[str, list[PlanEntry]] = {}
-    for entry in packed:
-        placed.setdefault(min(entry.sources, key=position.__getitem__), []).append(entry)
+    if packed:
+        position = {tensor.name: i for i, tensor in enumerate(tensors)}
+        for entry in packed:
+            placed.setdefault(min(entry.sources, key=position.__getitem__), []).append(entry)
     consumed = {name for entry in packed for name in entry.sources}
     entries, dropped = [], []
     for tensor in tensors:
