@@ -467,10 +467,11 @@ def plan_burnpack(
     """Assign offsets in the given (data) order and encode the metadata as Burn does (docs/burn-format.md#container)."""
     validate_specs(specs)
     starts, cursor = [], 0
+    alignment = TENSOR_ALIGNMENT if layout == LAYOUT_ALIGNED else 1
     for spec in specs:
-        start = align_up(cursor) if layout == LAYOUT_ALIGNED else cursor
+        start = -(-cursor // alignment) * alignment  # align_up, inline: once per tensor
         starts.append(start)
-        cursor = start + spec.nbytes
+        cursor = start + spec.nbytes  # ends never decrease: the last one is the data's end
     encoded = [spec.name.encode("utf-8") for spec in specs]
     order = sorted(range(len(specs)), key=encoded.__getitem__)
     tensors = {specs[i].name: _descriptor_doc(specs[i], starts[i]) for i in order}
@@ -485,7 +486,7 @@ def plan_burnpack(
         raise FormatError(f"Metadata size {len(body)} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes")
     unaligned = HEADER_SIZE + len(body)
     data_start = align_up(unaligned) if layout == LAYOUT_ALIGNED else unaligned
-    file_size = data_start + max((s + spec.nbytes for s, spec in zip(starts, specs, strict=True)), default=0)
+    file_size = data_start + cursor
     if file_size > MAX_FILE_SIZE:
         raise FormatError(f"File size {file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes")
     header = struct.pack("<IHI", MAGIC, FORMAT_VERSION, len(body)) + body

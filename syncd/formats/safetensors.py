@@ -246,7 +246,7 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
                 f"declares {spec.nbytes} bytes but its shape {list(spec.shape)} and dtype {spec.dtype} need {expected}",
                 tensor=spec.name,
             )
-    st_dtypes = [safetensors_dtype(spec.dtype, spec.name) for spec in specs]
+    st_dtypes = [DTYPE_TO_SAFETENSORS.get(spec.dtype) or safetensors_dtype(spec.dtype, spec.name) for spec in specs]
     keys = [(-SAFETENSORS_DTYPE_RANK[st_dtype], spec.name) for st_dtype, spec in zip(st_dtypes, specs, strict=True)]
     order = sorted(range(len(specs)), key=keys.__getitem__)
     document: dict[str, Any] = {}
