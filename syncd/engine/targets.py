@@ -102,7 +102,7 @@ class BurnpackTarget(Target):
         info = source.tensor(entry.source)
         dtype, raw = _burn_dtype(source, carried, info)
         own = info.param_id if not entry.is_piecewise else None  # a piece is not its packed source
-        param_id = own if own is not None else carried.param_ids.get(carried_name(entry))
+        param_id = own if own is not None or not carried.param_ids else carried.param_ids.get(carried_name(entry))
         return TensorSpec(entry.target, dtype, entry.shape, _nbytes(entry, info), fill, param_id, raw)
 
     def metadata(
@@ -210,7 +210,9 @@ def carried_name(entry: PlanEntry) -> str:
 def _nbytes(entry: PlanEntry, info: TensorInfo) -> int:
     """The output's byte size: its source's, unless it is a piece of it or made of pieces (the adapters split
     and join only dtypes with a fixed element size)."""
-    return (byte_length(info.dtype, entry.shape) or 0) if entry.is_piecewise else info.nbytes
+    if entry.rows is None and not entry.parts:  # is_piecewise, spelled out: it runs once per tensor
+        return info.nbytes
+    return byte_length(info.dtype, entry.shape) or 0
 
 
 def _bytes_fill(data: bytes) -> Fill:
