@@ -475,12 +475,13 @@ class OnePass:
         shift = self.seam.place(first.name, first.piece_at) - first.piece_at
         written = self._pwrite(data, first.dst_offset + shift)
         self._writeback.wrote(first.dst_offset + shift, written)
+        whole = written == len(data)  # (a short write: each tensor records what of it arrived)
         entries = []
         for move in run:
             at = move.dst_offset - first.dst_offset
-            arrived = max(0, min(move.nbytes, written - at))
-            piece = data[at : at + arrived]
-            entries.append((move.name, Entry(move.piece_at + shift, arrived, digest=block_digest(piece))))
+            arrived = move.nbytes if whole else max(0, min(move.nbytes, written - at))
+            digest = block_digest(data[at : at + arrived])
+            entries.append((move.name, Entry(move.piece_at + shift, arrived, 1, 0, digest)))
         self.ledger.record_many(entries)
 
     def _transpose_whole(self, slot: _Slot, move: Move) -> None:
