@@ -12,6 +12,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import cbor2
@@ -371,7 +372,7 @@ def has_module_path(name: str) -> bool:
 def check_ranges(descriptors: Sequence[_Descriptor], path: str) -> None:
     """Refuse overlapping data ranges; Burn does not check this (docs/burn-format.md#reader-limits), but two tensors
     sharing bytes are never what a writer meant."""
-    ordered = sorted((d for d in descriptors if d.end > d.start), key=lambda d: d.start)
+    ordered = sorted((d for d in descriptors if d.end > d.start), key=attrgetter("start"))
     for before, after in zip(ordered, ordered[1:], strict=False):
         if after.start < before.end:
             raise FormatError(

@@ -14,6 +14,7 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from syncd.errors import FormatError, IncompleteFileError
@@ -197,7 +198,7 @@ def _checked_entry(name: str, entry: Any, data_start: int, path: str) -> TensorI
 def check_coverage(tensors: list[TensorInfo], buffer_len: int, data_start: int, path: str) -> None:
     """As the library requires: the tensors tile the data buffer exactly, without gaps or overlaps."""
     cursor = 0
-    for info in sorted(tensors, key=lambda t: (t.offset, t.nbytes)):
+    for info in sorted(tensors, key=attrgetter("offset", "nbytes")):
         start = info.offset - data_start
         if start != cursor:
             what = "overlaps the previous tensor" if start < cursor else f"leaves a gap before it (at {cursor})"
