@@ -139,7 +139,9 @@ def _full(path: str, rel: str) -> str:
 
 def _pytorch_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[PackedModule]:
     names = [split_name(t.name) for t in tensors]
-    paths = dict.fromkeys(path for path, leaf in names if PACKED_PYTORCH_LEAF.fullmatch(leaf))
+    leaves = {leaf for _, leaf in names}  # a model has a few dozen: each is matched once
+    packed_leaves = {leaf for leaf in leaves if PACKED_PYTORCH_LEAF.fullmatch(leaf)}
+    paths = dict.fromkeys(path for path, leaf in names if leaf in packed_leaves)
     if not paths:
         return []
     by_name = {t.name: t for t in tensors}
@@ -314,10 +316,13 @@ def _whole(module: PackedModule, tensor: TensorRef, target: str, *, transpose: b
 
 
 def _burn_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[PackedModule]:
+    candidates = _burn_candidates(tensors)
+    if not candidates:
+        return []
     by_name = {t.name: t for t in tensors}
     modules: list[PackedModule] = []
     taken: set[TensorRef] = set()
-    for root, candidate in _burn_candidates(tensors).items():
+    for root, candidate in candidates.items():
         module = _burn_module(root, candidate, by_name, sources)
         if module is not None and not taken & set(module.tensors.values()):
             taken |= set(module.tensors.values())
