@@ -837,3 +837,33 @@ def test_unknown_hash_or_verify_choices_are_usage_errors(tmp_path: Path) -> None
     with pytest.raises(UsageError, match="--hash"):
         convert(ConvertRequest(source=source, hash_name="md5"))
     assert dir_listing(tmp_path) == [source.name]
+
+
+def test_many_small_tensors_convert_both_ways_and_come_back_to_the_same_files(tmp_path: Path) -> None:
+    """Thousands of small tensors (the table-bound case bench/'s `small` times): norms renamed, Linears
+    transposed, tensors of other dtypes and buffers among them, every one back where it was."""
+    torch.manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(1500):
+        tensors[f"blocks.{i}.norm.weight"] = torch.randn(16)
+        tensors[f"blocks.{i}.norm.bias"] = torch.randn(16)
+        if i % 100 == 0:
+            tensors[f"blocks.{i}.proj.weight"] = torch.randn(8, 16)
+            tensors[f"blocks.{i}.proj.bias"] = torch.randn(8)
+            tensors[f"blocks.{i}.steps"] = torch.arange(3, dtype=torch.int64)
+            tensors[f"blocks.{i}.mask"] = torch.tensor([True, False])
+    source = tmp_path / "small.safetensors"
+    save_file(tensors, source, metadata={"format": "pt"})
+
+    first = _convert(source, tmp_path / "small.bpk")
+    assert first.tensors["blocks.7.norm.gamma"].data == tensors["blocks.7.norm.weight"].numpy().tobytes()
+    proj = tensors["blocks.100.proj.weight"].numpy()
+    assert first.tensors["blocks.100.proj.weight"].data == np.ascontiguousarray(proj.T).tobytes()
+    back = tmp_path / "back.safetensors"
+    _convert(tmp_path / "small.bpk", back)
+    assert {name: t.numpy().tobytes() for name, t in load_file(back).items()} == {
+        name: t.numpy().tobytes() for name, t in tensors.items()
+    }
+    _convert(back, tmp_path / "again.bpk")  # the way there again: the same file, byte for byte
+    assert _section(tmp_path / "again.bpk") == _section(tmp_path / "small.bpk")
+    assert read_bpk(tmp_path / "again.bpk").tensors == first.tensors
