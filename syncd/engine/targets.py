@@ -152,7 +152,12 @@ class SafetensorsTarget(Target):
     ) -> tuple[dict[str, str], dict[str, Any]]:
         # a joined tensor's pieces keep their Burn names in the carried facts (data order, param ids), so the
         # way back gives each piece its own again
-        target_of = {name: e.target if not e.parts else name for e in entries for name in e.sources}
+        target_of: dict[str, str] = {}
+        for e in entries:
+            if e.parts:
+                target_of.update((name, name) for name in e.sources)
+            else:  # (most entries: their one source, without building the list of their sources)
+                target_of[e.source] = e.target
         return carry.for_safetensors(source.header, source.tensors, carried, target_of, plan.target_layout), {}
 
     def lay_out(
