@@ -298,7 +298,7 @@ _DESCRIPTOR_FIELDS_WITH_ID = _DESCRIPTOR_FIELDS | {"param_id"}
 
 def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
     """One tensor's descriptor, validated as Burn's reader does. A file holds one per tensor (up to
-    MAX_TENSOR_COUNT): the well-formed case is checked in a few C-speed tests, anything else goes through every
+    MAX_TENSOR_COUNT): the well-formed case is checked in a few cheap tests, anything else goes through every
     check, which names what is wrong."""
     return _plain_descriptor(name, desc) or _checked_descriptor(name, desc, path)
 

@@ -71,10 +71,10 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) == len(pairs):
         return result
-    return _first_duplicate(pairs)
+    return _refuse_duplicate_key(pairs)
 
 
-def _first_duplicate(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _refuse_duplicate_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
@@ -148,7 +148,7 @@ _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 def parse_entry(name: str, entry: Any, data_start: int, path: str) -> TensorInfo:
     """One tensor's entry, validated as the library does. A header holds one per tensor (tens of thousands in
-    some checkpoints): the well-formed case is checked in a few C-speed tests, anything else goes through
+    some checkpoints): the well-formed case is checked in a few cheap tests, anything else goes through
     every check, which names what is wrong."""
     return _plain_entry(name, entry, data_start) or _checked_entry(name, entry, data_start, path)
 
@@ -240,7 +240,7 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
             raise FormatError("a tensor cannot be named __metadata__")
         seen.add(spec.name)
         if plain_byte_length(spec.dtype, spec.shape) == spec.nbytes:
-            continue  # the common case, at C speed
+            continue  # the common case, in a few cheap tests
         expected = byte_length(spec.dtype, tuple(spec.shape))
         if expected != spec.nbytes:
             raise FormatError(
