@@ -7,6 +7,7 @@ read back with the independent readers in convcheck.py and, for the PyTorch side
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -867,3 +868,26 @@ def test_many_small_tensors_convert_both_ways_and_come_back_to_the_same_files(tm
     _convert(back, tmp_path / "again.bpk")  # the way there again: the same file, byte for byte
     assert _section(tmp_path / "again.bpk") == _section(tmp_path / "small.bpk")
     assert read_bpk(tmp_path / "again.bpk").tensors == first.tensors
+
+
+def _cyclic_garbage_of_a_conversion(directory: Path, count: int) -> int:
+    """Objects left in reference cycles by converting a checkpoint of `count` small tensors both ways."""
+    tensors = {f"blocks.{i}.norm.{leaf}": torch.randn(8) for i in range(count // 2) for leaf in ("weight", "bias")}
+    source = directory / f"n{count}.safetensors"
+    save_file(tensors, source, metadata={"format": "pt"})
+    gc.collect()
+    gc.disable()
+    try:
+        convert(ConvertRequest(source=source, dest=directory / f"n{count}.bpk"))
+        convert(ConvertRequest(source=directory / f"n{count}.bpk", dest=directory / f"n{count}.back.safetensors"))
+        return gc.collect()
+    finally:
+        gc.enable()
+
+
+def test_a_conversion_leaves_no_more_cycles_for_more_tensors(tmp_path: Path) -> None:
+    """`syncd convert` turns the cycle collector off (cli/main.py): that holds only while what a conversion
+    leaves in reference cycles does not grow with its tensors."""
+    few = _cyclic_garbage_of_a_conversion(tmp_path, 200)
+    many = _cyclic_garbage_of_a_conversion(tmp_path, 4000)
+    assert many <= few + 20, (few, many)
