@@ -7,6 +7,7 @@ read back with the independent readers in convcheck.py and, for the PyTorch side
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -837,3 +838,56 @@ def test_unknown_hash_or_verify_choices_are_usage_errors(tmp_path: Path) -> None
     with pytest.raises(UsageError, match="--hash"):
         convert(ConvertRequest(source=source, hash_name="md5"))
     assert dir_listing(tmp_path) == [source.name]
+
+
+def test_many_small_tensors_convert_both_ways_and_come_back_to_the_same_files(tmp_path: Path) -> None:
+    """Thousands of small tensors (the table-bound case bench/'s `small` times): norms renamed, Linears
+    transposed, tensors of other dtypes and buffers among them, every one back where it was."""
+    torch.manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(1500):
+        tensors[f"blocks.{i}.norm.weight"] = torch.randn(16)
+        tensors[f"blocks.{i}.norm.bias"] = torch.randn(16)
+        if i % 100 == 0:
+            tensors[f"blocks.{i}.proj.weight"] = torch.randn(8, 16)
+            tensors[f"blocks.{i}.proj.bias"] = torch.randn(8)
+            tensors[f"blocks.{i}.steps"] = torch.arange(3, dtype=torch.int64)
+            tensors[f"blocks.{i}.mask"] = torch.tensor([True, False])
+    source = tmp_path / "small.safetensors"
+    save_file(tensors, source, metadata={"format": "pt"})
+
+    first = _convert(source, tmp_path / "small.bpk")
+    assert first.tensors["blocks.7.norm.gamma"].data == tensors["blocks.7.norm.weight"].numpy().tobytes()
+    proj = tensors["blocks.100.proj.weight"].numpy()
+    assert first.tensors["blocks.100.proj.weight"].data == np.ascontiguousarray(proj.T).tobytes()
+    back = tmp_path / "back.safetensors"
+    _convert(tmp_path / "small.bpk", back)
+    assert {name: t.numpy().tobytes() for name, t in load_file(back).items()} == {
+        name: t.numpy().tobytes() for name, t in tensors.items()
+    }
+    _convert(back, tmp_path / "again.bpk")  # the way there again: the same file, byte for byte
+    assert _section(tmp_path / "again.bpk") == _section(tmp_path / "small.bpk")
+    assert read_bpk(tmp_path / "again.bpk").tensors == first.tensors
+
+
+def _cyclic_garbage_of_a_conversion(directory: Path, count: int) -> int:
+    """Objects left in reference cycles by converting a checkpoint of `count` small tensors both ways."""
+    tensors = {f"blocks.{i}.norm.{leaf}": torch.randn(8) for i in range(count // 2) for leaf in ("weight", "bias")}
+    source = directory / f"n{count}.safetensors"
+    save_file(tensors, source, metadata={"format": "pt"})
+    gc.collect()
+    gc.disable()
+    try:
+        convert(ConvertRequest(source=source, dest=directory / f"n{count}.bpk"))
+        convert(ConvertRequest(source=directory / f"n{count}.bpk", dest=directory / f"n{count}.back.safetensors"))
+        return gc.collect()
+    finally:
+        gc.enable()
+
+
+def test_a_conversion_leaves_no_more_cycles_for_more_tensors(tmp_path: Path) -> None:
+    """`syncd convert` turns the cycle collector off (cli/main.py): that holds only while what a conversion
+    leaves in reference cycles does not grow with its tensors."""
+    few = _cyclic_garbage_of_a_conversion(tmp_path, 200)
+    many = _cyclic_garbage_of_a_conversion(tmp_path, 4000)
+    assert many <= few + 20, (few, many)

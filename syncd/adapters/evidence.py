@@ -11,7 +11,6 @@ from __future__ import annotations
 import fnmatch
 import functools
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from syncd.adapters.model import EMBEDDING, LINEAR, OTHER, PRELU, PYTORCH, RMS_NORM
@@ -99,7 +98,10 @@ def metadata_layout(metadata: dict[str, str]) -> str | None:
 @functools.lru_cache(maxsize=1)
 def known_architectures() -> dict[str, tuple[frozenset[str], frozenset[str], ModuleMap]]:
     """family -> (model_types, architecture class names, module map), from the shipped YAML table."""
-    import yaml  # here: only a checkpoint with a config.json beside it needs the table
+    # here, both: only a checkpoint with a config.json beside it needs the table (resources brings tempfile...)
+    from importlib import resources
+
+    import yaml
 
     text = resources.files("syncd.adapters").joinpath(TABLE_FILE).read_text(encoding="utf-8")
     table = yaml.safe_load(text)

@@ -8,6 +8,7 @@ decide, the kind is UNKNOWN and `options` lists the kinds a module map could sta
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from syncd.adapters.model import (
 )
 from syncd.adapters.modulemap import ModuleMap, ModuleRule
 from syncd.errors import ConfigError, UnsupportedError
+from syncd.records import cheap_init
 
 RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 PYTORCH_AFFINE = frozenset({"weight", "bias"})
@@ -85,6 +87,7 @@ class Module:
         return self.params[leaf].shape
 
 
+@cheap_init
 @dataclass(frozen=True)
 class ModuleKind:
     path: str
@@ -107,6 +110,7 @@ class KindSources:
     definition: ModelDefinition | None = None  # the model's own module types: strongest after the map
 
 
+@cheap_init
 @dataclass(frozen=True)
 class Evidence:
     module: str
@@ -125,8 +129,10 @@ def group_modules(tensors: Iterable[TensorRef]) -> list[Module]:
     """Modules in order of first appearance."""
     modules: dict[str, Module] = {}
     for tensor in tensors:
-        path, leaf = split_name(tensor.name)
-        module = modules.setdefault(path, Module(path))
+        path, _, leaf = tensor.name.rpartition(".")  # split_name, inline: once per tensor
+        module = modules.get(path)
+        if module is None:  # (setdefault would build a Module per tensor, to throw most of them away)
+            module = modules[path] = Module(path)
         if leaf in ADAPTABLE_LEAVES:
             module.params[leaf] = tensor
         else:
@@ -354,12 +360,16 @@ def _infer_matrix(module: Module, weight: tuple[int, ...], bias: tuple[int, ...]
 
 def _infer_vector(module: Module, weight: tuple[int, ...], bias: tuple[int, ...] | None) -> ModuleKind:
     if bias == weight:
-        return ModuleKind(
-            module.path, NORM, f"1-D weight/bias {list(weight)}, no running stats: LayerNorm, GroupNorm or InstanceNorm"
-        )
+        return ModuleKind(module.path, NORM, _norm_reason(weight))
     if bias is None:
         return _lone_vector(module, "weight")
     return _unknown(module, f"1-D weight {list(weight)} with bias {list(bias)}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _norm_reason(weight: tuple[int, ...]) -> str:
+    """The same line for every norm of one width: made once (a model has hundreds of them)."""
+    return f"1-D weight/bias {list(weight)}, no running stats: LayerNorm, GroupNorm or InstanceNorm"
 
 
 def _linear_reason(weight: tuple[int, ...], bias: tuple[int, ...]) -> str:
@@ -468,12 +478,21 @@ def _linear_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -
 def _name_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -> None:
     # Norm and PRelu parameter names differ by side (docs/burn-adapters.md#norms); num_batches_tracked is
     # PyTorch-only.
-    pytorch_names = [leaf for leaf in ("weight", "bias", "num_batches_tracked") if leaf in module.params]
-    burn_names = [leaf for leaf in ("gamma", "beta", "alpha") if leaf in module.params]
+    for side, reason in _names_shown(frozenset(module.params)):
+        found.setdefault((side, True), []).append(reason)
+
+
+@functools.lru_cache(maxsize=256)
+def _names_shown(leaves: frozenset[str]) -> tuple[tuple[str, str], ...]:
+    """(layout, reason) for each side whose parameter names are among `leaves`: worked out once per set."""
+    pytorch_names = [leaf for leaf in ("weight", "bias", "num_batches_tracked") if leaf in leaves]
+    burn_names = [leaf for leaf in ("gamma", "beta", "alpha") if leaf in leaves]
+    shown = []
     if pytorch_names:
-        found.setdefault((PYTORCH, True), []).append(f"{'/'.join(pytorch_names)} names")
+        shown.append((PYTORCH, f"{'/'.join(pytorch_names)} names"))
     if burn_names:
-        found.setdefault((BURN, True), []).append(f"{'/'.join(burn_names)} names")
+        shown.append((BURN, f"{'/'.join(burn_names)} names"))
+    return tuple(shown)
 
 
 def resolve_with_layout(

@@ -208,6 +208,11 @@ class TensorFilter:
     def of(cls, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> TensorFilter:
         return cls(tuple(compile_filter(p) for p in include), tuple(compile_filter(p) for p in exclude))
 
+    @property
+    def keeps_all(self) -> bool:
+        """No pattern at all: every name is kept."""
+        return not self.include and not self.exclude
+
     def keeps(self, name: str) -> bool:
         included = not self.include or any(p.search(name) for p in self.include)
         return included and not any(p.search(name) for p in self.exclude)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncd.errors import AmbiguousLayoutError
+from syncd.records import cheap_init
 
 # Layout names: which side of a Linear weight is [out], norm parameter names... A file is in one layout (a
 # converter never mixes them inside one file); each target format is written in its own (engine/targets.py).
@@ -77,6 +78,7 @@ BY_NAME = "name"
 BY_SHAPE = "shapes"
 
 
+@cheap_init
 @dataclass(frozen=True)
 class TensorRef:
     """One tensor of a table: all the adapters ever look at (never bytes)."""
@@ -113,6 +115,7 @@ class FileContext:
     definition: ModelDefinition | None = None  # the module types of the model config.json names, if built
 
 
+@cheap_init
 @dataclass(frozen=True)
 class PlanEntry:
     """How one output tensor is made: from one source tensor, or from rows `rows` of it (a piece of a

@@ -19,7 +19,6 @@ first matching glob in the map's order wins. Burn itself decides by module type,
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -194,6 +193,8 @@ def _parse_modules(value: Any, problems: list[MapProblem]) -> list[ModuleRule]:
 def _did_you_mean(value: object, choices: Sequence[str]) -> str:
     if not isinstance(value, str):
         return ""
+    import difflib  # here: only a misspelt map needs it
+
     close = difflib.get_close_matches(value, choices, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 

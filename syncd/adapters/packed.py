@@ -60,6 +60,8 @@ PACKED_PYTORCH_LEAF = re.compile(
     r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]|(?:weight|bias)_(?:ih|hh|hr)_l\d+(?:_reverse)?"
 )
 QKV = ("query", "key", "value")  # rows of in_proj, in order (docs/burn-adapters.md#packed-modules)
+_MHA_FIELDS = frozenset((*QKV, "output"))
+_TRANSFORM_FIELDS = frozenset(_TRANSFORMS.values())
 _MHA_LEAF = re.compile(r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]")
 _MHA_SPLIT = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
 _RNN_LAYER_0 = re.compile(r"(weight|bias)_(ih|hh)_l0(_reverse)?")
@@ -91,7 +93,7 @@ def find_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[Pack
     """Every packed module of the table: PyTorch's by their names, Burn's by names, record or module map."""
     found = _pytorch_packed(tensors, sources)
     taken = {t.name for module in found for t in module.tensors.values()}
-    return found + _burn_packed([t for t in tensors if t.name not in taken], sources)
+    return found + _burn_packed([t for t in tensors if t.name not in taken] if taken else tensors, sources)
 
 
 def packed_entries(module: PackedModule) -> tuple[list[PlanEntry], str]:
@@ -137,13 +139,20 @@ def _full(path: str, rel: str) -> str:
 
 def _pytorch_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[PackedModule]:
     names = [split_name(t.name) for t in tensors]
-    paths = dict.fromkeys(path for path, leaf in names if PACKED_PYTORCH_LEAF.fullmatch(leaf))
+    leaves = {leaf for _, leaf in names}  # a model has a few dozen: each is matched once
+    packed_leaves = {leaf for leaf in leaves if PACKED_PYTORCH_LEAF.fullmatch(leaf)}
+    paths = dict.fromkeys(path for path, leaf in names if leaf in packed_leaves)
+    if not paths:
+        return []
     by_name = {t.name: t for t in tensors}
+    by_path: dict[str, dict[str, TensorRef]] = {path: {} for path in paths}  # one pass, not one per module
+    for (path, leaf), tensor in zip(names, tensors, strict=True):
+        if path in by_path:
+            by_path[path][leaf] = tensor
     modules = []
-    for path in paths:
+    for path, own in by_path.items():
         if _mapped_other(path, sources):
             continue  # left unchanged as stated: the other rules see them as plain tensors
-        own = {split_name(t.name)[1]: t for t in tensors if split_name(t.name)[0] == path}
         packed = {leaf: t for leaf, t in own.items() if PACKED_PYTORCH_LEAF.fullmatch(leaf)}
         kind: str | None
         if any(_MHA_LEAF.fullmatch(leaf) for leaf in packed):
@@ -307,10 +316,13 @@ def _whole(module: PackedModule, tensor: TensorRef, target: str, *, transpose: b
 
 
 def _burn_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[PackedModule]:
+    candidates = _burn_candidates(tensors)
+    if not candidates:
+        return []
     by_name = {t.name: t for t in tensors}
     modules: list[PackedModule] = []
     taken: set[TensorRef] = set()
-    for root, candidate in _burn_candidates(tensors).items():
+    for root, candidate in candidates.items():
         module = _burn_module(root, candidate, by_name, sources)
         if module is not None and not taken & set(module.tensors.values()):
             taken |= set(module.tensors.values())
@@ -323,12 +335,12 @@ def _burn_candidates(tensors: Sequence[TensorRef]) -> dict[str, str]:
     found: dict[str, str] = {}
     for tensor in tensors:
         segments = tensor.name.split(".")
-        if len(segments) >= 3 and segments[-2] in _TRANSFORMS.values() and segments[-3] in _ALL_GATES:
+        if len(segments) >= 3 and segments[-2] in _TRANSFORM_FIELDS and segments[-3] in _ALL_GATES:
             root = segments[:-3]
             if root and root[-1] in ("forward", "reverse"):
                 found.setdefault(".".join(root[:-1]), "rnn")
             found.setdefault(".".join(root), "rnn")
-        if len(segments) >= 2 and segments[-2] in (*QKV, "output"):
+        if len(segments) >= 2 and segments[-2] in _MHA_FIELDS:
             found.setdefault(".".join(segments[:-2]), "mha")
     return found
 

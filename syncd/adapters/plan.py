@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -48,6 +49,7 @@ from syncd.adapters.modulemap import ModuleMap
 from syncd.adapters.packed import PackedModule, find_packed, packed_entries
 from syncd.errors import SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import ITEMSIZE
+from syncd.records import cheap_init
 
 # Leaf renames PyTorch -> Burn (docs/burn-adapters.md#norms: Burn renames the norms; not PRelu, which Burn's own adapter
 # leaves alone, and InstanceNorm, which it skips: we rename both).
@@ -62,6 +64,7 @@ _NO_BURN_SLOT = {
 _LIST_LIMIT = 6  # names shown in a one-line error before "and N more"
 
 
+@cheap_init
 @dataclass(frozen=True)
 class _Step:
     """What happens to one source tensor."""
@@ -497,14 +500,23 @@ def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
 
 
 def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _Step], str]:
+    changes, action = _leaf_changes(kind, target, frozenset(module.params))
+    steps = {module.params[leaf].name: _Step(_with_leaf(module, new) if new else None) for leaf, new in changes}
+    return steps, action
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_changes(kind: str, target: str, leaves: frozenset[str]) -> tuple[tuple[tuple[str, str | None], ...], str]:
+    """What a norm or PRelu holding `leaves` becomes on `target`: (leaf, its new leaf or None when dropped)
+    and the decision's action. The same few answers for every norm of a model: worked out once each."""
     to_burn = _PRELU_TO_BURN if kind == PRELU else _NORM_TO_BURN
     renames = to_burn if target == BURN else {burn: torch for torch, burn in to_burn.items()}
-    present = {leaf: new for leaf, new in renames.items() if leaf in module.params}
-    steps = {module.params[leaf].name: _Step(_with_leaf(module, new)) for leaf, new in present.items()}
-    notes = [f"rename {', '.join(f'{leaf}->{new}' for leaf, new in present.items())}"] if present else []
+    present = [(leaf, new) for leaf, new in renames.items() if leaf in leaves]
+    notes = [f"rename {', '.join(f'{leaf}->{new}' for leaf, new in present)}"] if present else []
+    changes: list[tuple[str, str | None]] = list(present)
     if target == BURN:
-        dropped = [leaf for leaf in _NO_BURN_SLOT.get(kind, ()) if leaf in module.params]
-        steps.update({module.params[leaf].name: _Step(None) for leaf in dropped})
+        dropped = [leaf for leaf in _NO_BURN_SLOT.get(kind, ()) if leaf in leaves]
+        changes += [(leaf, None) for leaf in dropped]
         if dropped:
             notes.append(f"drop {', '.join(dropped)} (no Burn slot)")
     elif kind == BATCH_NORM:
@@ -515,7 +527,7 @@ def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _St
             "no num_batches_tracked in a Burn file: restored from metadata if recorded, "
             "otherwise left out (PyTorch's BatchNorm starts it at 0 when loading a state dict without it)"
         )
-    return steps, "; ".join(notes) or "unchanged"
+    return tuple(changes), "; ".join(notes) or "unchanged"
 
 
 def _with_leaf(module: Module, leaf: str) -> str:
@@ -535,27 +547,32 @@ def _build_plan(
     packed: list[PlanEntry],
 ) -> AdapterPlan:
     """Entries in source data order; a split or joined entry goes where the first of its sources is."""
-    position = {tensor.name: i for i, tensor in enumerate(tensors)}
     placed: dict[str, list[PlanEntry]] = {}
-    for entry in packed:
-        placed.setdefault(min(entry.sources, key=position.__getitem__), []).append(entry)
+    if packed:
+        position = {tensor.name: i for i, tensor in enumerate(tensors)}
+        for entry in packed:
+            placed.setdefault(min(entry.sources, key=position.__getitem__), []).append(entry)
     consumed = {name for entry in packed for name in entry.sources}
     entries, dropped = [], []
     for tensor in tensors:
         if tensor.name in consumed:
             entries += placed.get(tensor.name, [])
             continue
-        step = steps.get(tensor.name, _Step(tensor.name))
-        if step.target is None:
+        step = steps.get(tensor.name)
+        if step is None:  # most tensors: copied under their own name
+            entries.append(PlanEntry(tensor.name, tensor.name, False, tensor.shape))
+        elif step.target is None:
             dropped.append(tensor.name)
-            continue
-        shape = tensor.shape[::-1] if step.transpose else tensor.shape
-        entries.append(PlanEntry(tensor.name, step.target, step.transpose, shape))
+        else:
+            shape = tensor.shape[::-1] if step.transpose else tensor.shape
+            entries.append(PlanEntry(tensor.name, step.target, step.transpose, shape))
     _check_no_collisions(entries)
     return AdapterPlan(entries, dropped, source, target, decisions)
 
 
 def _check_no_collisions(entries: list[PlanEntry]) -> None:
+    if len({entry.target for entry in entries}) == len(entries):
+        return  # every name once: nothing to list
     sources_by_target: dict[str, list[str]] = {}
     for entry in entries:
         sources_by_target.setdefault(entry.target, []).append(entry.source)

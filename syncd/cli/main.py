@@ -8,6 +8,7 @@ already exists. A reader that goes away (`syncd log | head`) ends the command qu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -310,6 +311,16 @@ def target_format(to: str | None, output: Path | None) -> str | None:
     return chosen.name if chosen else None
 
 
+def _stop_cycle_collection() -> None:
+    """A conversion builds a few objects per tensor that all live until it ends (a 10k-tensor checkpoint:
+    hundreds of thousands); the cyclic collector's passes over them free nothing and took a fifth to a quarter
+    of the CPU. It leaves about 15 objects in reference cycles whatever its size (measured on 10k-tensor
+    safetensors and burnpack sources and a torch.save file), so this one-shot command converts with the
+    collector off and the objects of the imports frozen out of its sight (the daemon keeps it on)."""
+    gc.freeze()
+    gc.disable()
+
+
 def _convert(args: argparse.Namespace) -> int:
     from syncd.adapters import ModuleMap
     from syncd.engine.convert import ConvertRequest, convert
@@ -332,6 +343,7 @@ def _convert(args: argparse.Namespace) -> int:
         verify=args.verify,
         top_level_key=args.top_level_key,
     )
+    _stop_cycle_collection()
     try:
         result = convert(request)
     finally:

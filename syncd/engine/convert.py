@@ -339,6 +339,11 @@ def _tensor_spec(
 def _source_fill(source: Source, entry: PlanEntry) -> FromSource | Joined | ViewCopy:
     """The one-pass fill of an entry: its source tensor (or a row range of it), or its pieces end to end. A
     source tensor that is not one window of its file (a PyTorch view, a tied weight) is copied on its own."""
+    if not entry.parts:  # one source tensor (most entries): its fill without building the pieces' tuples
+        reader = source.reader_of(entry.source)
+        if not reader.is_window(entry.source):
+            return _view_copy(source, entry)
+        return FromSource(reader, entry.source, entry.transpose, entry.rows)
     if not all(source.reader_of(piece.source).is_window(piece.source) for piece in entry.pieces):
         return _view_copy(source, entry)
     pieces = tuple(
@@ -359,6 +364,8 @@ def _view_copy(source: Source, entry: PlanEntry) -> ViewCopy:
 
 def _casts(source: Source, store: StorePlan, entries: list[PlanEntry]) -> dict[str, Cast]:
     """The entries the precision option casts, by output name, each with the cast that fills it (cast.py)."""
+    if not store.casts:
+        return {}
     return {
         entry.target: _cast(source, store.casts, entry)
         for entry in entries
@@ -496,8 +503,9 @@ def verify_one_pass(
             check_digests(written.ledger, output)
             verify_full([(piece, s.name, at) for s in specs for piece, at in source_pieces(s.fill)], output)
         carried_as = {final: carried for carried, final in c.store.carried_names.items()}
+        restored = set(c.restored)
         for spec in specs:
-            if spec.name in c.restored:
+            if spec.name in restored:
                 if output.read(spec.name) != c.carried.dropped[carried_as.get(spec.name, spec.name)][2]:
                     raise VerificationError(f"restored tensor '{spec.name}' differs after writing", str(c.dest))
             elif spec.name in c.casts:

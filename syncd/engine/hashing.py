@@ -11,7 +11,6 @@ value `xxhsum -H2 FILE` prints. `--hash sha256` (or `hash: sha256` in the config
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +32,8 @@ class Hasher(Protocol):
 def new_hasher(name: str) -> Hasher:
     """A streaming hasher of `name` (one of HASH_CHOICES)."""
     if name == SHA256:
+        import hashlib  # here: its OpenSSL bindings take a few ms to load, and only --hash sha256 needs them
+
         return hashlib.sha256()
     if name == XXH3_128:
         import xxhash  # imported here: `syncd inspect` and the daemon's config checks never need it

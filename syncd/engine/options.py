@@ -75,6 +75,8 @@ class StorePlan:
 def undo_renames(tensors: Iterable[TensorRef], carried: dict[str, str]) -> tuple[list[TensorRef], dict[str, str]]:
     """The table with carried renames undone, and original name -> real name in the file."""
     tensors = list(tensors)
+    if not carried:  # nothing was renamed (any source syncd did not write)
+        return tensors, {t.name: t.name for t in tensors}
     original = invert([t.name for t in tensors], carried)
     refs = [TensorRef(original[t.name], t.dtype, t.shape) for t in tensors]
     return refs, {original[t.name]: t.name for t in tensors}
@@ -90,10 +92,7 @@ def apply_options(
     """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`).
     `restoring`: tensors a .bpk carried that are written back (BatchNorm counters): the rules move them with
     their module."""
-    kept: list[PlanEntry] = []
-    excluded: list[PlanEntry] = []
-    for entry in plan.entries:  # one pass: `e not in kept` compared dataclasses, quadratic in the tensor count
-        (kept if all(options.tensors.keeps(real[name]) for name in entry.sources) else excluded).append(entry)
+    kept, excluded = _filtered(plan.entries, real, options.tensors)
     left_out = list(dict.fromkeys(real[name] for e in excluded for name in e.sources))
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
@@ -105,8 +104,9 @@ def apply_options(
         by_name = [r for r in refs if r.name in wanted]
         planned = plan_casts(by_name, plan.kinds, options.precision, plan.packed)
         casts = {real[name]: dtype for name, dtype in planned.items()}
+    as_planned = all(final[e.target] == e.target for e in kept) and all(k == v for k, v in real.items())
     return StorePlan(
-        entries=[_with_real_sources(e, real, final[e.target]) for e in kept],
+        entries=kept if as_planned else [_with_real_sources(e, real, final[e.target]) for e in kept],
         carried_names={name: final[name] for name in restoring},
         dropped=dropped,
         left_out=left_out,
@@ -115,6 +115,20 @@ def apply_options(
         restored={name: original for original, name in real.items() if name != original},
         notes=_rule_notes(kept, options) + _gap_notes(final.values(), options),
     )
+
+
+def _filtered(
+    entries: list[PlanEntry], real: dict[str, str], tensors: TensorFilter
+) -> tuple[list[PlanEntry], list[PlanEntry]]:
+    """(kept, excluded) by the tensor filter, in one pass (`e not in kept` compared dataclasses, quadratic in
+    the tensor count); no filter keeps the list as it is."""
+    if tensors.keeps_all:
+        return list(entries), []
+    kept: list[PlanEntry] = []
+    excluded: list[PlanEntry] = []
+    for entry in entries:
+        (kept if all(tensors.keeps(real[name]) for name in entry.sources) else excluded).append(entry)
+    return kept, excluded
 
 
 def final_names(entries: Sequence[PlanEntry], options: StoreOptions) -> dict[str, str]:
@@ -201,6 +215,8 @@ def _short(names: list[str]) -> str:
 
 def _rule_notes(entries: Sequence[PlanEntry], options: StoreOptions) -> list[str]:
     """A rule that changed no name is most often written for other names (gamma where the file says weight)."""
+    if not options.remap:
+        return []
     sources = [piece.source for entry in entries for piece in entry.pieces]
     return [
         f"note: remap rule '{rule.pattern}' matched no tensor name (rules see the source's names, as in Burn)"
@@ -229,12 +245,13 @@ def _gap_notes(names: Iterable[str], options: StoreOptions) -> list[str]:
 def index_gaps(names: Iterable[str]) -> list[tuple[str, list[int]]]:
     """(prefix, its indices) for every name prefix whose indices are not 0..n-1, in order of first appearance."""
     seen: dict[str, dict[int, None]] = {}
-    for name in names:
-        parts = name.split(".")
-        for i, part in enumerate(parts[:-1]):
+    # a module's tensors share its indices: each module path once, its prefixes built as its segments are read
+    for module in dict.fromkeys(name.rpartition(".")[0] for name in names):
+        prefix = ""
+        for part in module.split(".") if module else ():
             if part.isdigit() and part.isascii():
-                prefix = ".".join(parts[:i]) + "." if i else ""
                 seen.setdefault(prefix, {})[int(part)] = None
+            prefix += part + "."
     return [(prefix, sorted(found)) for prefix, found in seen.items() if sorted(found) != list(range(len(found)))]
 
 

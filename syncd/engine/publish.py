@@ -40,7 +40,6 @@ import errno
 import fcntl
 import itertools
 import os
-import platform
 import re
 import stat
 import threading
@@ -437,6 +436,8 @@ def _renameat2(src: Path, dst: Path, flags: int, *, via_syscall: bool = False) -
     if func is not None:
         rc = func(*args)
     else:
+        import platform  # here: only a libc without renameat2 needs the machine's syscall number
+
         number = _RENAMEAT2_SYSCALL.get(platform.machine().lower())
         if number is None:
             raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), str(src), None, str(dst))

@@ -102,7 +102,7 @@ class BurnpackTarget(Target):
         info = source.tensor(entry.source)
         dtype, raw = _burn_dtype(source, carried, info)
         own = info.param_id if not entry.is_piecewise else None  # a piece is not its packed source
-        param_id = own if own is not None else carried.param_ids.get(carried_name(entry))
+        param_id = own if own is not None or not carried.param_ids else carried.param_ids.get(carried_name(entry))
         return TensorSpec(entry.target, dtype, entry.shape, _nbytes(entry, info), fill, param_id, raw)
 
     def metadata(
@@ -152,7 +152,12 @@ class SafetensorsTarget(Target):
     ) -> tuple[dict[str, str], dict[str, Any]]:
         # a joined tensor's pieces keep their Burn names in the carried facts (data order, param ids), so the
         # way back gives each piece its own again
-        target_of = {name: e.target if not e.parts else name for e in entries for name in e.sources}
+        target_of: dict[str, str] = {}
+        for e in entries:
+            if e.parts:
+                target_of.update((name, name) for name in e.sources)
+            else:  # (most entries: their one source, without building the list of their sources)
+                target_of[e.source] = e.target
         return carry.for_safetensors(source.header, source.tensors, carried, target_of, plan.target_layout), {}
 
     def lay_out(
@@ -210,7 +215,9 @@ def carried_name(entry: PlanEntry) -> str:
 def _nbytes(entry: PlanEntry, info: TensorInfo) -> int:
     """The output's byte size: its source's, unless it is a piece of it or made of pieces (the adapters split
     and join only dtypes with a fixed element size)."""
-    return (byte_length(info.dtype, entry.shape) or 0) if entry.is_piecewise else info.nbytes
+    if entry.rows is None and not entry.parts:  # is_piecewise, spelled out: it runs once per tensor
+        return info.nbytes
+    return byte_length(info.dtype, entry.shape) or 0
 
 
 def _bytes_fill(data: bytes) -> Fill:

@@ -12,12 +12,13 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import cbor2
 
 from syncd.errors import FormatError, IncompleteFileError
-from syncd.formats.dtypes import byte_length
+from syncd.formats.dtypes import byte_length, plain_byte_length
 from syncd.formats.fileio import (
     DECODE_BUDGET,
     TensorFileReader,
@@ -28,6 +29,7 @@ from syncd.formats.fileio import (
     write_zeros,
 )
 from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
+from syncd.records import cheap_init
 
 NAME = "burnpack"  # described in registry.py
 MAGIC = 0x4255524E
@@ -147,6 +149,7 @@ class BurnpackReader(TensorFileReader):
         )
 
 
+@cheap_init
 @dataclass(frozen=True)
 class _Descriptor:
     name: str
@@ -289,7 +292,36 @@ def parse_dtype(raw: Any) -> str | None:
     return None
 
 
+_DESCRIPTOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_DESCRIPTOR_FIELDS_WITH_ID = _DESCRIPTOR_FIELDS | {"param_id"}
+
+
 def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
+    """One tensor's descriptor, validated as Burn's reader does. A file holds one per tensor (up to
+    MAX_TENSOR_COUNT): the well-formed case is checked in a few cheap tests, anything else goes through every
+    check, which names what is wrong."""
+    return _plain_descriptor(name, desc) or _checked_descriptor(name, desc, path)
+
+
+def _plain_descriptor(name: str, desc: Any) -> _Descriptor | None:
+    """The descriptor when it is plainly well formed (a unit dtype, plain ints whose sizes agree, a name with
+    no empty segment), else None; accepts nothing `_checked_descriptor` refuses and builds the same one."""
+    if type(desc) is not dict or (desc.keys() != _DESCRIPTOR_FIELDS and desc.keys() != _DESCRIPTOR_FIELDS_WITH_ID):
+        return None
+    raw, offsets, param_id = desc["dtype"], desc["data_offsets"], desc.get("param_id")
+    if type(raw) is not str or raw not in UNIT_DTYPES or type(offsets) is not list or len(offsets) != 2:
+        return None
+    start, end = offsets
+    if type(start) is not int or type(end) is not int or not 0 <= start <= end < U64_LIMIT:
+        return None
+    if end - start > MAX_TENSOR_SIZE or not (param_id is None or type(param_id) is int and 0 <= param_id < U64_LIMIT):
+        return None
+    if plain_byte_length(raw, desc["shape"]) != end - start or not has_module_path(name):
+        return None
+    return _Descriptor(name, raw, tuple(desc["shape"]), start, end, param_id, raw)
+
+
+def _checked_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
     def fail(message: str) -> FormatError:
         return FormatError(message, path, name)
 
@@ -328,14 +360,19 @@ def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
 def check_name(name: str, path: str | None) -> None:
     """Burn splits names on '.' into path segments (docs/burn-format.md#metadata): an empty name or segment has no
     module path."""
-    if name == "" or "" in name.split("."):
+    if not has_module_path(name):
         raise FormatError(f"tensor name {name!r} has an empty path segment", path)
+
+
+def has_module_path(name: str) -> bool:
+    """No empty segment: `name.split(".")` holds no "" (tested without splitting: it runs once per tensor)."""
+    return bool(name) and name[0] != "." and name[-1] != "." and ".." not in name
 
 
 def check_ranges(descriptors: Sequence[_Descriptor], path: str) -> None:
     """Refuse overlapping data ranges; Burn does not check this (docs/burn-format.md#reader-limits), but two tensors
     sharing bytes are never what a writer meant."""
-    ordered = sorted((d for d in descriptors if d.end > d.start), key=lambda d: d.start)
+    ordered = sorted((d for d in descriptors if d.end > d.start), key=attrgetter("start"))
     for before, after in zip(ordered, ordered[1:], strict=False):
         if after.start < before.end:
             raise FormatError(
@@ -431,11 +468,13 @@ def plan_burnpack(
     """Assign offsets in the given (data) order and encode the metadata as Burn does (docs/burn-format.md#container)."""
     validate_specs(specs)
     starts, cursor = [], 0
+    alignment = TENSOR_ALIGNMENT if layout == LAYOUT_ALIGNED else 1
     for spec in specs:
-        start = align_up(cursor) if layout == LAYOUT_ALIGNED else cursor
+        start = -(-cursor // alignment) * alignment  # align_up, inline: once per tensor
         starts.append(start)
-        cursor = start + spec.nbytes
-    order = sorted(range(len(specs)), key=lambda i: specs[i].name.encode("utf-8"))
+        cursor = start + spec.nbytes  # ends never decrease: the last one is the data's end
+    encoded = [spec.name.encode("utf-8") for spec in specs]
+    order = sorted(range(len(specs)), key=encoded.__getitem__)
     tensors = {specs[i].name: _descriptor_doc(specs[i], starts[i]) for i in order}
     document: dict[str, Any] = {"tensors": tensors}
     if metadata:
@@ -448,7 +487,7 @@ def plan_burnpack(
         raise FormatError(f"Metadata size {len(body)} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes")
     unaligned = HEADER_SIZE + len(body)
     data_start = align_up(unaligned) if layout == LAYOUT_ALIGNED else unaligned
-    file_size = data_start + max((s + spec.nbytes for s, spec in zip(starts, specs, strict=True)), default=0)
+    file_size = data_start + cursor
     if file_size > MAX_FILE_SIZE:
         raise FormatError(f"File size {file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes")
     header = struct.pack("<IHI", MAGIC, FORMAT_VERSION, len(body)) + body
@@ -483,6 +522,8 @@ def validate_specs(specs: Sequence[TensorSpec]) -> None:
             raise FormatError(f"Duplicate tensor name '{spec.name}'")
         seen.add(spec.name)
         encode_dtype(spec.dtype, spec.raw_dtype)
+        if plain_byte_length(spec.dtype, spec.shape) == spec.nbytes <= MAX_TENSOR_SIZE and _plain_param_id(spec):
+            continue  # a well-formed spec (most of them): the checks below are for the rest
         if not all(isinstance(d, int) and 0 <= d < U64_LIMIT for d in spec.shape):
             raise FormatError(f"shape {list(spec.shape)} is not a list of unsigned integers", tensor=spec.name)
         expected = byte_length(spec.dtype, tuple(spec.shape))
@@ -497,6 +538,10 @@ def validate_specs(specs: Sequence[TensorSpec]) -> None:
             )
         if spec.param_id is not None and not (isinstance(spec.param_id, int) and 0 <= spec.param_id < U64_LIMIT):
             raise FormatError(f"param_id {spec.param_id} is not an unsigned 64-bit integer", tensor=spec.name)
+
+
+def _plain_param_id(spec: TensorSpec) -> bool:
+    return spec.param_id is None or type(spec.param_id) is int and 0 <= spec.param_id < U64_LIMIT
 
 
 def write_burnpack(

@@ -7,6 +7,8 @@ Types only safetensors knows (F8_*, F4, F6_*, C64) keep their safetensors names.
 
 from __future__ import annotations
 
+from typing import Any
+
 # bytes per element; QFloat has none (its payload length comes from its scheme).
 ITEMSIZE: dict[str, int] = {
     "F64": 8,
@@ -141,3 +143,24 @@ def byte_length(dtype: str, shape: tuple[int, ...]) -> int | None:
         bits = numel * SUBBYTE_BITS[dtype]
         return bits // 8 if bits % 8 == 0 else -1
     return None
+
+
+# what `plain_byte_length` takes on: shapes of real models, whose product stays a small integer
+_PLAIN_RANK = 8
+_PLAIN_DIM = 1 << 32
+_PLAIN_SEQUENCES = (list, tuple)
+
+
+def plain_byte_length(dtype: str, shape: Any) -> int | None:
+    """`byte_length` of the common case in a few cheap tests, for readers and writers checking thousands of table
+    entries: a list or tuple of at most 8 plain ints, each in 0..2^32, of a dtype with a whole element size.
+    None for anything else (a bool or a float among the dims, a huge or negative one, QFloat, a sub-byte
+    dtype): the caller then takes its full checks, which say what is wrong."""
+    size = ITEMSIZE.get(dtype)
+    if size is None or type(shape) not in _PLAIN_SEQUENCES or len(shape) > _PLAIN_RANK:
+        return None
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim < _PLAIN_DIM:
+            return None
+        size *= dim
+    return size

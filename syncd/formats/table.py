@@ -6,9 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncd.records import cheap_init
+
 Buffer = bytes | bytearray | memoryview
 
 
+@cheap_init
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor as stored in a source file; `offset` is absolute within that file."""

@@ -25,6 +25,7 @@ from threading import Lock
 from typing import TYPE_CHECKING
 
 from syncd.errors import VerificationError
+from syncd.records import cheap_init
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,6 +68,7 @@ def check_transposed(
     return bool(np.array_equal(src[r, c], window[c, r]))
 
 
+@cheap_init
 @dataclass(frozen=True)
 class Entry:
     """`count` writes of `length` bytes at window offsets start, start+stride, ... (stride 0: one write)
@@ -119,6 +121,8 @@ def _tiles(entries: list[Entry], nbytes: int) -> bool:
     column ranges tile the row, and for each column range their rows tile all rows."""
     if nbytes == 0:
         return all(e.length == 0 for e in entries)
+    if len(entries) == 1 and not entries[0].stride:  # a tensor written in one piece (most of them)
+        return entries[0].start == 0 and entries[0].length == nbytes
     strided = [e for e in entries if e.stride]
     if not strided:
         return _covers([(e.start, e.length) for e in entries], nbytes)

@@ -42,6 +42,7 @@ from syncd.engine.write.checks import Entry, WriteLedger
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
+from syncd.records import cheap_init
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured to keep pread/pwrite cheap
 SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of the strip buffer
@@ -83,6 +84,7 @@ class Seam:
     write: Callable[[int, memoryview, int], int] | None = None
 
 
+@cheap_init
 @dataclass(frozen=True)
 class Move:
     """One target tensor: `nbytes` from `src_offset` in the source to `dst_offset` in the output (absolute);
@@ -473,12 +475,13 @@ class OnePass:
         shift = self.seam.place(first.name, first.piece_at) - first.piece_at
         written = self._pwrite(data, first.dst_offset + shift)
         self._writeback.wrote(first.dst_offset + shift, written)
+        whole = written == len(data)  # (a short write: each tensor records what of it arrived)
         entries = []
         for move in run:
             at = move.dst_offset - first.dst_offset
-            arrived = max(0, min(move.nbytes, written - at))
-            piece = data[at : at + arrived]
-            entries.append((move.name, Entry(move.piece_at + shift, arrived, digest=block_digest(piece))))
+            arrived = move.nbytes if whole else max(0, min(move.nbytes, written - at))
+            digest = block_digest(data[at : at + arrived])
+            entries.append((move.name, Entry(move.piece_at + shift, arrived, 1, 0, digest)))
         self.ledger.record_many(entries)
 
     def _transpose_whole(self, slot: _Slot, move: Move) -> None:

@@ -22,19 +22,22 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, block_digest, new_hasher
 from syncd.engine.write.checks import Entry, WriteLedger
 from syncd.engine.write.onepass import Move, OnePass, default_workers
 from syncd.errors import FormatError, VerificationError
-from syncd.formats.dtypes import ITEMSIZE
+from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.fileio import TensorFileReader, TensorSink, bool_checker, pwrite_all, write_zeros
 from syncd.formats.table import TensorSpec
+from syncd.records import cheap_init
 
 VERIFY_CHOICES = ("fast", "full")
 
 
+@cheap_init
 @dataclass(frozen=True)
 class FromSource:
     """A TensorSpec fill naming the source tensor it comes from; `transpose`: written as its 2-D transpose;
@@ -82,9 +85,9 @@ class Joined:
 
 def source_pieces(fill: object) -> list[tuple[FromSource, int]]:
     """What a one-pass fill moves: (piece, byte offset within its output tensor); [] for other fills."""
-    if isinstance(fill, Joined):
-        return fill.placed()
-    return [(fill, 0)] if isinstance(fill, FromSource) else []
+    if isinstance(fill, FromSource):  # (most fills: tested first)
+        return [(fill, 0)]
+    return fill.placed() if isinstance(fill, Joined) else []
 
 
 @dataclass
@@ -156,14 +159,17 @@ def _place(
 ) -> dict[str, list[Move]]:
     """Write the zero padding and the tensors that come from elsewhere; the moves of the rest, per source file."""
     moves: dict[str, list[Move]] = {}
-    for spec, start in sorted(placed, key=lambda p: p[1]):
+    for spec, start in sorted(placed, key=itemgetter(1)):
         if start > cursor:
             write_zeros(fd, cursor, start - cursor)  # padding is zero bytes on disk, not a hole
         cursor = max(cursor, start + spec.nbytes)
         pieces = source_pieces(spec.fill)
         if pieces:
             for piece, at in pieces:
-                moves.setdefault(piece.reader.path, []).append(_move(spec, start, piece, at, len(pieces) > 1))
+                path = piece.reader.path
+                if path not in moves:
+                    moves[path] = []
+                moves[path].append(_move(spec, start, piece, at, len(pieces) > 1))
         else:
             _write_small(fd, spec, start, ledger)
             if counted:
@@ -194,11 +200,11 @@ def _move(spec: TensorSpec, start: int, fill: FromSource, at: int, joined: bool)
     offset, nbytes, shape = fill.window()
     if (at + nbytes > spec.nbytes) if joined else (nbytes != spec.nbytes):
         raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {nbytes}", fill.reader.path)
-    dtype = fill.reader.tensor(fill.name).dtype
     piece = {"piece_at": at, "tensor_nbytes": spec.nbytes} if joined else {}
-    check = bool_checker(spec.dtype, spec.name)
+    check = bool_checker(spec.dtype, spec.name) if spec.dtype in BOOL_DTYPES else None
     if not fill.transpose:  # copied as bytes: the element size does not matter (QFloat, sub-byte floats)
         return Move(spec.name, offset, nbytes, start + at, 1, None, check, **piece)
+    dtype = fill.reader.tensor(fill.name).dtype
     expected = tuple(reversed(shape))
     fits = expected[1:] == tuple(spec.shape[1:]) if joined else expected == tuple(spec.shape)
     if len(shape) != 2 or not fits or dtype not in ITEMSIZE:
