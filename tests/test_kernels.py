@@ -177,3 +177,23 @@ def test_the_build_asks_for_zigs_compiler_only_where_no_c_compiler_works(tmp_pat
     assert _build_requirements(tree, str(tmp_path / "no-such-cc")) == ["ziglang>=0.11"]
     working = f"{sys.executable} -m ziglang cc"  # a compiler that works here, whatever the machine has
     assert _build_requirements(tree, working) == []
+
+
+def test_both_piece_writers_place_each_piece_and_refuse_what_the_buffer_does_not_hold(
+    compiled_kernel: Library, tmp_path: Path
+) -> None:
+    from syncd.engine.write.kernels import pwrite_pieces_python
+
+    data = bytes(range(12))  # three pieces of 4 bytes, to go 10 bytes apart from offset 3
+    for name, write in [("numpy", pwrite_pieces_python), ("compiled", compiled_kernel.pwrite_pieces)]:
+        path = tmp_path / name
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            assert write(fd, data, 3, 4, 3, 10) == 12, name
+            with pytest.raises(ValueError):
+                write(fd, data, 4, 4, 3, 10)  # a fourth piece the buffer does not hold
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == b"\0" * 3 + data[0:4] + b"\0" * 6 + data[4:8] + b"\0" * 6 + data[8:12], name
+        with pytest.raises(OSError):
+            write(fd, data, 3, 4, 3, 10)  # the descriptor is closed: an error, never a count

@@ -81,6 +81,8 @@ def pwrite_pieces_python(fd: int, buf: Any, count: int, segment: int, offset: in
     """The `count` pieces of `segment` bytes of `buf`, end to end, written at offset + k * stride; the bytes
     written (all of them: pwrite's short counts are retried, errors raise OSError)."""
     view = memoryview(buf).cast("B")
+    if min(count, segment, offset, stride) < 0 or count * segment > len(view):
+        raise ValueError("bad pieces geometry")  # as the compiled form: never a short piece taken for whole
     for k in range(count):
         piece, at = view[k * segment : (k + 1) * segment], offset + k * stride
         while piece:
