@@ -64,6 +64,21 @@ def edit_keeping_metadata(path: Path) -> bytes:
     return path.read_bytes()
 
 
+def converted_once(
+    make_daemon: Callable[..., DaemonRun], work: Path, width: int = 16, **settings: object
+) -> tuple[DaemonRun, Path, Path]:
+    """A running daemon watching `runs` (Burn -> PyTorch, `settings` added to the watch or, for `cluster`, to the
+    config) that has converted a trainer's first save: (the daemon, the source, its output)."""
+    cluster = {k: settings.pop(k) for k in ("cluster",) if k in settings}
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors", **settings}], **cluster)
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack(1, work, width))
+    run.start()
+    run.wait_for("converted", [source])
+    return run, source, output
+
+
 def lines_for(run: DaemonRun, source: Path) -> list[str]:
     return [r["status"] for r in run.records() if r.get("source") == str(source)]
 
@@ -108,12 +123,7 @@ def after_a_restart_without_state(run: DaemonRun) -> None:
 def test_an_output_edited_with_its_metadata_kept_is_never_adopted_nor_replaced(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path, on_exists: str, then: Callable[[DaemonRun], None]
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors", "on_exists": on_exists}])
-    runs = run.watch_dir()
-    source, output = runs / "model.bpk", runs / "model.safetensors"
-    write_file(source, burnpack(1, tmp_path / "work"))
-    run.start()
-    run.wait_for("converted", [source])
+    run, source, output = converted_once(make_daemon, tmp_path / "work", on_exists=on_exists)
     seen = len(lines_for(run, source))
 
     users = edit_keeping_metadata(output)
@@ -133,12 +143,7 @@ def test_an_output_edited_with_its_metadata_kept_is_never_adopted_nor_replaced(
 def test_an_edit_while_stopped_then_a_new_save_then_a_start_without_state_replaces_nothing(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
-    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
-    runs = run.watch_dir()
-    source, output = runs / "model.bpk", runs / "model.safetensors"
-    write_file(source, burnpack(1, tmp_path / "work"))
-    run.start()
-    run.wait_for("converted", [source])
+    run, source, output = converted_once(make_daemon, tmp_path / "work")
     stop_cleanly(run)
     users = edit_keeping_metadata(output)
     write_file(source, burnpack(2, tmp_path / "work"))
@@ -158,12 +163,7 @@ def test_an_unedited_output_is_in_sync_after_a_restart_without_state_and_then_up
 ) -> None:
     """The other side: syncd's own output, untouched, is recognised without a record (its bytes are exactly the
     conversion of the current source) and stays syncd's to update."""
-    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
-    runs = run.watch_dir()
-    source, output = runs / "model.bpk", runs / "model.safetensors"
-    write_file(source, burnpack(1, tmp_path / "work"))
-    run.start()
-    run.wait_for("converted", [source])
+    run, source, output = converted_once(make_daemon, tmp_path / "work")
     published = output.read_bytes()
     after_a_restart_without_state(run)
     run.wait_for("in_sync", [source])
@@ -186,13 +186,8 @@ def test_on_a_shared_tree_the_publishers_record_does_not_make_an_edited_output_s
 ) -> None:
     """The claim file beside the output records the publish; a user's edit with the metadata kept is not
     the file recorded (its inode, size, mtime or ctime differ), so the record proves nothing about it."""
-    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}], **SHARED)
-    runs = run.watch_dir()
-    source, output = runs / "model.bpk", runs / "model.safetensors"
-    write_file(source, burnpack(1, tmp_path / "work"))
-    run.start()
-    run.wait_for("converted", [source])
-    assert (runs / ".model.safetensors.syncd-claim").stat().st_size > 0  # the record of the publish
+    run, source, output = converted_once(make_daemon, tmp_path / "work", **SHARED)
+    assert (source.parent / ".model.safetensors.syncd-claim").stat().st_size > 0  # the record of the publish
     seen = len(lines_for(run, source))
     users = edit_keeping_metadata(output)
     then(run)
@@ -208,12 +203,7 @@ def test_on_a_shared_tree_an_untouched_output_is_adopted_from_its_record_then_up
 ) -> None:
     """Without its state, a node takes its own (or another node's) output from the record beside it: quietly,
     without converting again, and it stays syncd's to update."""
-    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}], **SHARED)
-    runs = run.watch_dir()
-    source, output = runs / "model.bpk", runs / "model.safetensors"
-    write_file(source, burnpack(1, tmp_path / "work"))
-    run.start()
-    run.wait_for("converted", [source])
+    run, source, output = converted_once(make_daemon, tmp_path / "work", **SHARED)
     published = os.stat(output)
     after_a_restart_without_state(run)
 
@@ -236,12 +226,7 @@ def test_an_edit_made_while_syncd_converts_the_next_save_is_not_replaced(
     """The daemon is held (SIGSTOP) with the next save's conversion in flight, the user edits the output with
     its metadata kept, the daemon goes on: the publish finds the output is no longer the one recorded, right
     before its rename, and replaces nothing."""
-    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
-    runs = run.watch_dir()
-    source, output = runs / "model.bpk", runs / "model.safetensors"
-    write_file(source, burnpack(1, tmp_path / "work", width=2048))
-    run.start()
-    run.wait_for("converted", [source])
+    run, source, output = converted_once(make_daemon, tmp_path / "work", width=2048)
     assert run.proc is not None
     pid = run.proc.pid
     write_file(source, burnpack(2, tmp_path / "work", width=2048))
