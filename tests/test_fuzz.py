@@ -33,7 +33,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import fuzz_gen
 import pytest
@@ -81,20 +83,33 @@ def report(name: str, counts: Counter, started: float) -> None:
 # ------------------------------------------------------------------------------------------------ readers
 
 
+def fuzz(title: str, examples: int, drawn: st.SearchStrategy[Any], check: Callable[[Any], str]) -> Counter:
+    """`check` `examples` draws of `drawn` (hypothesis shrinks the one that fails); each outcome counted and
+    reported under `title`."""
+    counts: Counter = Counter()
+    started = time.monotonic()
+
+    @fuzz_settings(examples)
+    @given(value=drawn)
+    def run(value: Any) -> None:
+        counts[check(value)] += 1
+
+    run()
+    report(title, counts, started)
+    return counts
+
+
+def _files(kind: str, levels: list[int] | None = None) -> st.SearchStrategy[bytes]:
+    """Structured files of a format, at the hostility `levels` (default: the generator's)."""
+    files = burnpack_files if kind == "burnpack" else safetensors_files
+    return files() if levels is None else files(levels)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_reader_structured(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    @fuzz_settings(EXAMPLES)
-    @given(blob=burnpack_files() if kind == "burnpack" else safetensors_files())
-    def run(blob: bytes) -> None:
-        counts[check_reader(blob, ext, tmp_path)] += 1
-
-    run()
-    report(f"{kind} reader, structured", counts, started)
+    counts = fuzz(f"{kind} reader, structured", EXAMPLES, _files(kind), lambda blob: check_reader(blob, ext, tmp_path))
     assert sum(counts.values()) >= EXAMPLES
     assert counts["ok"] > EXAMPLES // 20, "the generator should produce some valid files"
 
@@ -102,19 +117,9 @@ def test_reader_structured(kind: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_reader_mutated(kind: str, tmp_path: Path) -> None:
-    ext = FORMATS[kind]
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    pool = f"{kind}+large"
-
-    @fuzz_settings(EXAMPLES)
-    @given(case=st.one_of(mutations(pool), tree_mutations(pool)))
-    def run(case: tuple[str, bytes]) -> None:
-        counts[check_reader(case[1], ext, tmp_path)] += 1
-
-    run()
-    report(f"{kind} reader, mutated", counts, started)
+    ext, pool = FORMATS[kind], f"{kind}+large"
+    cases = st.one_of(mutations(pool), tree_mutations(pool))
+    counts = fuzz(f"{kind} reader, mutated", EXAMPLES, cases, lambda case: check_reader(case[1], ext, tmp_path))
     assert sum(counts.values()) >= EXAMPLES
 
 
@@ -142,16 +147,13 @@ def _options(kind: str, option: tuple[str | None, str]) -> tuple[str | None, str
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_convert_structured(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    @fuzz_settings(CONVERT_EXAMPLES)
-    @given(blob=burnpack_files(GENTLE) if kind == "burnpack" else safetensors_files(GENTLE), option=CONVERT_OPTIONS)
-    def run(blob: bytes, option: tuple[str | None, str]) -> None:
-        counts[check_convert(blob, ext, tmp_path, *_options(kind, option))] += 1
-
-    run()
-    report(f"{kind} convert, structured", counts, started)
+    drawn = st.tuples(_files(kind, GENTLE), CONVERT_OPTIONS)
+    counts = fuzz(
+        f"{kind} convert, structured",
+        CONVERT_EXAMPLES,
+        drawn,
+        lambda d: check_convert(d[0], ext, tmp_path, *_options(kind, d[1])),
+    )
     assert sum(counts.values()) >= CONVERT_EXAMPLES
 
 
@@ -159,18 +161,13 @@ def test_convert_structured(kind: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_convert_mutated(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    pool = kind
-
-    @fuzz_settings(CONVERT_EXAMPLES)
-    @given(case=st.one_of(tree_mutations(pool), tree_mutations(pool), mutations(pool)), option=CONVERT_OPTIONS)
-    def run(case: tuple[str, bytes], option: tuple[str | None, str]) -> None:
-        counts[check_convert(case[1], ext, tmp_path, *_options(kind, option))] += 1
-
-    run()
-    report(f"{kind} convert, mutated", counts, started)
+    cases = st.one_of(tree_mutations(kind), tree_mutations(kind), mutations(kind))
+    counts = fuzz(
+        f"{kind} convert, mutated",
+        CONVERT_EXAMPLES,
+        st.tuples(cases, CONVERT_OPTIONS),
+        lambda d: check_convert(d[0][1], ext, tmp_path, *_options(kind, d[1])),
+    )
     assert sum(counts.values()) >= CONVERT_EXAMPLES
     assert counts["ok"] > 0, "some mutated files should still convert"
 
@@ -182,21 +179,10 @@ def test_convert_mutated(kind: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_cli_subprocess(kind: str, tmp_path: Path) -> None:
     ext = FORMATS[kind]
-    counts: Counter = Counter()
-    started = time.monotonic()
     generated = st.one_of(
-        mutations(kind).map(lambda case: case[1]),
-        tree_mutations(kind).map(lambda case: case[1]),
-        burnpack_files() if kind == "burnpack" else safetensors_files(),
+        mutations(kind).map(lambda case: case[1]), tree_mutations(kind).map(lambda case: case[1]), _files(kind)
     )
-
-    @fuzz_settings(CLI_EXAMPLES // 2)
-    @given(blob=generated)
-    def run(blob: bytes) -> None:
-        counts[f"exit {check_cli(blob, ext, tmp_path)}"] += 1
-
-    run()
-    report(f"{kind} CLI", counts, started)
+    fuzz(f"{kind} CLI", CLI_EXAMPLES // 2, generated, lambda blob: f"exit {check_cli(blob, ext, tmp_path)}")
 
 
 # ------------------------------------------------------------------------------------------------ PyTorch
@@ -207,63 +193,35 @@ PT_OPTIONS = st.sampled_from([(None, "auto"), (None, "keep"), (None, "pytorch"),
 
 @pytest.mark.slow
 def test_pytorch_reader_structured(tmp_path: Path) -> None:
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    @fuzz_settings(EXAMPLES)
-    @given(blob=pytorch_files())
-    def run(blob: bytes) -> None:
-        counts[check_reader(blob, ".pt", tmp_path)] += 1
-
-    run()
-    report("pytorch reader, structured", counts, started)
+    counts = fuzz("pytorch reader, structured", EXAMPLES, pytorch_files(), lambda b: check_reader(b, ".pt", tmp_path))
     assert sum(counts.values()) >= EXAMPLES
     assert counts["ok"] > EXAMPLES // 20, "the generator should produce some valid files"
 
 
 @pytest.mark.slow
 def test_pytorch_reader_mutated(tmp_path: Path) -> None:
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    @fuzz_settings(EXAMPLES)
-    @given(case=pytorch_mutations())
-    def run(case: tuple[str, bytes]) -> None:
-        counts[check_reader(case[1], ".pt", tmp_path)] += 1
-
-    run()
-    report("pytorch reader, mutated", counts, started)
+    cases = pytorch_mutations()
+    counts = fuzz("pytorch reader, mutated", EXAMPLES, cases, lambda case: check_reader(case[1], ".pt", tmp_path))
     assert sum(counts.values()) >= EXAMPLES
 
 
 @pytest.mark.slow
 def test_pytorch_convert(tmp_path: Path) -> None:
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    @fuzz_settings(CONVERT_EXAMPLES)
-    @given(blob=st.one_of(pytorch_files(GENTLE), pytorch_mutations().map(lambda c: c[1])), option=PT_OPTIONS)
-    def run(blob: bytes, option: tuple[str | None, str]) -> None:
-        counts[check_convert(blob, ".pt", tmp_path, *option)] += 1
-
-    run()
-    report("pytorch convert", counts, started)
+    blobs = st.one_of(pytorch_files(GENTLE), pytorch_mutations().map(lambda c: c[1]))
+    counts = fuzz(
+        "pytorch convert",
+        CONVERT_EXAMPLES,
+        st.tuples(blobs, PT_OPTIONS),
+        lambda d: check_convert(d[0], ".pt", tmp_path, *d[1]),
+    )
     assert sum(counts.values()) >= CONVERT_EXAMPLES
     assert counts["ok"] > 0, "some files should convert"
 
 
 @pytest.mark.slow
 def test_pytorch_cli_subprocess(tmp_path: Path) -> None:
-    counts: Counter = Counter()
-    started = time.monotonic()
-
-    @fuzz_settings(CLI_EXAMPLES // 2)
-    @given(blob=st.one_of(pytorch_files(), pytorch_mutations().map(lambda c: c[1])))
-    def run(blob: bytes) -> None:
-        counts[f"exit {check_cli(blob, '.pt', tmp_path)}"] += 1
-
-    run()
-    report("pytorch CLI", counts, started)
+    blobs = st.one_of(pytorch_files(), pytorch_mutations().map(lambda c: c[1]))
+    fuzz("pytorch CLI", CLI_EXAMPLES // 2, blobs, lambda blob: f"exit {check_cli(blob, '.pt', tmp_path)}")
 
 
 # ------------------------------------------------------------------------------------------------ corpus
