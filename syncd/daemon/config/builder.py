@@ -11,7 +11,9 @@ Burn's store vocabulary per watch: `remap:` ordered [pattern, replacement] rules
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -262,24 +264,29 @@ def _default_include(direction: str) -> tuple[str, ...]:
     return DEFAULT_INCLUDE
 
 
+def _unless_null(section: Section, key: str, parse: Callable[[Any], str | None]) -> str | None:
+    """An optional setting whose absence and null both mean "as the source is": None; else what `parse`
+    makes of the value (None after reporting a problem)."""
+    value = section.raw(key)
+    return None if value is MISSING or value is None else parse(value)
+
+
 def _top_level_key(section: Section) -> str | None:
     """`top_level_key:` a key of a PyTorch checkpoint's saved dict; absent or null: found as the reader does."""
-    value = section.raw("top_level_key")
-    if value is MISSING or value is None:
-        return None
-    if not isinstance(value, str) or not value:
+
+    def a_key(value: Any) -> str | None:
+        if isinstance(value, str) and value:
+            return value
         expected = f"expected a key (a non-empty string) or null, got {describe(value)}"
         section.file.problem(section.node("top_level_key"), section.key("top_level_key"), expected)
         return None
-    return value
+
+    return _unless_null(section, "top_level_key", a_key)
 
 
 def _precision(section: Section) -> str | None:
     """`precision:` one of PRECISIONS; absent or null: as the source is."""
-    value = section.raw("precision")
-    if value is MISSING or value is None:
-        return None
-    return section.choice("precision", "", PRECISIONS) or None
+    return _unless_null(section, "precision", lambda _: section.choice("precision", "", PRECISIONS) or None)
 
 
 def _remap_rules(file: YamlFile, section: Section) -> tuple[tuple[str, str], ...]:
