@@ -18,6 +18,19 @@ import gen
 from undertest import WORK, SyncdUnderTest
 
 
+def start_daemon(syncd: SyncdUnderTest, config: Path, stderr_path: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """`syncd run -c CONFIG` in its own session, its output into `stderr_path`."""
+    with open(stderr_path, "wb") as err:
+        return subprocess.Popen(
+            [*syncd.argv(), "run", "-c", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=err,
+            stderr=err,
+            start_new_session=True,
+            cwd=cwd,
+        )
+
+
 def nearest_rank(values: list[float], pct: float) -> float:
     ordered = sorted(values)
     return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]
@@ -128,14 +141,7 @@ def daemon_latency(files: int, syncd: SyncdUnderTest, log: Callable[[str], None]
     sync_log = root / "sync.log.jsonl"
     stderr_path = root / "daemon.stderr"
     os.sync()
-    with open(stderr_path, "wb") as err:
-        proc = subprocess.Popen(
-            [*syncd.argv(), "run", "-c", str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=err,
-            stderr=err,
-            start_new_session=True,
-        )
+    proc = start_daemon(syncd, config, stderr_path)
     result: dict = {"available": True}
     try:
         started = _wait_for(lambda: any(r.get("status") == "started" for r in _read_log(sync_log)), 30, proc, 0.02)
@@ -230,15 +236,7 @@ def daemon_big(mib: int, reps: int, syncd: SyncdUnderTest, log: Callable[[str], 
                     config.read_text().replace("    recursive: true\n", "    recursive: true\n    poll: true\n")
                 )
             sync_log = tree / "sync.log.jsonl"
-            with open(tree / "daemon.stderr", "wb") as err:
-                proc = subprocess.Popen(
-                    [*syncd.argv(), "run", "-c", str(config)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=err,
-                    stderr=err,
-                    start_new_session=True,
-                    cwd=tree,
-                )
+            proc = start_daemon(syncd, config, tree / "daemon.stderr", cwd=tree)
             daemons[mode] = (proc, tree)
             if not _wait_for(lambda log=sync_log: _started(log), 30, proc, 0.02):
                 return _unavailable(f"{mode} daemon did not start ({(tree / 'daemon.stderr').read_text()[-300:]})")
