@@ -125,17 +125,12 @@ def test_reader_mutated(kind: str, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ convert
 
-CONVERT_OPTIONS = st.sampled_from(
-    [
-        (None, "auto"),
-        (None, "auto"),
-        (None, "keep"),
-        (None, "pytorch"),
-        (None, "burn"),
-        ("same", "keep"),
-        ("same", "auto"),
-    ]
-)
+# (output format, layout): None the other format, "same" the source's
+CONVERT_CHOICES: list[tuple[str | None, str]] = [
+    *((None, layout) for layout in ("auto", "keep", "pytorch", "burn")),
+    *(("same", layout) for layout in ("keep", "auto")),
+]
+CONVERT_OPTIONS = st.sampled_from([(None, "auto"), *CONVERT_CHOICES])  # the default drawn twice as often
 
 
 def _options(kind: str, option: tuple[str | None, str]) -> tuple[str | None, str]:
@@ -242,14 +237,7 @@ def test_corpus_replay(path: Path, tmp_path: Path) -> None:
     ext = path.suffix
     kind = "burnpack" if ext == ".bpk" else "safetensors"
     check_reader(blob, ext, tmp_path)
-    for option in [
-        (None, "auto"),
-        (None, "keep"),
-        (None, "pytorch"),
-        (None, "burn"),
-        ("same", "keep"),
-        ("same", "auto"),
-    ]:
+    for option in CONVERT_CHOICES:
         check_convert(blob, ext, tmp_path, *_options(kind, option))
     assert check_cli(blob, ext, tmp_path) in (0, 1, 2, 3)
 
