@@ -96,6 +96,11 @@ static inline void block4x4(const uint32_t *s, isize cols, uint32_t *d, isize st
             isize r1 = r0 + TILE < rows ? r0 + TILE : rows;                                                  \
             for (isize c0 = 0; c0 < cols; c0 += TILE) {                                                     \
                 isize c1 = c0 + TILE < cols ? c0 + TILE : cols;                                              \
+                if (r1 + TILE <= rows) /* the next tile's rows: rows far apart defeat the hardware's prefetch */ \
+                    for (isize k = r1; k < r1 + TILE; k++) {                                                 \
+                        __builtin_prefetch(src + k * sstride + c0);                                          \
+                        __builtin_prefetch(src + k * sstride + c1 - 1);                                      \
+                    }                                                                                        \
                 isize r = r0;                                                                                \
                 for (; r + B <= r1; r += B) {                                                                \
                     isize c = c0;                                                                            \
