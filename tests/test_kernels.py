@@ -197,3 +197,80 @@ def test_both_piece_writers_place_each_piece_and_refuse_what_the_buffer_does_not
         assert path.read_bytes() == b"\0" * 3 + data[0:4] + b"\0" * 6 + data[4:8] + b"\0" * 6 + data[8:12], name
         with pytest.raises(OSError):
             write(fd, data, 3, 4, 3, 10)  # the descriptor is closed: an error, never a count
+
+
+def piece_sums_numpy(
+    buf: bytes, rows: int, stride: int, row_bytes: int, piece_bytes: int, seed: int, out: np.ndarray, out_stride: int
+) -> None:
+    """The compiled checksum's definition in numpy, written apart from it: each 4-byte word w_k of a piece,
+    offset by seed + k * 0x9E3779B9 (mod 2**32), squared exactly; the squares summed mod 2**64."""
+    words = np.frombuffer(buf, np.uint32)
+    for r in range(rows):
+        row = words[r * stride // 4 : (r * stride + row_bytes) // 4]
+        for p, start in enumerate(range(0, len(row), piece_bytes // 4)):
+            piece = row[start : start + piece_bytes // 4]
+            places = np.uint32(seed & 0xFFFFFFFF) + np.arange(len(piece), dtype=np.uint32) * np.uint32(0x9E3779B9)
+            x = (piece + places).astype(np.uint64)
+            out[r * out_stride + p] = (x * x).sum(dtype=np.uint64)
+
+
+def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the_file_ends(
+    compiled_kernel: Library, tmp_path: Path
+) -> None:
+    path = tmp_path / "src"
+    path.write_bytes(bytes(range(256)) * 4)  # 1 KiB
+    read = compiled_kernel.pread_pieces
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(3 * 16)
+        sums = np.zeros(6, np.uint64)  # every other slot: sums_stride 2
+        assert read(fd, buf, 3, 16, 8, 100, 7, sums, 2) == 48
+        assert bytes(buf) == b"".join(path.read_bytes()[8 + k * 100 : 24 + k * 100] for k in range(3))
+        expected = np.zeros(6, np.uint64)
+        piece_sums_numpy(bytes(buf), 3, 16, 16, 16, 7, expected, 2)
+        assert sums.tolist() == expected.tolist() and sums[1] == 0 and sums[0] != 0
+        assert read(fd, bytearray(32), 2, 16, 1000, 10) == 30  # 16, then the 14 before the end
+        with pytest.raises(ValueError):
+            read(fd, bytearray(16), 2, 16, 0, 16)  # a second piece the buffer does not hold
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        read(fd, bytearray(16), 1, 16, 0, 16)  # the descriptor is closed: an error, never a count
+
+
+@pytest.mark.parametrize(("rows", "row_bytes", "piece_bytes"), [(1, 8, 8), (5, 64, 24), (3, 4096, 1000), (7, 800, 800)])
+def test_the_checksum_is_its_definition_and_sees_a_changed_word_and_words_that_trade_places(
+    compiled_kernel: Library, rows: int, row_bytes: int, piece_bytes: int
+) -> None:
+    pieces = -(-row_bytes // piece_bytes)
+    stride = row_bytes + 16  # rows apart, with bytes between them that no checksum may read
+
+    def sums(data: np.ndarray, seed: int = 99) -> list[int]:
+        results = []
+        for checksum in (piece_sums_numpy, compiled_kernel.piece_sums):
+            out = np.zeros(rows * pieces, np.uint64)
+            checksum(data.tobytes(), rows, stride, row_bytes, piece_bytes, seed, out, pieces)
+            results.append(out.tolist())
+        assert results[0] == results[1]
+        return results[0]
+
+    data = np.random.default_rng(row_bytes).integers(0, 2**32, rows * stride // 4, dtype=np.uint32)
+    base = sums(data)
+    gap = data.copy()
+    gap[row_bytes // 4 : stride // 4] ^= 1  # between the rows: not covered
+    assert sums(gap) == base
+    assert sums(data, seed=100) != base  # a fresh seed gives other sums
+    changed = data.copy()
+    changed[(rows - 1) * stride // 4 + row_bytes // 4 - 1] ^= 1 << 31  # the last word of the last piece, sign bit
+    assert sums(changed)[-1] != base[-1] and sums(changed)[:-1] == base[:-1]
+    swapped = data.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # two words of the first piece trade places
+    assert swapped[0] != swapped[1] and sums(swapped)[0] != base[0]
+    signs = data.copy()
+    signs[0], signs[1] = 1 << 31, 0  # they differ only in the sign bit, then trade places
+    swapped_signs = signs.copy()
+    swapped_signs[[0, 1]] = swapped_signs[[1, 0]]
+    assert sums(signs)[0] != sums(swapped_signs)[0]
+    with pytest.raises(ValueError):
+        odd = row_bytes + 4  # rows of whole 8-byte words only
+        compiled_kernel.piece_sums(data.tobytes(), rows, stride, odd, piece_bytes, 1, np.zeros(64, np.uint64), 8)

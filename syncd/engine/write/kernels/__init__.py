@@ -15,7 +15,11 @@ per-call overhead on the check of every band (0.15 s of CPU per GiB, measured on
 both run on numpy views of the same buffers.
 
 `pwrite_pieces` writes the output-row pieces of a tensor transposed in strips (each piece at its own offset):
-one call of the compiled kernel for a whole band, or one `os.pwrite` per piece without it.
+one call of the compiled kernel for a whole band, or one `os.pwrite` per piece without it. `pread_pieces` is
+its reverse, for a tensor taken by columns: a group of columns read piece by piece out of every source row.
+`piece_sums` is the checksum that binds that read to the hashed one (onepass.py): every 4-byte word offset by
+a constant of its place, squared exactly and summed (mod 2**64), per piece of every row (why that catches a
+changed word and a swap: `_transpose.c`). Both exist only compiled (BY_COLUMNS).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ BandKernel = Callable[[Any, Any, int, int, int, int, int], None]
 BandCheck = Callable[[Any, Any, int, int, int, int, int, int], bool]
 # (fd, buf, count, segment, offset, stride) -> bytes written
 PiecesWriter = Callable[[int, Any, int, int, int, int], int]
+# (fd, buf, count, segment, offset, stride, seed, sums, sums_stride) -> bytes read (fewer only at the end of
+# the file); with sums, each piece's checksum (PieceSums) at sums[k * sums_stride]
+PiecesReader = Callable[[int, Any, int, int, int, int, int, Any, int], int]
+# (buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): out[r * out_stride + p] = sum of piece p of row r
+PieceSums = Callable[[Any, int, int, int, int, int, Any, int], None]
 
 
 def transpose_numpy(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> None:
@@ -89,6 +98,10 @@ def pwrite_pieces_python(fd: int, buf: Any, count: int, segment: int, offset: in
             n = os.pwrite(fd, piece, at)
             piece, at = piece[n:], at + n
     return count * segment
+
+
+def _needs_the_compiled_kernel(*args: Any) -> Any:
+    raise RuntimeError("reading a tensor by columns needs the compiled kernel")  # BY_COLUMNS is False then
 
 
 def _compiled() -> Library | None:
@@ -150,9 +163,17 @@ transpose: Kernel = transpose_numpy
 transpose_band: BandKernel = band_numpy
 band_matches: BandCheck = band_check_numpy
 pwrite_pieces: PiecesWriter = pwrite_pieces_python
+pread_pieces: PiecesReader = _needs_the_compiled_kernel
+piece_sums: PieceSums = _needs_the_compiled_kernel
 if _LIBRARY is not None:
     transpose = make_compiled(_LIBRARY.transpose)
     transpose_band = make_band(_LIBRARY.transpose)
     band_matches = make_band_check(_LIBRARY.check)
     pwrite_pieces = _LIBRARY.pwrite_pieces
+    pread_pieces = _LIBRARY.pread_pieces
+    piece_sums = _LIBRARY.piece_sums
 KERNEL_NAME = "compiled" if _LIBRARY is not None else "numpy"
+# Large tensors taken by groups of columns (onepass.py) only with the compiled kernel: without it, each row's
+# piece is a Python call and its checksum numpy temporaries (measured on [8192, 8192] F32: twice the time and
+# 500 MiB of memory), so the fallback keeps to strips of rows.
+BY_COLUMNS = _LIBRARY is not None

@@ -18,6 +18,10 @@
  * syncd_pwrite_pieces(fd, buf, count, segment, offset, stride): the `count` pieces of `segment` bytes of buf,
  * laid end to end, written at offset, offset + stride, ...: the output-row pieces of a tensor transposed in
  * strips, in one call instead of one Python call per piece.
+ * syncd_pread_pieces(fd, buf, count, segment, offset, stride): the reverse, `count` pieces read from offset,
+ * offset + stride, ... into buf end to end: a group of columns of a tensor read row piece by row piece.
+ * syncd_piece_sums(buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): a 64-bit checksum of
+ * every piece of every row, which binds the two reads of a tensor taken by columns (onepass.py).
  */
 #include <errno.h>
 #include <stddef.h>
@@ -215,4 +219,72 @@ EXPORT long long syncd_pwrite_pieces(int fd, const void *buf, isize count, isize
                                      long long stride) {
     long long total = write_pieces(fd, (const char *)buf, count, segment, offset, stride);
     return total < 0 ? -(long long)errno : total;
+}
+
+/* Each 4-byte word w_k of a piece, offset by a constant of its place (seed + k * STEP, mod 2^32), is squared
+ * exactly (a 64-bit product) and the squares are summed mod 2^64. Distinct words have distinct squares, so a
+ * changed word always changes its term, and words that trade places change the sum by 2(a - b)(p - q), which
+ * cannot vanish mod 2^64 for 32-bit differences (a plain sum misses a swap, a weighted sum a sign-bit swap).
+ * SSE2 squares four words per step (pmuludq), near memory speed. */
+#define SUM_STEP 0x9E3779B9u
+
+static uint64_t piece_sum(const char *at, isize words, uint32_t seed) {
+    uint64_t sum = 0;
+    isize k = 0;
+#ifdef __SSE2__
+    __m128i place = _mm_add_epi32(_mm_set1_epi32((int)seed),
+                                  _mm_setr_epi32(0, (int)SUM_STEP, (int)(2u * SUM_STEP), (int)(3u * SUM_STEP)));
+    const __m128i step = _mm_set1_epi32((int)(4u * SUM_STEP));
+    __m128i acc = _mm_setzero_si128();
+    for (; k + 4 <= words; k += 4) {
+        __m128i x = _mm_add_epi32(_mm_loadu_si128((const __m128i *)(at + 4 * k)), place);
+        __m128i odd = _mm_srli_epi64(x, 32);
+        acc = _mm_add_epi64(acc, _mm_mul_epu32(x, x));
+        acc = _mm_add_epi64(acc, _mm_mul_epu32(odd, odd));
+        place = _mm_add_epi32(place, step);
+    }
+    uint64_t lanes[2];
+    _mm_storeu_si128((__m128i *)lanes, acc);
+    sum = lanes[0] + lanes[1];
+#endif
+    for (; k < words; k++) {
+        uint32_t word;
+        memcpy(&word, at + 4 * k, 4);
+        uint64_t x = (uint32_t)(word + seed + (uint32_t)k * SUM_STEP);
+        sum += x * x;
+    }
+    return sum;
+}
+
+/* Every piece whole, or as much as the file holds (a short count means end of file): the bytes read, or -errno.
+ * With `sums`, each piece's checksum goes to sums[k * sums_stride] as soon as it is read, while in cache. */
+EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segment, long long offset,
+                                    long long stride, uint64_t seed, uint64_t *sums, isize sums_stride) {
+    long long total = 0;
+    for (isize k = 0; k < count; k++) {
+        char *piece = (char *)buf + k * segment;
+        isize done = 0;
+        while (done < segment) {
+            ssize_t n = pread(fd, piece + done, (size_t)(segment - done), (off_t)(offset + k * stride + done));
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) return -(long long)errno;
+            if (n == 0) return total + done;
+            done += n;
+        }
+        if (sums) sums[k * sums_stride] = piece_sum(piece, segment / 4, (uint32_t)seed);
+        total += segment;
+    }
+    return total;
+}
+
+EXPORT void syncd_piece_sums(const void *buf, isize rows, isize stride, isize row_bytes, isize piece_bytes,
+                             uint64_t seed, uint64_t *out, isize out_stride) {
+    isize pieces = (row_bytes + piece_bytes - 1) / piece_bytes;
+    for (isize r = 0; r < rows; r++) {
+        const char *row = (const char *)buf + r * stride;
+        for (isize p = 0; p < pieces; p++) {
+            isize start = p * piece_bytes, end = start + piece_bytes < row_bytes ? start + piece_bytes : row_bytes;
+            out[r * out_stride + p] = piece_sum(row + start, (end - start) / 4, (uint32_t)seed);
+        }
+    }
 }

@@ -78,7 +78,7 @@ def _check_geometry(
 
 
 class Library:
-    """The three entry points, with the signatures the CPython extension had."""
+    """The entry points, each checked here before the C side runs."""
 
     def __init__(self, cdll: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -92,6 +92,13 @@ class Library:
         self._pwrite = cdll.syncd_pwrite_pieces
         self._pwrite.argtypes = [ctypes.c_int, void, size, size, ctypes.c_longlong, ctypes.c_longlong]
         self._pwrite.restype = ctypes.c_longlong
+        self._pread = cdll.syncd_pread_pieces
+        self._pread.argtypes = [ctypes.c_int, void, size, size, ctypes.c_longlong, ctypes.c_longlong]
+        self._pread.argtypes += [ctypes.c_uint64, void, size]
+        self._pread.restype = ctypes.c_longlong
+        self._sums = cdll.syncd_piece_sums
+        self._sums.argtypes = [void, size, size, size, size, ctypes.c_uint64, void, size]
+        self._sums.restype = None
 
     def transpose(
         self, src: Any, dst: Any, rows: int, cols: int, itemsize: int, sstride: int, scol: int, stride: int, col: int
@@ -136,3 +143,53 @@ class Library:
         if written < 0:
             raise OSError(-written, os.strerror(-written))
         return int(written)
+
+    def pread_pieces(
+        self,
+        fd: int,
+        buf: Any,
+        count: int,
+        segment: int,
+        offset: int,
+        stride: int,
+        seed: int = 0,
+        sums: Any = None,
+        sums_stride: int = 1,
+    ) -> int:
+        """`count` pieces of `segment` bytes read from offset + k * stride into buf, end to end; the bytes read
+        (fewer only at the end of the file; errors raise OSError). With `sums`, sums[k * sums_stride] = the
+        checksum of piece k (piece_sums), taken as it is read."""
+        data = _Pinned(buf, writable=True)
+        if min(count, segment, offset, stride) < 0 or count * segment > data.nbytes:
+            raise ValueError("bad pieces geometry")
+        address = 0
+        if sums is not None:
+            out = _Pinned(sums, writable=True)
+            _check_sums(data, out, count, segment, segment, max(segment, 8), sums_stride)
+            address = out.address
+        done = self._pread(fd, data.address, count, segment, offset, stride, seed & (2**64 - 1), address, sums_stride)
+        if done < 0:
+            raise OSError(-done, os.strerror(-done))
+        return int(done)
+
+    def piece_sums(
+        self, buf: Any, rows: int, stride: int, row_bytes: int, piece_bytes: int, seed: int, out: Any, out_stride: int
+    ) -> None:
+        """out[r * out_stride + p] = the checksum of piece p (piece_bytes long, the last one what is left) of
+        row r (row_bytes long, rows `stride` bytes apart) of buf: kernels.piece_sums."""
+        data, sums = _Pinned(buf, writable=False), _Pinned(out, writable=True)
+        _check_sums(data, sums, rows, stride, row_bytes, piece_bytes, out_stride)
+        if rows:
+            self._sums(data.address, rows, stride, row_bytes, piece_bytes, seed & (2**64 - 1), sums.address, out_stride)
+
+
+def _check_sums(
+    data: _Pinned, sums: _Pinned, rows: int, stride: int, row_bytes: int, piece_bytes: int, out_stride: int
+) -> None:
+    if min(rows, row_bytes) < 0 or piece_bytes <= 0 or stride < row_bytes or (row_bytes | piece_bytes | stride) % 8:
+        raise ValueError("bad checksum geometry")
+    pieces = -(-row_bytes // piece_bytes)
+    if out_stride < pieces or data.address % 8 or sums.address % 8:
+        raise ValueError("bad checksum geometry")
+    if rows and ((rows - 1) * stride + row_bytes > data.nbytes or ((rows - 1) * out_stride + pieces) * 8 > sums.nbytes):
+        raise ValueError("buffers too small for the checksums")
