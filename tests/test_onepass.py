@@ -1,6 +1,7 @@
 """One pass over the source: exact output with any number of writers and any buffer size, any shape
 and element size, and every fault class the old full read-back caught is still caught without it: a wrong
-offset, a wrong transpose, a torn source, a short write; in tensors transposed whole and in strips alike.
+offset, a wrong transpose, a torn source, a short write; in tensors transposed whole, in strips and by columns
+alike.
 Faults are put in through the pass's `Seam`."""
 
 from __future__ import annotations
@@ -110,18 +111,26 @@ def assert_pass_fails(source: Path, tmp_path: Path, error: type[Exception], matc
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("workers", "slot_bytes", "strip_bytes", "block_bytes"),
+    ("workers", "slot_bytes", "strip_bytes", "block_bytes", "min_column_piece"),
     [
-        (1, onepass.SLOT_BYTES, onepass.STRIP_BYTES, onepass.BLOCK_BYTES),
-        (2, 8192, 16384, 4096),  # strips of several rows
-        (4, 4000, 4000, 1000),  # strips of one row of b.weight
-        (3, 8192, 1 << 20, 7),  # strips holding whole tensors
-        (3, 1 << 20, 1 << 20, 7),
+        (1, onepass.SLOT_BYTES, onepass.STRIP_BYTES, onepass.BLOCK_BYTES, onepass.MIN_COLUMN_PIECE),
+        (2, 8192, 16384, 4096, onepass.MIN_COLUMN_PIECE),  # strips of several rows
+        (4, 4000, 4000, 1000, onepass.MIN_COLUMN_PIECE),  # strips of one row of b.weight
+        (3, 8192, 1 << 20, 7, onepass.MIN_COLUMN_PIECE),  # strips holding whole tensors
+        (3, 1 << 20, 1 << 20, 7, onepass.MIN_COLUMN_PIECE),
+        (2, 8192, 16384, 4096, 8),  # a.weight and b.weight by groups of columns
+        (3, 8192, 16384, 1000, 8),  # the same, hashed in reads shorter than a row of b.weight
     ],
 )
 @pytest.mark.parametrize("inline", [False, True])  # writer threads, or all on the reading thread
 def test_every_tensor_arrives_exact_with_any_writers_and_buffers(
-    tmp_path: Path, workers: int, slot_bytes: int, strip_bytes: int, block_bytes: int, inline: bool
+    tmp_path: Path,
+    workers: int,
+    slot_bytes: int,
+    strip_bytes: int,
+    block_bytes: int,
+    min_column_piece: int,
+    inline: bool,
 ) -> None:
     source = _source(tmp_path)
     output = _Output(source, tmp_path / "out.safetensors")
@@ -131,6 +140,7 @@ def test_every_tensor_arrives_exact_with_any_writers_and_buffers(
         strip_bytes=strip_bytes,
         block_bytes=block_bytes,
         inline_bytes=1 << 30 if inline else 0,
+        min_column_piece=min_column_piece,
     )
     digest = engine.run()
     output.check(engine)
@@ -220,10 +230,12 @@ def _band_checks(library: compiled.Library) -> dict[str, kernels.BandCheck]:
     return {"numpy": kernels.band_check_numpy, "compiled": kernels.make_band_check(library.check)}
 
 
-# the geometries of a transposing pass: tensors read whole; in strips of the strip buffer, several parts each
-WHOLE = {}
+# the geometries of a transposing pass: tensors read whole; in strips of the strip buffer, several parts each;
+# by groups of columns of the strip buffer (a.weight, F32 [300, 170]: 13 columns, 12 for whole 8-byte words)
+WHOLE: dict[str, int] = {}
 STRIPS = {"slot_bytes": 8192, "strip_bytes": 16384, "workers": 3}
-GEOMETRIES = pytest.mark.parametrize("geometry", [WHOLE, STRIPS], ids=["whole", "strips"])
+COLUMNS = {**STRIPS, "min_column_piece": 8}
+GEOMETRIES = pytest.mark.parametrize("geometry", [WHOLE, STRIPS, COLUMNS], ids=["whole", "strips", "columns"])
 
 
 @GEOMETRIES
@@ -377,6 +389,32 @@ def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> N
     assert_pass_fails(
         source, tmp_path, SourceChangedError, "changed while it was being converted", block_bytes=4096, seam=Seam(torn)
     )
+
+
+@pytest.mark.parametrize("rows", ["first", "last"])
+def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(tmp_path: Path, rows: str) -> None:
+    """A tensor taken by columns is read twice: in file order for the hash, by groups of columns for the
+    conversion. A source that changes between the two without its timestamps showing it (a writer through mmap,
+    a network file system's cached attributes) is stood in for by a seam that flips one bit of one piece of the
+    second read: the in-cache checks compare the output with that read and pass, so only the checksums binding
+    the two reads can tell."""
+    source = _source(tmp_path)
+    with SafetensorsReader(source) as reader:
+        window = next((t.offset, t.offset + t.nbytes) for t in reader.tensors if t.name == "a.weight")
+    pieces: list[int] = []
+
+    def flipped(fd: int, buf: memoryview, offset: int) -> int:
+        n = os.preadv(fd, [buf], offset)
+        if window[0] <= offset < window[1] and len(buf) < 170 * 4:  # a row's piece: the read by columns
+            pieces.append(offset)
+            if offset == (window[0] if rows == "first" else window[1] - 8):  # the very first or last piece
+                buf[0] ^= 1
+        return n
+
+    assert_pass_fails(
+        source, tmp_path, SourceChangedError, "changed while it was being converted", seam=Seam(flipped), **COLUMNS
+    )
+    assert len(pieces) == 300 * 15  # every row's piece of each of the 15 groups, each read once
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:
@@ -567,10 +605,14 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, comp
         monkeypatch.setattr(kernels, "transpose_band", kernels.make_band(compiled_kernel.transpose))
         monkeypatch.setattr(kernels, "band_matches", kernels.make_band_check(compiled_kernel.check))
         monkeypatch.setattr(kernels, "pwrite_pieces", compiled_kernel.pwrite_pieces)
+        monkeypatch.setattr(kernels, "pread_pieces", compiled_kernel.pread_pieces)
+        monkeypatch.setattr(kernels, "piece_sums", compiled_kernel.piece_sums)
+        monkeypatch.setattr(kernels, "BY_COLUMNS", True)
     else:
         monkeypatch.setattr(kernels, "transpose_band", kernels.band_numpy)
         monkeypatch.setattr(kernels, "band_matches", kernels.band_check_numpy)
         monkeypatch.setattr(kernels, "pwrite_pieces", kernels.pwrite_pieces_python)
+        monkeypatch.setattr(kernels, "BY_COLUMNS", False)  # without the compiled kernel: strips
     return str(request.param)
 
 
@@ -583,12 +625,21 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, comp
     workers=st.integers(1, 3),
     strip_rows=st.integers(1, 40),
     band_bytes=st.sampled_from([1, 100, 4096, 1 << 20]),
+    by_columns=st.booleans(),
 )
 def test_every_shape_and_element_size_gives_numpys_transpose(
-    kernel: str, rows: int, cols: int, itemsize: int, workers: int, strip_rows: int, band_bytes: int
+    kernel: str,
+    rows: int,
+    cols: int,
+    itemsize: int,
+    workers: int,
+    strip_rows: int,
+    band_bytes: int,
+    by_columns: bool,
 ) -> None:
-    """A matrix behind a few bytes of header, transposed by the pass: in strips of `strip_rows` rows (or
-    whole, when it fits a slot), by 1 to 3 writers, in bands from one column to all of them."""
+    """A matrix behind a few bytes of header, transposed by the pass: in strips of `strip_rows` rows, or by
+    groups of columns as many bytes (where its rows are whole 8-byte words), or whole when it fits a slot; by 1
+    to 3 writers, in bands from one column to all of them."""
     rng = np.random.default_rng(rows * 1000 + cols)
     matrix = rng.integers(0, 256, size=(rows, cols * itemsize), dtype=np.uint8).view(f"u{itemsize}")
     expected = np.ascontiguousarray(matrix.T).tobytes()
@@ -607,9 +658,11 @@ def test_every_shape_and_element_size_gives_numpys_transpose(
                 str(dst),
                 [Move("m", 8, nbytes, 16, itemsize, (rows, cols))],
                 workers=workers,
-                slot_bytes=64 if strip_rows < 20 else 1 << 20,  # strips, or whole
+                # strips, or whole; by columns, a slot holds a row (read whole for the hash) but not the matrix
+                slot_bytes=max(64, cols * itemsize) if by_columns else 64 if strip_rows < 20 else 1 << 20,
                 strip_bytes=strip_rows * cols * itemsize,
                 band_bytes=band_bytes,
+                min_column_piece=8 if by_columns else onepass.MIN_COLUMN_PIECE,
                 inline_bytes=0,
             )
             assert engine.run() == xxhash.xxh3_128_hexdigest(src.read_bytes())

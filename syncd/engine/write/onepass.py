@@ -1,5 +1,6 @@
 """One pass over the source's bytes: each byte is read once into a cache-sized buffer, and that
-read feeds both the identity hash (which takes the bytes in file order) and the conversion. The source is cut
+read feeds both the identity hash (which takes the bytes in file order) and the conversion (but for tensors
+larger than the strip buffer taken by columns, below, read twice and bound by checksums). The source is cut
 into jobs in file order; worker threads, one per core, read, hash (in turn), transform, check and write them
 in parallel.
 
@@ -7,19 +8,25 @@ Memory is bounded whatever the model: by a ring of buffer slots capped in bytes 
 before a job is handed out and given back when its write is done, so no more is read than the writers can
 take; each slot holds at most SLOT_BYTES read and BAND_BYTES transposed), plus one strip buffer (STRIP_BYTES)
 for tensors larger than a slot: 112 + 96 MiB at most on any number of cores, of which a model touches only
-what it needs (the process adds the interpreter and its imports, 30-45 MiB). Buffers are 64-byte aligned
+what it needs (the process adds the interpreter and its imports, 30-45 MiB), and the checksums of a tensor
+taken by columns (SUMS_BYTES at most, 16 bytes per row and group). Buffers are 64-byte aligned
 (reads into buffers at 16 mod 64, where large bytearrays and numpy arrays land, cost three times as much).
 
 What is moved is a list of `Move`s: a source window, a target window, and for transposed tensors the source
 matrix shape. Untransformed tensors (and vectors: a [1, n] or [n, 1] transpose is the same bytes) go in
 BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes whole, one job (unless its output rows are
-longer than a band: a narrow matrix). A larger one goes in strips of
-source rows read in file order into the strip buffer: the writers read a strip's rows in parts, then transpose
-its columns in parts, and each output row receives one piece of the strip's height. The longer the strip, the
-longer the pieces: a strip of STRIP_BYTES over a source of C columns writes pieces of STRIP_BYTES / C bytes
-(24 KiB for 4096 columns), where a slot-sized strip wrote a sixth of that, one Python call each. A tensor up
-to STRIP_BYTES is one strip: its output rows are written whole. Every write lands in a WriteLedger
-(checks.py), every transposed band is checked in cache.
+longer than a band: a narrow matrix). One up to STRIP_BYTES goes as one strip of the strip buffer: the writers
+read its rows in parts, then transpose its columns in parts, its output rows written whole.
+
+A larger one is taken by groups of columns (`_column_width` says when): every source row's piece of the
+group is read into the strip buffer (one call of the compiled kernel per part), and the group's output rows,
+whole and end to end in the output, are written a band at a time. Those reads are not in file order, so the
+tensor's bytes are also read in file order for the hash, and the two reads are bound by a checksum of every
+piece (`_Bound`): this is the one place a source byte is read twice, and what is converted is still proven to
+be what was hashed. Tensors whose geometry does not suit that (rows not whole 8-byte words, output rows longer
+than a band, pieces shorter than MIN_COLUMN_PIECE) go in strips of source rows read in file order, each output
+row receiving one piece of the strip's height per strip. Every write lands in a WriteLedger (checks.py), every
+transposed band is checked in cache.
 
 `Seam` is where tests step into a pass to inject faults (a wrong read, transpose, place or write) without
 reaching into its private methods.
@@ -27,6 +34,7 @@ reaching into its private methods.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import queue
@@ -50,6 +58,8 @@ STRIP_BYTES = 96 << 20  # the strip buffer: larger strips write longer output-ro
 BAND_BYTES = 1 << 20  # transposed output produced and written this much at a time, in cache
 WRITEBACK_BYTES = 32 << 20  # start the disk writes of the output every this many bytes written
 INLINE_BYTES = 16 << 20  # sources up to this size are converted on the calling thread alone
+MIN_COLUMN_PIECE = 512  # shortest row piece a tensor taken by columns reads (below it: strips)
+SUMS_BYTES = 16 << 20  # the checksums binding the two reads of one tensor taken by columns, at most
 RING_BYTES = 112 << 20  # all slots together; with the strip buffer, the buffer memory whatever the model
 # seeds of the sample positions of the in-cache checks: a private generator, seeded from the OS, so that
 # neither a caller's random.seed() nor its use of the module's generator makes the positions predictable
@@ -130,15 +140,16 @@ class _Slot:
 
 
 class _Strip:
-    """Source rows r0:r0+n of a tensor larger than a slot, in the strip buffer, shared by `parts` jobs: each
-    reads its share of the rows, waits until every share is read, then transposes its share of the columns.
-    The last to finish gives the buffer back."""
+    """A block of a tensor larger than a slot in the strip buffer, shared by `parts` jobs: source rows
+    first:first+count (a strip), or every source row's piece of columns first:first+count (a column group,
+    `nbytes` long). Each part reads its share of the rows, waits until every share is read, then transposes its
+    share of the columns. The last to finish gives the buffer back."""
 
-    def __init__(self, buffer: memoryview, move: Move, r0: int, n: int, parts: int) -> None:
+    def __init__(self, buffer: memoryview, move: Move, first: int, count: int, parts: int, nbytes: int) -> None:
         self.whole = buffer  # the strip buffer, given back as it was taken
-        self.buffer = buffer[: n * move.nbytes // move.matrix[0]]  # type: ignore[index]
+        self.buffer = buffer[:nbytes]
         self.move = move
-        self.r0, self.n = r0, n
+        self.first, self.count = first, count
         self.parts = parts
         self.read = 0  # parts whose rows are in the buffer (guarded by OnePass._turn)
         self.left = parts  # parts not finished
@@ -156,6 +167,30 @@ class _Strip:
             free.put(self.whole)
 
 
+class _Bound:
+    """The two reads of a tensor taken by columns: the one in file order that feeds the hash, and the one by
+    column groups that is converted. Each computes the checksum of every row's piece of every group
+    (kernels.piece_sums, seeded afresh per tensor); the last of them to finish compares the two sets. A source
+    rewritten between the reads (which its timestamps may not show: a writer through mmap, a network file
+    system's cached attributes) fails the pass as a changed source: the output never holds bytes other than the
+    ones hashed."""
+
+    def __init__(self, rows: int, groups: int, width: int, contributors: int) -> None:
+        self.groups, self.width = groups, width
+        self.seed = _SEEDS.getrandbits(64)
+        self.hashed = bytearray(rows * groups * 8)
+        self.converted = bytearray(rows * groups * 8)
+        self.left = contributors
+        self.lock = threading.Lock()
+
+    def done(self, path: str) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last and self.hashed != self.converted:
+            raise source_changed(path)
+
+
 class _Writeback:
     """Starts the kernel's writeback of what was written so far, every WRITEBACK_BYTES, without waiting for
     it (sync_file_range SYNC_FILE_RANGE_WRITE): the disk writes overlap the conversion instead of all waiting
@@ -164,7 +199,8 @@ class _Writeback:
     Only the span of whole blocks written since the last call is handed over, not the whole file: the kernel
     walks every page of the range it is given (on the 2 GiB case, whole-file calls were 17% of the CPU), and
     the output-row pieces of a tensor written in strips are not counted: they are left to the fsync, since a
-    page written back before its other pieces arrive is written again."""
+    page written back before its other pieces arrive is written again. (Bands of whole output rows are
+    counted, strips' whole ones and column groups' alike.)"""
 
     SYNC_FILE_RANGE_WRITE = 2
 
@@ -253,6 +289,7 @@ class OnePass:
     band_bytes: int = BAND_BYTES
     strip_bytes: int = STRIP_BYTES
     inline_bytes: int = INLINE_BYTES
+    min_column_piece: int = MIN_COLUMN_PIECE
     ledger: WriteLedger = field(default_factory=WriteLedger)
     progress: Callable[[int], None] | None = None  # told the bytes of each write as it lands
     hasher: Hasher | None = None  # default: a new one of hash_name; given: this file's bytes follow what it had
@@ -417,6 +454,10 @@ class OnePass:
         if move.nbytes <= self.slot_bytes and rows * move.itemsize <= self.band_bytes:
             yield self._transpose_whole, self._free.get(), move
             return
+        width = self._column_width(move)
+        if width:
+            yield from self._column_jobs(move, width)
+            return
         row_bytes = cols * move.itemsize
         if row_bytes > self.strip_bytes:
             raise FormatError(
@@ -428,12 +469,56 @@ class OnePass:
         height = max(1, min(self.strip_bytes // row_bytes, self.band_bytes // move.itemsize))
         # every part of a strip must be running at once (each waits for the others' rows): no more parts
         # than writer threads or slots
-        parts = 1 if self._inline else max(1, min(self.workers, self._slots))
+        parts = self._parts()
         for r0 in range(0, rows, height):
             n = min(height, rows - r0)
-            strip = _Strip(self._strip(), move, r0, n, parts)
+            strip = _Strip(self._strip(), move, r0, n, parts, n * row_bytes)
             for part in range(parts):
                 yield self._strip_part, self._free.get(), strip, part
+
+    def _parts(self) -> int:
+        """Jobs per block of the strip buffer: every part must be running at once (each waits for the others'
+        rows), so no more than writer threads or slots."""
+        return 1 if self._inline else max(1, min(self.workers, self._slots))
+
+    def _column_width(self, move: Move) -> int:
+        """The columns per group when `move` is best taken by columns, else 0.
+
+        A tensor larger than the strip buffer, taken in strips of rows, writes each output row in pieces of the
+        strip's height, and small scattered writes cost the kernel twice what whole ones do (page-cache work per
+        write and per page, measured: 1 s of system time per GiB against 0.5). Taken by groups of columns
+        instead, every source row gives the group a piece (reads, which cost the kernel little), and the group's
+        output rows are whole and lie end to end: one long write each band. The bytes are read twice then (in
+        file order for the hash, by groups for the conversion), bound by checksums (_Bound)."""
+        from syncd.engine.write import kernels
+
+        rows, cols = move.matrix  # type: ignore[misc]
+        item, row_bytes = move.itemsize, cols * move.itemsize
+        if not kernels.BY_COLUMNS:
+            return 0
+        if move.nbytes <= self.strip_bytes or row_bytes % 8 or row_bytes > self.slot_bytes:
+            return 0  # one strip holds it (its output rows are whole), or rows no checksum or slot can take
+        if rows * item > self.band_bytes:
+            return 0  # output rows longer than a band: strips write them in band-sized pieces
+        width = self.strip_bytes // (rows * item)
+        width -= width % (8 // math.gcd(item, 8))  # pieces of whole 8-byte words, for the checksums
+        groups = -(-cols // width) if width else 0
+        if width * item < self.min_column_piece or width >= cols or 2 * rows * groups * 8 > SUMS_BYTES:
+            return 0
+        return width
+
+    def _column_jobs(self, move: Move, width: int) -> Iterator[tuple]:
+        """The tensor's bytes read in file order for the hash, then converted group of columns by group."""
+        rows, cols = move.matrix  # type: ignore[misc]
+        parts = self._parts()
+        groups = -(-cols // width)
+        bound = _Bound(rows, groups, width, 1 + groups * parts)
+        yield self._hash_rows, self._free.get(), move, bound
+        for c0 in range(0, cols, width):
+            n = min(width, cols - c0)
+            group = _Strip(self._strip(), move, c0, n, parts, rows * n * move.itemsize)
+            for part in range(parts):
+                yield self._column_part, self._free.get(), group, part, bound
 
     def _strip(self) -> memoryview:
         """The strip buffer, once the previous strip is done with it (made on first use: a model without large
@@ -444,6 +529,75 @@ class OnePass:
         return self._strips.get()
 
     # -- the writing threads
+
+    def _hash_rows(self, slot: _Slot, move: Move, bound: _Bound) -> None:
+        """A tensor taken by columns, read in file order (whole rows at a time) for the hash and the checksums
+        of its row pieces; nothing is written from this read."""
+        from syncd.engine.write import kernels
+
+        rows, cols = move.matrix  # type: ignore[misc]
+        row_bytes = cols * move.itemsize
+        per = max(1, self.block_bytes // row_bytes)
+        sums = memoryview(bound.hashed)
+        try:
+            for r0 in range(0, rows, per):
+                n = min(per, rows - r0)
+                data = self._read(slot.src(n * row_bytes), move.src_offset + r0 * row_bytes)
+                piece = bound.width * move.itemsize
+                at = r0 * bound.groups * 8
+                kernels.piece_sums(data, n, row_bytes, row_bytes, piece, bound.seed, sums[at:], bound.groups)
+        finally:
+            self._free.put(slot)
+        bound.done(self.src_path)
+
+    def _column_part(self, slot: _Slot, group: _Strip, part: int, bound: _Bound) -> None:
+        """Part `part` of a column group: read its share of the rows' pieces (with their checksums, in cache),
+        wait for the other parts' pieces, transpose its share of the group's columns into whole output rows."""
+        try:
+            move = group.move
+            rows, cols = move.matrix  # type: ignore[misc]
+            item, piece = move.itemsize, group.count * move.itemsize
+            lo, hi = group.share(part, rows)
+            if hi > lo:
+                sums = memoryview(bound.converted)[(lo * bound.groups + group.first // bound.width) * 8 :]
+                start = move.src_offset + (lo * cols + group.first) * item
+                mine = group.buffer[lo * piece : hi * piece]
+                self._read_pieces(mine, hi - lo, piece, start, cols * item, bound, sums)
+            self._wait_for_parts(group)
+            c0, c1 = group.share(part, group.count)
+            self._transpose_columns(slot, move, group.buffer, 0, rows, c0, c1, group.count, group.first)
+        finally:
+            self._free.put(slot)
+            group.leave(self._strips)
+        bound.done(self.src_path)
+
+    def _read_pieces(
+        self, buf: memoryview, count: int, segment: int, offset: int, stride: int, bound: _Bound, sums: memoryview
+    ) -> None:
+        """`count` pieces of the source and their checksums (not hashed: _hash_rows hashes these bytes), in one
+        call of the compiled kernel unless a test stands in the seam's reads."""
+        from syncd.engine.write import kernels
+
+        if self.seam.read is not _preadv:
+            for k in range(count):
+                self._pread(buf[k * segment : (k + 1) * segment], offset + k * stride)
+            kernels.piece_sums(buf, count, segment, segment, segment, bound.seed, sums, bound.groups)
+            return
+        try:
+            fd, seed = self.src_fd, bound.seed
+            done = kernels.pread_pieces(fd, buf, count, segment, offset, stride, seed, sums, bound.groups)
+        except OSError as exc:
+            raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
+        if done < count * segment:
+            raise FormatError("file truncated while it was being converted", self.src_path)
+
+    def _wait_for_parts(self, strip: _Strip) -> None:
+        with self._turn:
+            strip.read += 1
+            self._turn.notify_all()
+            self._turn.wait_for(lambda: strip.read == strip.parts or self._aborted)
+            if self._aborted:
+                raise _Abandoned("conversion abandoned", self.src_path)
 
     def _copy_block(self, slot: _Slot, move: Move, rel: int, n: int) -> None:
         try:
@@ -489,7 +643,7 @@ class OnePass:
         try:
             rows, cols = move.matrix  # type: ignore[misc]
             src = self._read(slot.src(move.nbytes), move.src_offset)
-            self._transpose_columns(slot, move, src, 0, rows, 0, cols)
+            self._transpose_columns(slot, move, src, 0, rows, 0, cols, cols, 0)
         finally:
             self._free.put(slot)
 
@@ -500,42 +654,41 @@ class OnePass:
             move = strip.move
             cols = move.matrix[1]  # type: ignore[index]
             row_bytes = cols * move.itemsize
-            lo, hi = strip.share(part, strip.n)
+            lo, hi = strip.share(part, strip.count)
             if hi > lo:
-                self._read(strip.buffer[lo * row_bytes : hi * row_bytes], move.src_offset + (strip.r0 + lo) * row_bytes)
-            with self._turn:
-                strip.read += 1
-                self._turn.notify_all()
-                self._turn.wait_for(lambda: strip.read == strip.parts or self._aborted)
-                if self._aborted:
-                    raise _Abandoned("conversion abandoned", self.src_path)
+                start = move.src_offset + (strip.first + lo) * row_bytes
+                self._read(strip.buffer[lo * row_bytes : hi * row_bytes], start)
+            self._wait_for_parts(strip)
             c0, c1 = strip.share(part, cols)
-            self._transpose_columns(slot, move, strip.buffer, strip.r0, strip.n, c0, c1)
+            self._transpose_columns(slot, move, strip.buffer, strip.first, strip.count, c0, c1, cols, 0)
         finally:
             self._free.put(slot)
             strip.leave(self._strips)
 
-    def _transpose_columns(self, slot: _Slot, move: Move, src: memoryview, r0: int, n: int, c0: int, c1: int) -> None:
-        """Source rows r0:r0+n (in `src`) become columns r0:r0+n of output rows c0:c1, a band of output rows
-        at a time: each band is transposed, checked, hashed and written while it is in cache (a transposed
-        buffer larger than the cache costs three times as much to write, measured). Byte buffers throughout:
-        with the compiled kernel no numpy is needed (syncd.engine.write.kernels)."""
+    def _transpose_columns(
+        self, slot: _Slot, move: Move, src: memoryview, r0: int, n: int, c0: int, c1: int, width: int, shift: int
+    ) -> None:
+        """`src` holds n source rows from row r0 on, `width` columns each, from column `shift` on; its columns
+        c0:c1 become output rows shift+c0:shift+c1 from column r0 on, a band of output rows at a time: each
+        band is transposed, checked, hashed and written while it is in cache (a transposed buffer larger than
+        the cache costs three times as much to write, measured). Byte buffers throughout: with the compiled
+        kernel no numpy is needed (syncd.engine.write.kernels)."""
         from syncd.engine.write import kernels
 
-        rows, cols = move.matrix  # type: ignore[misc]
+        rows = move.matrix[0]  # type: ignore[index]
         item = move.itemsize
         transpose = self.seam.transpose or kernels.transpose_band
         band = max(1, self.band_bytes // (n * item))
         for first in range(c0, c1, band):
             count = min(band, c1 - first)
             out = slot.out(count * n * item)
-            transpose(src, out, n, cols, item, first, count)
-            if not kernels.band_matches(src, out, n, cols, item, first, count, _SEEDS.getrandbits(64)):
+            transpose(src, out, n, width, item, first, count)
+            if not kernels.band_matches(src, out, n, width, item, first, count, _SEEDS.getrandbits(64)):
                 raise VerificationError(
                     f"tensor '{move.name}': a transposed block does not match its source", self.out_path
                 )
             if n == rows:
-                self._write(move, out, first * rows * item)
+                self._write(move, out, (shift + first) * rows * item)
             else:
                 self._write_pieces(move, out, r0, first, count)
 
