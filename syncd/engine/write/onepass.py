@@ -508,12 +508,15 @@ class OnePass:
         return width
 
     def _column_jobs(self, move: Move, width: int) -> Iterator[tuple]:
-        """The tensor's bytes read in file order for the hash, then converted group of columns by group."""
+        """The tensor's bytes read in file order for the hash, in jobs of whole rows up to a slot (read in
+        parallel, hashed in turn), then converted group of columns by group."""
         rows, cols = move.matrix  # type: ignore[misc]
         parts = self._parts()
         groups = -(-cols // width)
-        bound = _Bound(rows, groups, width, 1 + groups * parts)
-        yield self._hash_rows, self._free.get(), move, bound
+        per = self.slot_bytes // (cols * move.itemsize)  # _column_width: a row fits a slot
+        bound = _Bound(rows, groups, width, -(-rows // per) + groups * parts)
+        for r0 in range(0, rows, per):
+            yield self._hash_rows, self._free.get(), move, bound, r0, min(rows, r0 + per)
         for c0 in range(0, cols, width):
             n = min(width, cols - c0)
             group = _Strip(self._strip(), move, c0, n, parts, rows * n * move.itemsize)
@@ -530,22 +533,16 @@ class OnePass:
 
     # -- the writing threads
 
-    def _hash_rows(self, slot: _Slot, move: Move, bound: _Bound) -> None:
-        """A tensor taken by columns, read in file order (whole rows at a time) for the hash and the checksums
-        of its row pieces; nothing is written from this read."""
+    def _hash_rows(self, slot: _Slot, move: Move, bound: _Bound, r0: int, r1: int) -> None:
+        """Rows r0:r1 of a tensor taken by columns, read in file order for the hash, and the checksums of their
+        pieces; nothing is written from this read."""
         from syncd.engine.write import kernels
 
-        rows, cols = move.matrix  # type: ignore[misc]
-        row_bytes = cols * move.itemsize
-        per = max(1, self.block_bytes // row_bytes)
-        sums = memoryview(bound.hashed)
+        row_bytes = move.matrix[1] * move.itemsize  # type: ignore[index]
+        piece, sums = bound.width * move.itemsize, memoryview(bound.hashed)[r0 * bound.groups * 8 :]
         try:
-            for r0 in range(0, rows, per):
-                n = min(per, rows - r0)
-                data = self._read(slot.src(n * row_bytes), move.src_offset + r0 * row_bytes)
-                piece = bound.width * move.itemsize
-                at = r0 * bound.groups * 8
-                kernels.piece_sums(data, n, row_bytes, row_bytes, piece, bound.seed, sums[at:], bound.groups)
+            data = self._read(slot.src((r1 - r0) * row_bytes), move.src_offset + r0 * row_bytes)
+            kernels.piece_sums(data, r1 - r0, row_bytes, row_bytes, piece, bound.seed, sums, bound.groups)
         finally:
             self._free.put(slot)
         bound.done(self.src_path)
