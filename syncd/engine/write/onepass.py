@@ -508,12 +508,13 @@ class OnePass:
         return width
 
     def _column_jobs(self, move: Move, width: int) -> Iterator[tuple]:
-        """The tensor's bytes read in file order for the hash, in jobs of whole rows up to a slot (read in
-        parallel, hashed in turn), then converted group of columns by group."""
+        """The tensor's bytes read in file order for the hash, in jobs of whole rows up to a block or of one row
+        (read in parallel, hashed and checksummed in cache, hashed in turn), then converted group of columns by
+        group."""
         rows, cols = move.matrix  # type: ignore[misc]
         parts = self._parts()
         groups = -(-cols // width)
-        per = self.slot_bytes // (cols * move.itemsize)  # _column_width: a row fits a slot
+        per = max(1, self.block_bytes // (cols * move.itemsize))  # (_column_width: a row fits a slot)
         bound = _Bound(rows, groups, width, -(-rows // per) + groups * parts)
         for r0 in range(0, rows, per):
             yield self._hash_rows, self._free.get(), move, bound, r0, min(rows, r0 + per)
