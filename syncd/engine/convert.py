@@ -470,6 +470,7 @@ def _write_one_pass(c: Conversion) -> tuple[PublishResult, int]:
                 c.request.hash_name,
                 progress=c.request.progress,
                 prefix=c.source.hash_prefix(),
+                digests=c.request.verify == "full",
             )
         except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
             raise SyncdError.from_os_error("cannot write the output", str(c.dest), exc) from exc
@@ -546,7 +547,15 @@ def _write_shard(
 ) -> None:
     try:
         written = write_planned(
-            scratch.fd, str(scratch.path), header, size, placed, c.source.readers, progress=progress.shard(), part=True
+            scratch.fd,
+            str(scratch.path),
+            header,
+            size,
+            placed,
+            c.source.readers,
+            progress=progress.shard(),
+            part=True,
+            digests=c.request.verify == "full",
         )
     except OSError as exc:  # ENOSPC, EIO, EFBIG... name the file, keep the cause for the daemon
         raise SyncdError.from_os_error("cannot write the output", str(scratch.dest), exc) from exc

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
-from syncd.engine.write.checks import Entry, WriteLedger
+from syncd.engine.write.checks import Entry, Run, WriteLedger
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
@@ -470,19 +470,17 @@ class OnePass:
             self._free.put(slot)
 
     def _write_run(self, run: list[Move], data: memoryview) -> None:
-        """Whole tensors lying end to end in `data` and in the output: one write, an entry per tensor."""
+        """Whole tensors lying end to end in `data` and in the output: one write, recorded as one run (the
+        ledger works out each tensor's entry at the check; a digest per tensor only for the audit)."""
         first = run[0]
         shift = self.seam.place(first.name, first.piece_at) - first.piece_at
         written = self._pwrite(data, first.dst_offset + shift)
         self._writeback.wrote(first.dst_offset + shift, written)
-        whole = written == len(data)  # (a short write: each tensor records what of it arrived)
-        entries = []
-        for move in run:
-            at = move.dst_offset - first.dst_offset
-            arrived = move.nbytes if whole else max(0, min(move.nbytes, written - at))
-            digest = block_digest(data[at : at + arrived])
-            entries.append((move.name, Entry(move.piece_at + shift, arrived, 1, 0, digest)))
-        self.ledger.record_many(entries)
+        digests = None
+        if self.ledger.digests:  # each tensor's bytes as they were handed to the write
+            starts = [m.dst_offset - first.dst_offset for m in run]
+            digests = [block_digest(data[at : min(at + m.nbytes, written)]) for at, m in zip(starts, run, strict=True)]
+        self.ledger.record_run(Run(run, shift, written, digests))
 
     def _transpose_whole(self, slot: _Slot, move: Move) -> None:
         """A tensor up to a slot: read whole, its output rows written whole, a band at a time."""

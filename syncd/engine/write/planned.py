@@ -108,15 +108,17 @@ def write_planned(
     progress: Callable[[int, int], None] | None = None,
     prefix: bytes = b"",
     part: bool = False,
+    digests: bool = True,
 ) -> Written:
     """Write a whole output: `header` at 0, each (spec, absolute start) of `placed`, zeros in between.
     `FromSource` tensors may come from several files (the shards of a set, `readers` in the set's order): one
     pass over each in turn, every one of them feeding one hash, after `prefix` (a set's index). `part`: the
     output takes a part of the source (a shard of an output set): only the span of each file its tensors
-    lie in is read, and no source hash is returned."""
+    lie in is read, and no source hash is returned. `digests`: keep a digest of every small tensor written
+    in a run, for the audit (check_digests); the checks of a fast verification do not read them."""
     os.ftruncate(fd, file_size)
     pwrite_all(fd, header, 0)
-    ledger = WriteLedger()
+    ledger = WriteLedger(digests=digests)
     counted = _Progress(sum(spec.nbytes for spec, _ in placed), progress) if progress else None
     moves = _place(fd, placed, len(header), file_size, ledger, counted)
     hasher = new_hasher(hash_name)
@@ -261,8 +263,12 @@ def verify_full(pieces: Sequence[tuple[FromSource, str, int]], output: TensorFil
 
 def check_digests(ledger: WriteLedger, output: TensorFileReader) -> None:
     """Part of the audit: every write, re-read from the output, has the XXH3-64 it had when it was written
-    (told apart from a difference with the source, this says the bytes changed after syncd wrote them)."""
-    for name, entries in ledger.entries.items():
+    (told apart from a difference with the source, this says the bytes changed after syncd wrote them); a
+    run of small tensors, each of its tensors."""
+    if not ledger.digests:
+        raise VerificationError("the writes were recorded without their digests: nothing to audit", output.path)
+    from_runs = [named for run in ledger.runs for named in run.entries()]
+    for name, entries in [*ledger.entries.items(), *((name, [entry]) for name, entry in from_runs)]:
         if name not in ledger.windows or ledger.windows[name][1] == 0:
             continue
         base = ledger.windows[name][0]
