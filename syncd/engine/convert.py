@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ from syncd.formats.shards import (
     read_index,
     set_stem,
 )
-from syncd.formats.table import TensorSpec
+from syncd.formats.table import TensorInfo, TensorSpec
 
 if TYPE_CHECKING:  # numpy-backed; imported where a conversion needs them (a plain copy does not)
     from syncd.engine.cast import CastCopy, JoinedCast
@@ -597,12 +598,20 @@ def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, digest: str) -> 
 
 
 def _verify_table(c: Conversion, output: TensorFileReader, specs: list[TensorSpec]) -> None:
-    same = c.target.comparable
-    expected = {s.name: (same(s.dtype), s.shape) for s in specs}
-    found = {t.name: (same(t.dtype), t.shape) for t in output.tensors}
+    expected = _table_of(specs, c.target.comparable)
+    found = _table_of(output.tensors, c.target.comparable)
     if expected != found:
         missing = sorted(set(expected) ^ set(found)) or sorted(n for n in expected if expected[n] != found[n])
         raise VerificationError(f"the written tensor table differs from the plan at {missing[:5]}", str(c.dest))
+
+
+_NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
+
+
+def _table_of(tensors: Sequence[TensorSpec | TensorInfo], same: Callable[[str], str]) -> dict[str, tuple[str, Any]]:
+    """name -> (dtype as the format stores it, shape), built in C: it runs over every tensor, twice."""
+    names, dtypes, shapes = map(_NAME, tensors), map(same, map(_DTYPE, tensors)), map(_SHAPE, tensors)
+    return dict(zip(names, zip(dtypes, shapes, strict=True), strict=True))
 
 
 def _naming_file(exc: SyncdError, path: str) -> SyncdError:

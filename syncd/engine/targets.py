@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from syncd.adapters import BURN, PYTORCH, AdapterPlan, PlanEntry
@@ -26,6 +27,8 @@ from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.table import TensorInfo, TensorSpec
 
 Fill = Callable[[Any], None]
+_NAME = attrgetter("name")
+_PARAM_ID = attrgetter("param_id")
 
 
 class Target(ABC):
@@ -123,8 +126,9 @@ class BurnpackTarget(Target):
         return plan.header, plan.file_size, [plan.data_start + start for start in plan.starts]
 
     def check_written(self, specs: list[TensorSpec], output: TensorFileReader, dest: str) -> None:
-        ids = {s.name: s.param_id for s in specs}
-        if any(ids[t.name] != t.param_id for t in output.tensors):
+        ids = dict(zip(map(_NAME, specs), map(_PARAM_ID, specs), strict=True))
+        # each written tensor's planned id against the one read back, both lists built in C (once per tensor)
+        if list(map(ids.__getitem__, map(_NAME, output.tensors))) != list(map(_PARAM_ID, output.tensors)):
             raise VerificationError("param_ids differ after writing", dest)
 
 

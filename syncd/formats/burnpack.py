@@ -536,8 +536,9 @@ def plan_burnpack(
 
 
 def _descriptor_doc(spec: TensorSpec, start: int) -> dict[str, Any]:
+    dtype = spec.dtype
     doc: dict[str, Any] = {
-        "dtype": encode_dtype(spec.dtype, spec.raw_dtype),
+        "dtype": dtype if dtype in UNIT_DTYPES else encode_dtype(dtype, spec.raw_dtype),  # (a unit dtype is its name)
         "shape": list(spec.shape),
         "data_offsets": [start, start + spec.nbytes],
     }
@@ -556,6 +557,8 @@ def validate_specs(specs: Sequence[TensorSpec]) -> None:
     """Refuse anything Burn's reader would refuse (docs/burn-format.md#reader-limits)."""
     if len(specs) > MAX_TENSOR_COUNT:
         raise FormatError(f"{len(specs)} tensors exceed Burn's maximum of {MAX_TENSOR_COUNT}")
+    if _plain_specs(specs):
+        return
     seen: set[str] = set()
     for spec in specs:
         check_name(spec.name, None)
@@ -579,6 +582,29 @@ def validate_specs(specs: Sequence[TensorSpec]) -> None:
             )
         if spec.param_id is not None and not (isinstance(spec.param_id, int) and 0 <= spec.param_id < U64_LIMIT):
             raise FormatError(f"param_id {spec.param_id} is not an unsigned 64-bit integer", tensor=spec.name)
+
+
+def _plain_specs(specs: Sequence[TensorSpec]) -> bool:
+    """Whether every spec is plainly well formed, in one loop without a call per spec (it runs once per
+    tensor): a name with a module path, given once, a unit dtype, a size its plain shape agrees with, within
+    Burn's limit, a plain param_id. Else validate_specs checks them one by one, naming what is wrong."""
+    names = {spec.name for spec in specs}
+    if len(names) != len(specs):
+        return False
+    itemsizes, rank, dim_limit = _UNIT_ITEMSIZE, PLAIN_RANK, PLAIN_DIM
+    for spec in specs:
+        size, shape, param_id = itemsizes.get(spec.dtype, -1), spec.shape, spec.param_id
+        if size < 0 or type(shape) not in (tuple, list) or len(shape) > rank:
+            return False
+        for dim in shape:
+            if type(dim) is not int or not 0 <= dim < dim_limit:
+                return False
+            size *= dim
+        if size != spec.nbytes or size > MAX_TENSOR_SIZE or not has_module_path(spec.name):
+            return False
+        if param_id is not None and not (type(param_id) is int and 0 <= param_id < U64_LIMIT):
+            return False
+    return True
 
 
 def _plain_param_id(spec: TensorSpec) -> bool:
