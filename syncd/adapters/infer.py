@@ -156,7 +156,7 @@ def kind_of(module: Module, sources: KindSources) -> ModuleKind:
         defined = _defined_kind(module, sources.definition)
         if defined is not None:
             return defined
-    recorded = _recorded_kind(module, sources.recorded.get(module.path))
+    recorded = _recorded_kind(module, sources.recorded.get(module.path)) if sources.recorded else None
     if recorded is not None:
         return recorded
     if sources.architecture is not None:
@@ -456,11 +456,11 @@ def _require(module: Module, ok: bool, rule: ModuleRule, source: str, what: str)
 
 def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
     """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it."""
+    if kind.kind in NORM_KINDS or kind.kind == PRELU:  # (a side's names once each: one reason per side)
+        return [Evidence(module.path, side, reason) for side, reason in _names_shown(frozenset(module.params))]
     found: dict[tuple[str, bool], list[str]] = {}
     if kind.kind == LINEAR:
         _linear_evidence(module, found)
-    elif kind.kind in NORM_KINDS or kind.kind == PRELU:
-        _name_evidence(module, found)
     return [Evidence(module.path, layout, "; ".join(reasons), strong) for (layout, strong), reasons in found.items()]
 
 
@@ -475,16 +475,10 @@ def _linear_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -
         found.setdefault((PYTORCH if bias[0] == weight[0] else BURN, False), []).append(reason)
 
 
-def _name_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -> None:
-    # Norm and PRelu parameter names differ by side (docs/burn-adapters.md#norms); num_batches_tracked is
-    # PyTorch-only.
-    for side, reason in _names_shown(frozenset(module.params)):
-        found.setdefault((side, True), []).append(reason)
-
-
 @functools.lru_cache(maxsize=256)
 def _names_shown(leaves: frozenset[str]) -> tuple[tuple[str, str], ...]:
-    """(layout, reason) for each side whose parameter names are among `leaves`: worked out once per set."""
+    """(layout, reason) for each side whose parameter names are among `leaves`: worked out once per set. Norm
+    and PRelu parameter names differ by side (docs/burn-adapters.md#norms); num_batches_tracked is PyTorch-only."""
     pytorch_names = [leaf for leaf in ("weight", "bias", "num_batches_tracked") if leaf in leaves]
     burn_names = [leaf for leaf in ("gamma", "beta", "alpha") if leaf in leaves]
     shown = []

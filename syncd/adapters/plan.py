@@ -73,6 +73,9 @@ class _Step:
     transpose: bool = False
 
 
+_DROPPED = _Step(None)
+
+
 def plan_conversion(
     tensors: Sequence[TensorRef],
     *,
@@ -98,7 +101,7 @@ def plan_conversion(
     sources = KindSources(module_map, dict(context.recorded_kinds), architecture, context.definition)
     packed = find_packed(tensors, sources)
     in_packed = {t.name for module in packed for t in module.tensors.values()}
-    modules = group_modules(t for t in tensors if t.name not in in_packed)
+    modules = group_modules((t for t in tensors if t.name not in in_packed) if in_packed else tensors)
     classified = [(module, kind_of(module, sources)) for module in modules]
     vocab = _vocab_size(context.config)
     classified = order_vocab_options(settle_output_heads(classified, decoder_lm_class(context.config), vocab), vocab)
@@ -501,7 +504,8 @@ def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
 
 def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _Step], str]:
     changes, action = _leaf_changes(kind, target, frozenset(module.params))
-    steps = {module.params[leaf].name: _Step(_with_leaf(module, new) if new else None) for leaf, new in changes}
+    prefix = f"{module.path}." if module.path else ""  # _with_leaf, inline: once per norm of the model
+    steps = {module.params[leaf].name: _Step(prefix + new) if new else _DROPPED for leaf, new in changes}
     return steps, action
 
 

@@ -135,7 +135,10 @@ def final_names(entries: Sequence[PlanEntry], options: StoreOptions) -> dict[str
     """Each entry's target -> its final name: the rules on its source names, then the adapter's own change of
     the name (a norm's leaf, a packed tensor's pieces) on the remapped name, then contiguous indices."""
     check_modules_move_whole(entries, options.remap)
-    mapped = {entry.target: _remapped_target(entry, options.remap) for entry in entries}
+    if options.remap:
+        mapped = {entry.target: _remapped_target(entry, options.remap) for entry in entries}
+    else:  # no rules: every target as the adapter named it (without a call per tensor)
+        mapped = {entry.target: entry.target for entry in entries}
     if options.map_indices_contiguous:
         renumbered = contiguous_indices(list(dict.fromkeys(mapped.values())))
         mapped = {target: renumbered[new] for target, new in mapped.items()}
