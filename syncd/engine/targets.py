@@ -103,10 +103,16 @@ class BurnpackTarget(Target):
 
     def tensor_spec(self, source: Source, carried: carry.Carried, entry: PlanEntry, fill: Fill) -> TensorSpec:
         info = source.tensor(entry.source)
-        dtype, raw = _burn_dtype(source, carried, info)
-        own = info.param_id if not entry.is_piecewise else None  # a piece is not its packed source
+        if source.header.format == BURNPACK:  # (_burn_dtype's first case, inline: it runs once per tensor)
+            dtype, raw = info.dtype, info.raw_dtype
+        else:
+            dtype, raw = _burn_dtype(source, carried, info)
+        if entry.rows is None and not entry.parts:  # one whole source tensor (most entries)
+            own, nbytes = info.param_id, info.nbytes
+        else:  # a piece is not its packed source
+            own, nbytes = None, _nbytes(entry, info)
         param_id = own if own is not None or not carried.param_ids else carried.param_ids.get(carried_name(entry))
-        return TensorSpec(entry.target, dtype, entry.shape, _nbytes(entry, info), fill, param_id, raw)
+        return TensorSpec(entry.target, dtype, entry.shape, nbytes, fill, param_id, raw)
 
     def metadata(
         self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
