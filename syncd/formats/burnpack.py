@@ -12,8 +12,9 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import cbor2
 
@@ -29,7 +30,6 @@ from syncd.formats.fileio import (
     write_zeros,
 )
 from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
-from syncd.records import cheap_init
 
 NAME = "burnpack"  # described in registry.py
 MAGIC = 0x4255524E
@@ -149,9 +149,10 @@ class BurnpackReader(TensorFileReader):
         )
 
 
-@cheap_init
-@dataclass(frozen=True)
-class _Descriptor:
+class _Descriptor(NamedTuple):
+    """One descriptor as read, before the data section's start is known (then a TensorInfo). A tuple, made
+    through `_descriptor` (tuple.__new__, no Python frame): one per tensor, at a third of a dataclass's cost."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -159,6 +160,9 @@ class _Descriptor:
     end: int
     param_id: int | None
     raw_dtype: Any
+
+
+_descriptor = partial(tuple.__new__, _Descriptor)
 
 
 class _RejectEveryTag(Mapping):
@@ -331,7 +335,7 @@ def parse_descriptors(tensors_doc: dict[str, Any], path: str) -> list[_Descripto
                     and (param_id is None or type(param_id) is int and 0 <= param_id < U64_LIMIT)
                     and has_module_path(name)
                 ):
-                    append(_Descriptor(name, raw, tuple(shape), start, end, param_id, raw))
+                    append(_descriptor((name, raw, tuple(shape), start, end, param_id, raw)))
                     continue
         append(parse_descriptor(name, desc, path))
     return descriptors
@@ -359,7 +363,7 @@ def _plain_descriptor(name: str, desc: Any) -> _Descriptor | None:
         return None
     if plain_byte_length(raw, desc["shape"]) != end - start or not has_module_path(name):
         return None
-    return _Descriptor(name, raw, tuple(desc["shape"]), start, end, param_id, raw)
+    return _descriptor((name, raw, tuple(desc["shape"]), start, end, param_id, raw))
 
 
 def _checked_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
@@ -395,7 +399,7 @@ def _checked_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
     expected = byte_length(dtype, shape_t)
     if expected is not None and expected != end - start:
         raise fail(f"declares {end - start} bytes but its shape {list(shape_t)} and dtype {dtype} need {expected}")
-    return _Descriptor(name, dtype, shape_t, start, end, param_id, desc["dtype"])
+    return _descriptor((name, dtype, shape_t, start, end, param_id, desc["dtype"]))
 
 
 def check_name(name: str, path: str | None) -> None:
