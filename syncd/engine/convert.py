@@ -30,8 +30,8 @@ from syncd.adapters import (
     AdapterPlan,
     ModuleMap,
     PlanEntry,
-    TensorRef,
     plan_conversion,
+    tensor_ref,
 )
 from syncd.engine import carry, hashing
 from syncd.engine.context import gather_context, states_every_module
@@ -294,7 +294,7 @@ def _adapt(
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
     try:
         # renames a syncd output carried are undone first: context, maps and inference see the original names
-        refs, real = undo_renames([TensorRef(t.name, t.dtype, t.shape) for t in source.tensors], carried.renames)
+        refs, real = undo_renames([tensor_ref((t.name, t.dtype, t.shape)) for t in source.tensors], carried.renames)
         # our own record of what we wrote, the file's metadata and the config.json beside it
         mapped = states_every_module(request.module_map, (ref.name for ref in refs))
         context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds, mapped)
