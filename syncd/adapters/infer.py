@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from syncd.adapters.evidence import Architecture, matrix_name_kind, suggested_matrix_kind, vector_name_kind
 from syncd.adapters.model import (
@@ -110,13 +111,17 @@ class KindSources:
     definition: ModelDefinition | None = None  # the model's own module types: strongest after the map
 
 
-@cheap_init
-@dataclass(frozen=True)
-class Evidence:
+class Evidence(NamedTuple):
+    """What a module's tensors say about the file's layout. A named tuple: one is made per module, by
+    `_evidence` without a Python frame (a third of a frozen dataclass's cost)."""
+
     module: str
     layout: str
     reason: str
     strong: bool = True  # names and metadata; False for "a bias matches dim N", which they outrank
+
+
+_evidence = functools.partial(tuple.__new__, Evidence)  # _evidence((module, layout, reason, strong))
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -457,7 +462,7 @@ def _require(module: Module, ok: bool, rule: ModuleRule, source: str, what: str)
 def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
     """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it."""
     if kind.kind in NORM_KINDS or kind.kind == PRELU:  # (a side's names once each: one reason per side)
-        return [Evidence(module.path, side, reason) for side, reason in _names_shown(frozenset(module.params))]
+        return [_evidence((module.path, side, reason, True)) for side, reason in _names_shown(frozenset(module.params))]
     found: dict[tuple[str, bool], list[str]] = {}
     if kind.kind == LINEAR:
         _linear_evidence(module, found)

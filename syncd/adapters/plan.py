@@ -6,7 +6,7 @@ import functools
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from syncd.adapters.evidence import architecture_for, decoder_lm_class, metadata_layout
 from syncd.adapters.infer import (
@@ -49,7 +49,6 @@ from syncd.adapters.modulemap import ModuleMap
 from syncd.adapters.packed import PackedModule, find_packed, packed_entries
 from syncd.errors import SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import ITEMSIZE
-from syncd.records import cheap_init
 
 # Leaf renames PyTorch -> Burn (docs/burn-adapters.md#norms: Burn renames the norms; not PRelu, which Burn's own adapter
 # leaves alone, and InstanceNorm, which it skips: we rename both).
@@ -64,15 +63,15 @@ _NO_BURN_SLOT = {
 _LIST_LIMIT = 6  # names shown in a one-line error before "and N more"
 
 
-@cheap_init
-@dataclass(frozen=True)
-class _Step:
-    """What happens to one source tensor."""
+class _Step(NamedTuple):
+    """What happens to one source tensor. A named tuple: one is made per renamed tensor, by `_step` without
+    a Python frame (a third of a frozen dataclass's cost)."""
 
     target: str | None  # None: dropped
     transpose: bool = False
 
 
+_step = functools.partial(tuple.__new__, _Step)  # _step((target, transpose))
 _DROPPED = _Step(None)
 
 
@@ -505,7 +504,7 @@ def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
 def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _Step], str]:
     changes, action = _leaf_changes(kind, target, frozenset(module.params))
     prefix = f"{module.path}." if module.path else ""  # _with_leaf, inline: once per norm of the model
-    steps = {module.params[leaf].name: _Step(prefix + new) if new else _DROPPED for leaf, new in changes}
+    steps = {module.params[leaf].name: _step((prefix + new, False)) if new else _DROPPED for leaf, new in changes}
     return steps, action
 
 
