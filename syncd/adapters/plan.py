@@ -44,6 +44,7 @@ from syncd.adapters.model import (
     LayoutAmbiguityError,
     PlanEntry,
     TensorRef,
+    plan_entry,
 )
 from syncd.adapters.modulemap import ModuleMap
 from syncd.adapters.packed import PackedModule, find_packed, packed_entries
@@ -563,12 +564,12 @@ def _build_plan(
             continue
         step = steps.get(tensor.name)
         if step is None:  # most tensors: copied under their own name
-            entries.append(PlanEntry(tensor.name, tensor.name, False, tensor.shape))
+            entries.append(plan_entry((tensor.name, tensor.name, False, tensor.shape, None, ())))
         elif step.target is None:
             dropped.append(tensor.name)
         else:
             shape = tensor.shape[::-1] if step.transpose else tensor.shape
-            entries.append(PlanEntry(tensor.name, step.target, step.transpose, shape))
+            entries.append(plan_entry((tensor.name, step.target, step.transpose, shape, None, ())))
     _check_no_collisions(entries)
     return AdapterPlan(entries, dropped, source, target, decisions)
 

@@ -260,5 +260,5 @@ def index_gaps(names: Iterable[str]) -> list[tuple[str, list[int]]]:
 
 def _with_real_sources(entry: PlanEntry, real: dict[str, str], target: str) -> PlanEntry:
     """The entry under its final name, reading the file's real names (a joined entry's parts too)."""
-    parts = tuple(replace(part, source=real[part.source]) for part in entry.parts)
-    return replace(entry, source=real[entry.source], target=target, parts=parts)
+    parts = tuple(part._replace(source=real[part.source]) for part in entry.parts)
+    return entry._replace(source=real[entry.source], target=target, parts=parts)
