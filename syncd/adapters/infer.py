@@ -44,7 +44,6 @@ from syncd.adapters.model import (
 )
 from syncd.adapters.modulemap import ModuleMap, ModuleRule
 from syncd.errors import ConfigError, UnsupportedError
-from syncd.records import cheap_init
 
 RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 PYTORCH_AFFINE = frozenset({"weight", "bias"})
@@ -88,9 +87,10 @@ class Module:
         return self.params[leaf].shape
 
 
-@cheap_init
-@dataclass(frozen=True)
-class ModuleKind:
+class ModuleKind(NamedTuple):
+    """What a module is, and why. A named tuple: one is made per module, the common ones by `_module_kind`
+    without a Python frame (a third of a frozen dataclass's cost)."""
+
     path: str
     kind: str  # a MAP_KINDS kind, NORM, CONV or UNKNOWN
     reason: str  # why, in words, for the decision line
@@ -98,6 +98,9 @@ class ModuleKind:
     options: tuple[str, ...] = ()  # for UNKNOWN: kinds a module map could state, the likelier first
     by: str = BY_SHAPE  # where the kind came from: BY_MAP, BY_RECORD, BY_CONFIG, BY_NAME or BY_SHAPE
     pending: str | None = None  # LONE_GAMMA / LONE_WEIGHT: the file's layout may still settle it
+
+
+_module_kind = functools.partial(tuple.__new__, ModuleKind)  # every field, in order
 
 
 @dataclass(frozen=True)
@@ -360,12 +363,12 @@ def _infer_matrix(module: Module, weight: tuple[int, ...], bias: tuple[int, ...]
         )
     if bias[0] not in weight:
         return _unknown(module, f"bias {list(bias)} fits neither dimension of weight {list(weight)}")
-    return ModuleKind(module.path, LINEAR, _linear_reason(weight, bias))
+    return _module_kind((module.path, LINEAR, _linear_reason(weight, bias), None, (), BY_SHAPE, None))
 
 
 def _infer_vector(module: Module, weight: tuple[int, ...], bias: tuple[int, ...] | None) -> ModuleKind:
-    if bias == weight:
-        return ModuleKind(module.path, NORM, _norm_reason(weight))
+    if bias == weight:  # (a model's many norms)
+        return _module_kind((module.path, NORM, _norm_reason(weight), None, (), BY_SHAPE, None))
     if bias is None:
         return _lone_vector(module, "weight")
     return _unknown(module, f"1-D weight {list(weight)} with bias {list(bias)}")
