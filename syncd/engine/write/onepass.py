@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
@@ -214,6 +215,9 @@ def _raise_first(futures: list[Future[None]]) -> None:
         raise failure  # type: ignore[misc]
 
 
+_SRC_OFFSET = attrgetter("src_offset")  # (the key of every move, in C)
+
+
 def _runs(moves: list[Move]) -> Iterator[list[Move]]:
     """`moves` (in source order) in runs, each lying end to end in both the source and the output."""
     run: list[Move] = []
@@ -321,7 +325,7 @@ class OnePass:
         cursor, end = self.window or (0, self.src_size)
         batch_start = self._hashed_to = cursor
         batch: list[Move] = []
-        for move in sorted(self.moves, key=lambda m: m.src_offset):
+        for move in sorted(self.moves, key=_SRC_OFFSET):
             if move.src_offset < cursor:
                 raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
             small = move.matrix is None and 0 < move.nbytes < self.block_bytes
