@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from syncd.engine.write import kernels, onepass
+from syncd.engine.write.checks import WriteLedger
 from syncd.engine.write.kernels import compiled
 from syncd.engine.write.onepass import Move, OnePass, Seam
 from syncd.engine.write.planned import check_digests
@@ -716,5 +717,47 @@ def test_a_run_of_small_tensors_written_short_or_misplaced_is_caught(tmp_path: P
     engine = output.engine(workers=2, block_bytes=1024, seam=seam)  # a run per 1 KiB batch
     engine.run()
     with pytest.raises(VerificationError, match="was not written exactly once in full"):
+        output.check(engine)
+    output.close()
+
+
+def test_the_audit_finds_a_small_tensor_changed_after_its_run_was_written(tmp_path: Path) -> None:
+    output = _many_small(tmp_path)
+    engine = output.engine(workers=2, block_bytes=1024)  # runs of a few tensors each
+    engine.run()
+    output.check(engine)
+    assert engine.ledger.runs and not engine.ledger.entries  # every tensor went in a run
+    with SafetensorsReader(output.dest) as out:
+        check_digests(engine.ledger, out)
+        for name in ("t000.bias", "t101.bias", "t199.bias"):  # first, middle and last of their runs or not
+            where = out.tensor(name).offset + 5
+            original = os.pread(output.fd, 1, where)
+            os.pwrite(output.fd, bytes([original[0] ^ 1]), where)
+            with pytest.raises(VerificationError, match=f"'{name}' reads back different"):
+                check_digests(engine.ledger, out)
+            os.pwrite(output.fd, original, where)
+    output.close()
+
+
+def test_a_ledger_kept_without_digests_checks_the_writes_but_refuses_an_audit(tmp_path: Path) -> None:
+    output = _many_small(tmp_path)
+    engine = output.engine(workers=2, block_bytes=1024, ledger=WriteLedger(digests=False))
+    engine.run()
+    output.check(engine)
+    with SafetensorsReader(output.dest) as out, pytest.raises(VerificationError, match="without their digests"):
+        check_digests(engine.ledger, out)
+    output.close()
+
+
+def test_a_small_tensor_written_twice_is_caught(tmp_path: Path) -> None:
+    """A run that lands whole and in place still counts each of its tensors once: one written again (here
+    by a second pass over the same source) no longer tiles its window exactly once."""
+    output = _many_small(tmp_path)
+    engine = output.engine(workers=2, block_bytes=1024)
+    engine.run()
+    again = output.engine(workers=2, block_bytes=1024, ledger=engine.ledger)
+    again.moves = [m for m in again.moves if m.name == "t150.bias"]
+    again.run()
+    with pytest.raises(VerificationError, match="'t150.bias' was not written exactly once in full"):
         output.check(engine)
     output.close()

@@ -13,7 +13,8 @@ the converter must do:
 
 API
 ---
-``TensorRef(name: str, dtype: str, shape: tuple[int, ...])``
+``TensorRef(name: str, dtype: str, shape: tuple[int, ...])``, a named tuple (`tensor_ref((name, dtype, shape))`
+makes one without a Python frame, for whole tables)
 ``PlanEntry(source: str, target: str, transpose: bool, shape: tuple[int, ...], rows=None, parts=())``
     `rows` (r0, r1): the output is only those rows of the source's first dimension (a piece of a PyTorch packed
     tensor going to Burn); `parts`: the output is these entries' outputs end to end (Burn's pieces joined back
@@ -109,6 +110,7 @@ from syncd.adapters.model import (
     ModelDefinition,
     PlanEntry,
     TensorRef,
+    tensor_ref,
 )
 from syncd.adapters.modulemap import MapProblem, ModuleMap, parse_module_map
 from syncd.adapters.plan import apply_plan, plan_conversion
@@ -132,4 +134,5 @@ __all__ = [
     "apply_plan",
     "parse_module_map",
     "plan_conversion",
+    "tensor_ref",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from syncd.adapters.evidence import Architecture, matrix_name_kind, suggested_matrix_kind, vector_name_kind
 from syncd.adapters.model import (
@@ -43,7 +44,6 @@ from syncd.adapters.model import (
 )
 from syncd.adapters.modulemap import ModuleMap, ModuleRule
 from syncd.errors import ConfigError, UnsupportedError
-from syncd.records import cheap_init
 
 RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 PYTORCH_AFFINE = frozenset({"weight", "bias"})
@@ -87,9 +87,10 @@ class Module:
         return self.params[leaf].shape
 
 
-@cheap_init
-@dataclass(frozen=True)
-class ModuleKind:
+class ModuleKind(NamedTuple):
+    """What a module is, and why. A named tuple: one is made per module, the common ones by `_module_kind`
+    without a Python frame (a third of a frozen dataclass's cost)."""
+
     path: str
     kind: str  # a MAP_KINDS kind, NORM, CONV or UNKNOWN
     reason: str  # why, in words, for the decision line
@@ -97,6 +98,9 @@ class ModuleKind:
     options: tuple[str, ...] = ()  # for UNKNOWN: kinds a module map could state, the likelier first
     by: str = BY_SHAPE  # where the kind came from: BY_MAP, BY_RECORD, BY_CONFIG, BY_NAME or BY_SHAPE
     pending: str | None = None  # LONE_GAMMA / LONE_WEIGHT: the file's layout may still settle it
+
+
+_module_kind = functools.partial(tuple.__new__, ModuleKind)  # every field, in order
 
 
 @dataclass(frozen=True)
@@ -110,13 +114,17 @@ class KindSources:
     definition: ModelDefinition | None = None  # the model's own module types: strongest after the map
 
 
-@cheap_init
-@dataclass(frozen=True)
-class Evidence:
+class Evidence(NamedTuple):
+    """What a module's tensors say about the file's layout. A named tuple: one is made per module, by
+    `_evidence` without a Python frame (a third of a frozen dataclass's cost)."""
+
     module: str
     layout: str
     reason: str
     strong: bool = True  # names and metadata; False for "a bias matches dim N", which they outrank
+
+
+_evidence = functools.partial(tuple.__new__, Evidence)  # _evidence((module, layout, reason, strong))
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -156,7 +164,7 @@ def kind_of(module: Module, sources: KindSources) -> ModuleKind:
         defined = _defined_kind(module, sources.definition)
         if defined is not None:
             return defined
-    recorded = _recorded_kind(module, sources.recorded.get(module.path))
+    recorded = _recorded_kind(module, sources.recorded.get(module.path)) if sources.recorded else None
     if recorded is not None:
         return recorded
     if sources.architecture is not None:
@@ -355,12 +363,12 @@ def _infer_matrix(module: Module, weight: tuple[int, ...], bias: tuple[int, ...]
         )
     if bias[0] not in weight:
         return _unknown(module, f"bias {list(bias)} fits neither dimension of weight {list(weight)}")
-    return ModuleKind(module.path, LINEAR, _linear_reason(weight, bias))
+    return _module_kind((module.path, LINEAR, _linear_reason(weight, bias), None, (), BY_SHAPE, None))
 
 
 def _infer_vector(module: Module, weight: tuple[int, ...], bias: tuple[int, ...] | None) -> ModuleKind:
-    if bias == weight:
-        return ModuleKind(module.path, NORM, _norm_reason(weight))
+    if bias == weight:  # (a model's many norms)
+        return _module_kind((module.path, NORM, _norm_reason(weight), None, (), BY_SHAPE, None))
     if bias is None:
         return _lone_vector(module, "weight")
     return _unknown(module, f"1-D weight {list(weight)} with bias {list(bias)}")
@@ -456,11 +464,11 @@ def _require(module: Module, ok: bool, rule: ModuleRule, source: str, what: str)
 
 def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
     """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it."""
+    if kind.kind in NORM_KINDS or kind.kind == PRELU:  # (a side's names once each: one reason per side)
+        return [_evidence((module.path, side, reason, True)) for side, reason in _names_shown(frozenset(module.params))]
     found: dict[tuple[str, bool], list[str]] = {}
     if kind.kind == LINEAR:
         _linear_evidence(module, found)
-    elif kind.kind in NORM_KINDS or kind.kind == PRELU:
-        _name_evidence(module, found)
     return [Evidence(module.path, layout, "; ".join(reasons), strong) for (layout, strong), reasons in found.items()]
 
 
@@ -475,16 +483,10 @@ def _linear_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -
         found.setdefault((PYTORCH if bias[0] == weight[0] else BURN, False), []).append(reason)
 
 
-def _name_evidence(module: Module, found: dict[tuple[str, bool], list[str]]) -> None:
-    # Norm and PRelu parameter names differ by side (docs/burn-adapters.md#norms); num_batches_tracked is
-    # PyTorch-only.
-    for side, reason in _names_shown(frozenset(module.params)):
-        found.setdefault((side, True), []).append(reason)
-
-
 @functools.lru_cache(maxsize=256)
 def _names_shown(leaves: frozenset[str]) -> tuple[tuple[str, str], ...]:
-    """(layout, reason) for each side whose parameter names are among `leaves`: worked out once per set."""
+    """(layout, reason) for each side whose parameter names are among `leaves`: worked out once per set. Norm
+    and PRelu parameter names differ by side (docs/burn-adapters.md#norms); num_batches_tracked is PyTorch-only."""
     pytorch_names = [leaf for leaf in ("weight", "bias", "num_batches_tracked") if leaf in leaves]
     burn_names = [leaf for leaf in ("gamma", "beta", "alpha") if leaf in leaves]
     shown = []

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 from syncd.errors import AmbiguousLayoutError
-from syncd.records import cheap_init
 
 # Layout names: which side of a Linear weight is [out], norm parameter names... A file is in one layout (a
 # converter never mixes them inside one file); each target format is written in its own (engine/targets.py).
@@ -78,14 +78,16 @@ BY_NAME = "name"
 BY_SHAPE = "shapes"
 
 
-@cheap_init
-@dataclass(frozen=True)
-class TensorRef:
-    """One tensor of a table: all the adapters ever look at (never bytes)."""
+class TensorRef(NamedTuple):
+    """One tensor of a table: all the adapters ever look at (never bytes). A named tuple: a table is made of
+    one per tensor, which `tensor_ref` makes without a Python frame (a third of a frozen dataclass's cost)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+
+
+tensor_ref = partial(tuple.__new__, TensorRef)  # tensor_ref((name, dtype, shape))
 
 
 @dataclass(frozen=True)
@@ -115,12 +117,11 @@ class FileContext:
     definition: ModelDefinition | None = None  # the module types of the model config.json names, if built
 
 
-@cheap_init
-@dataclass(frozen=True)
-class PlanEntry:
+class PlanEntry(NamedTuple):
     """How one output tensor is made: from one source tensor, or from rows `rows` of it (a piece of a
     PyTorch packed tensor going to Burn), or from `parts` laid end to end (Burn's pieces joined back into
-    the packed tensor, docs/burn-adapters.md#packed-modules)."""
+    the packed tensor, docs/burn-adapters.md#packed-modules). A named tuple: a plan holds one per tensor,
+    which `plan_entry` makes without a Python frame (a third of a frozen dataclass's cost)."""
 
     source: str  # source tensor name (a joined entry: its first part's)
     target: str  # output tensor name
@@ -142,6 +143,9 @@ class PlanEntry:
     def is_piecewise(self) -> bool:
         """Made of a row range or of several tensors (the engine's one-pass writer handles these)."""
         return self.rows is not None or bool(self.parts)
+
+
+plan_entry = partial(tuple.__new__, PlanEntry)  # plan_entry((source, target, transpose, shape, rows, parts))
 
 
 @dataclass

@@ -62,6 +62,7 @@ PACKED_PYTORCH_LEAF = re.compile(
 QKV = ("query", "key", "value")  # rows of in_proj, in order (docs/burn-adapters.md#packed-modules)
 _MHA_FIELDS = frozenset((*QKV, "output"))
 _TRANSFORM_FIELDS = frozenset(_TRANSFORMS.values())
+_CANDIDATE_FIELDS = _MHA_FIELDS | _TRANSFORM_FIELDS  # segments[-2] of the names _burn_candidates looks at
 _MHA_LEAF = re.compile(r"in_proj_(?:weight|bias)|[qkv]_proj_weight|bias_[kv]")
 _MHA_SPLIT = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
 _RNN_LAYER_0 = re.compile(r"(weight|bias)_(ih|hh)_l0(_reverse)?")
@@ -138,12 +139,12 @@ def _full(path: str, rel: str) -> str:
 
 
 def _pytorch_packed(tensors: Sequence[TensorRef], sources: KindSources) -> list[PackedModule]:
-    names = [split_name(t.name) for t in tensors]
-    leaves = {leaf for _, leaf in names}  # a model has a few dozen: each is matched once
+    leaves = {t.name.rpartition(".")[2] for t in tensors}  # a model has a few dozen: each is matched once
     packed_leaves = {leaf for leaf in leaves if PACKED_PYTORCH_LEAF.fullmatch(leaf)}
-    paths = dict.fromkeys(path for path, leaf in names if leaf in packed_leaves)
-    if not paths:
+    if not packed_leaves:  # (most tables: nothing packed, told without splitting every name)
         return []
+    names = [split_name(t.name) for t in tensors]
+    paths = dict.fromkeys(path for path, leaf in names if leaf in packed_leaves)
     by_name = {t.name: t for t in tensors}
     by_path: dict[str, dict[str, TensorRef]] = {path: {} for path in paths}  # one pass, not one per module
     for (path, leaf), tensor in zip(names, tensors, strict=True):
@@ -334,6 +335,9 @@ def _burn_candidates(tensors: Sequence[TensorRef]) -> dict[str, str]:
     """Module paths that may be a split packed module: root -> "mha" | "rnn"."""
     found: dict[str, str] = {}
     for tensor in tensors:
+        # the field before the leaf, without splitting the whole name: most names are no candidate
+        if tensor.name.rpartition(".")[0].rpartition(".")[2] not in _CANDIDATE_FIELDS:
+            continue
         segments = tensor.name.split(".")
         if len(segments) >= 3 and segments[-2] in _TRANSFORM_FIELDS and segments[-3] in _ALL_GATES:
             root = segments[:-3]

@@ -6,7 +6,7 @@ import functools
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from syncd.adapters.evidence import architecture_for, decoder_lm_class, metadata_layout
 from syncd.adapters.infer import (
@@ -44,12 +44,12 @@ from syncd.adapters.model import (
     LayoutAmbiguityError,
     PlanEntry,
     TensorRef,
+    plan_entry,
 )
 from syncd.adapters.modulemap import ModuleMap
 from syncd.adapters.packed import PackedModule, find_packed, packed_entries
 from syncd.errors import SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import ITEMSIZE
-from syncd.records import cheap_init
 
 # Leaf renames PyTorch -> Burn (docs/burn-adapters.md#norms: Burn renames the norms; not PRelu, which Burn's own adapter
 # leaves alone, and InstanceNorm, which it skips: we rename both).
@@ -64,13 +64,16 @@ _NO_BURN_SLOT = {
 _LIST_LIMIT = 6  # names shown in a one-line error before "and N more"
 
 
-@cheap_init
-@dataclass(frozen=True)
-class _Step:
-    """What happens to one source tensor."""
+class _Step(NamedTuple):
+    """What happens to one source tensor. A named tuple: one is made per renamed tensor, by `_step` without
+    a Python frame (a third of a frozen dataclass's cost)."""
 
     target: str | None  # None: dropped
     transpose: bool = False
+
+
+_step = functools.partial(tuple.__new__, _Step)  # _step((target, transpose))
+_DROPPED = _Step(None)
 
 
 def plan_conversion(
@@ -98,7 +101,7 @@ def plan_conversion(
     sources = KindSources(module_map, dict(context.recorded_kinds), architecture, context.definition)
     packed = find_packed(tensors, sources)
     in_packed = {t.name for module in packed for t in module.tensors.values()}
-    modules = group_modules(t for t in tensors if t.name not in in_packed)
+    modules = group_modules((t for t in tensors if t.name not in in_packed) if in_packed else tensors)
     classified = [(module, kind_of(module, sources)) for module in modules]
     vocab = _vocab_size(context.config)
     classified = order_vocab_options(settle_output_heads(classified, decoder_lm_class(context.config), vocab), vocab)
@@ -501,7 +504,8 @@ def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
 
 def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _Step], str]:
     changes, action = _leaf_changes(kind, target, frozenset(module.params))
-    steps = {module.params[leaf].name: _Step(_with_leaf(module, new) if new else None) for leaf, new in changes}
+    prefix = f"{module.path}." if module.path else ""  # _with_leaf, inline: once per norm of the model
+    steps = {module.params[leaf].name: _step((prefix + new, False)) if new else _DROPPED for leaf, new in changes}
     return steps, action
 
 
@@ -560,12 +564,12 @@ def _build_plan(
             continue
         step = steps.get(tensor.name)
         if step is None:  # most tensors: copied under their own name
-            entries.append(PlanEntry(tensor.name, tensor.name, False, tensor.shape))
+            entries.append(plan_entry((tensor.name, tensor.name, False, tensor.shape, None, ())))
         elif step.target is None:
             dropped.append(tensor.name)
         else:
             shape = tensor.shape[::-1] if step.transpose else tensor.shape
-            entries.append(PlanEntry(tensor.name, step.target, step.transpose, shape))
+            entries.append(plan_entry((tensor.name, step.target, step.transpose, shape, None, ())))
     _check_no_collisions(entries)
     return AdapterPlan(entries, dropped, source, target, decisions)
 

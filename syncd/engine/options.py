@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import eq
 
 from syncd.adapters import AdapterPlan, PlanEntry, TensorRef
 from syncd.adapters.keys import RemapRule, TensorFilter, apply_rules, check_unique, contiguous_indices, invert, renames
@@ -104,15 +105,18 @@ def apply_options(
         by_name = [r for r in refs if r.name in wanted]
         planned = plan_casts(by_name, plan.kinds, options.precision, plan.packed)
         casts = {real[name]: dtype for name, dtype in planned.items()}
-    as_planned = all(final[e.target] == e.target for e in kept) and all(k == v for k, v in real.items())
+    targets = [e.target for e in kept]
+    # (names kept as they are, the common case, told in C: these run over every tensor)
+    real_as_is = all(map(eq, real.keys(), real.values()))
+    as_planned = all(map(eq, map(final.__getitem__, targets), targets)) and real_as_is
     return StorePlan(
         entries=kept if as_planned else [_with_real_sources(e, real, final[e.target]) for e in kept],
         carried_names={name: final[name] for name in restoring},
         dropped=dropped,
         left_out=left_out,
         casts=casts,
-        renames=renames(final),
-        restored={name: original for original, name in real.items() if name != original},
+        renames={} if all(map(eq, final.keys(), final.values())) else renames(final),
+        restored={} if real_as_is else {name: original for original, name in real.items() if name != original},
         notes=_rule_notes(kept, options) + _gap_notes(final.values(), options),
     )
 
@@ -135,7 +139,10 @@ def final_names(entries: Sequence[PlanEntry], options: StoreOptions) -> dict[str
     """Each entry's target -> its final name: the rules on its source names, then the adapter's own change of
     the name (a norm's leaf, a packed tensor's pieces) on the remapped name, then contiguous indices."""
     check_modules_move_whole(entries, options.remap)
-    mapped = {entry.target: _remapped_target(entry, options.remap) for entry in entries}
+    if options.remap:
+        mapped = {entry.target: _remapped_target(entry, options.remap) for entry in entries}
+    else:  # no rules: every target as the adapter named it (without a call per tensor)
+        mapped = {entry.target: entry.target for entry in entries}
     if options.map_indices_contiguous:
         renumbered = contiguous_indices(list(dict.fromkeys(mapped.values())))
         mapped = {target: renumbered[new] for target, new in mapped.items()}
@@ -257,5 +264,5 @@ def index_gaps(names: Iterable[str]) -> list[tuple[str, list[int]]]:
 
 def _with_real_sources(entry: PlanEntry, real: dict[str, str], target: str) -> PlanEntry:
     """The entry under its final name, reading the file's real names (a joined entry's parts too)."""
-    parts = tuple(replace(part, source=real[part.source]) for part in entry.parts)
-    return replace(entry, source=real[entry.source], target=target, parts=parts)
+    parts = tuple(part._replace(source=real[part.source]) for part in entry.parts)
+    return entry._replace(source=real[entry.source], target=target, parts=parts)

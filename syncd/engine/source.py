@@ -29,12 +29,13 @@ class Source:
         self._reader_of = {info.name: reader for reader in readers for info in reader.tensors}
         if len(self._reader_of) != len(self.tensors):
             raise FormatError("a tensor name occurs in more than one file of the checkpoint", self.path)
+        self._info = {info.name: info for info in self.tensors}  # (looked up for every tensor, several times)
 
     def reader_of(self, name: str) -> TensorFileReader:
         return self._reader_of[name]
 
     def tensor(self, name: str) -> TensorInfo:
-        return self._reader_of[name].tensor(name)
+        return self._info[name]
 
     def read(self, name: str) -> bytes:
         return self._reader_of[name].read(name)

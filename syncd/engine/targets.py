@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from syncd.adapters import BURN, PYTORCH, AdapterPlan, PlanEntry
@@ -26,6 +27,8 @@ from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.table import TensorInfo, TensorSpec
 
 Fill = Callable[[Any], None]
+_NAME = attrgetter("name")
+_PARAM_ID = attrgetter("param_id")
 
 
 class Target(ABC):
@@ -100,10 +103,16 @@ class BurnpackTarget(Target):
 
     def tensor_spec(self, source: Source, carried: carry.Carried, entry: PlanEntry, fill: Fill) -> TensorSpec:
         info = source.tensor(entry.source)
-        dtype, raw = _burn_dtype(source, carried, info)
-        own = info.param_id if not entry.is_piecewise else None  # a piece is not its packed source
+        if source.header.format == BURNPACK:  # (_burn_dtype's first case, inline: it runs once per tensor)
+            dtype, raw = info.dtype, info.raw_dtype
+        else:
+            dtype, raw = _burn_dtype(source, carried, info)
+        if entry.rows is None and not entry.parts:  # one whole source tensor (most entries)
+            own, nbytes = info.param_id, info.nbytes
+        else:  # a piece is not its packed source
+            own, nbytes = None, _nbytes(entry, info)
         param_id = own if own is not None or not carried.param_ids else carried.param_ids.get(carried_name(entry))
-        return TensorSpec(entry.target, dtype, entry.shape, _nbytes(entry, info), fill, param_id, raw)
+        return TensorSpec(entry.target, dtype, entry.shape, nbytes, fill, param_id, raw)
 
     def metadata(
         self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
@@ -123,8 +132,9 @@ class BurnpackTarget(Target):
         return plan.header, plan.file_size, [plan.data_start + start for start in plan.starts]
 
     def check_written(self, specs: list[TensorSpec], output: TensorFileReader, dest: str) -> None:
-        ids = {s.name: s.param_id for s in specs}
-        if any(ids[t.name] != t.param_id for t in output.tensors):
+        ids = dict(zip(map(_NAME, specs), map(_PARAM_ID, specs), strict=True))
+        # each written tensor's planned id against the one read back, both lists built in C (once per tensor)
+        if list(map(ids.__getitem__, map(_NAME, output.tensors))) != list(map(_PARAM_ID, output.tensors)):
             raise VerificationError("param_ids differ after writing", dest)
 
 

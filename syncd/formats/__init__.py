@@ -12,9 +12,8 @@ import os
 from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.burnpack import NAME as BURNPACK
 from syncd.formats.fileio import TensorFileReader, open_regular_file, pread_exact
-from syncd.formats.pytorch import NAME as PYTORCH
-from syncd.formats.pytorch import PytorchReader, legacy_error
-from syncd.formats.registry import BY_NAME, FORMATS, Format, format_for_path
+from syncd.formats.pytorch_facts import NAME as PYTORCH
+from syncd.formats.registry import BY_NAME, FORMATS, Format, format_for_path, read_pytorch
 from syncd.formats.safetensors import NAME as SAFETENSORS
 
 __all__ = [
@@ -89,6 +88,8 @@ def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | 
                 f"{size} bytes: too short for a torch.save zip (still being written?)", os.fspath(path)
             )
         if head[:1] == b"\x80":  # a pickle: torch.save before PyTorch 1.6, or with the zip format turned off
+            from syncd.formats.pytorch import legacy_error
+
             raise legacy_error(os.fspath(path))
         if not _could_be_safetensors(head, size):  # (a safetensors file under a PyTorch name is read as one)
             lookalike = looks_like(head, size)
@@ -110,5 +111,5 @@ def open_checkpoint(
     where a PyTorch checkpoint keeps its tensors (the other formats have no such nesting: it does not apply)."""
     name = sniff_format(path, within)
     if name == PYTORCH:
-        return PytorchReader(path, within, top_level_key)
+        return read_pytorch(path, within, top_level_key)
     return BY_NAME[name].reader(path, within)

@@ -146,8 +146,8 @@ def byte_length(dtype: str, shape: tuple[int, ...]) -> int | None:
 
 
 # what `plain_byte_length` takes on: shapes of real models, whose product stays a small integer
-_PLAIN_RANK = 8
-_PLAIN_DIM = 1 << 32
+PLAIN_RANK = 8
+PLAIN_DIM = 1 << 32
 _PLAIN_SEQUENCES = (list, tuple)
 
 
@@ -157,10 +157,10 @@ def plain_byte_length(dtype: str, shape: Any) -> int | None:
     None for anything else (a bool or a float among the dims, a huge or negative one, QFloat, a sub-byte
     dtype): the caller then takes its full checks, which say what is wrong."""
     size = ITEMSIZE.get(dtype)
-    if size is None or type(shape) not in _PLAIN_SEQUENCES or len(shape) > _PLAIN_RANK:
+    if size is None or type(shape) not in _PLAIN_SEQUENCES or len(shape) > PLAIN_RANK:
         return None
     for dim in shape:
-        if type(dim) is not int or not 0 <= dim < _PLAIN_DIM:
+        if type(dim) is not int or not 0 <= dim < PLAIN_DIM:
             return None
         size *= dim
     return size

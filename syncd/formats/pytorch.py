@@ -36,13 +36,8 @@ from typing import Any
 from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.dtypes import ITEMSIZE
 from syncd.formats.fileio import DECODE_BUDGET, TensorFileReader, pread_exact, preadinto_exact
+from syncd.formats.pytorch_facts import NAME, ZIP_MAGIC
 from syncd.formats.table import CheckpointHeader, TensorInfo
-
-NAME = "pytorch"  # described in registry.py
-EXTENSIONS = (".pt", ".pth", ".bin")
-ZIP_MAGIC = b"PK\x03\x04"
-# The file names a watch takes as PyTorch checkpoints when asked to (a `.bin` is anything, so only these).
-DAEMON_PATTERNS = ("*.pt", "*.pth", "pytorch_model*.bin")
 
 # Limits: those of the other readers where they mean the same thing (Burn's tensor count, the safetensors
 # header's size for the pickle, the decode budget), and bounds no real checkpoint comes near.

@@ -9,18 +9,21 @@ conversion target in syncd/engine/targets.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from syncd.formats import burnpack, pytorch, safetensors
+from syncd.formats import burnpack, pytorch_facts, safetensors
 from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader
+
+OpenReader = Callable[..., TensorFileReader]
 
 
 @dataclass(frozen=True)
 class Format:
     name: str  # the reader's header.format
     extension: str  # with its dot; also the name `syncd convert --to` and the config's directions use
-    reader: type[TensorFileReader]
+    reader: OpenReader  # (path, within=None) -> the file's validated reader
     dtypes: frozenset[str]  # our dtype names this format can store
     magic: bytes | None  # leading bytes that identify a file; None: the format tried when no magic matches
     aliases: tuple[str, ...] = ()  # other extensions of the same format
@@ -47,16 +50,27 @@ FORMATS: tuple[Format, ...] = (
         magic=None,
     ),
 )
+
+
 # Formats syncd reads but does not write: PyTorch's own pickled checkpoints (syncd writes no pickles). They are
 # sources only: not a `--to`, not in a watch's default `include`, taken by a watch whose `include:` or
 # `direction:` names them.
+def read_pytorch(
+    path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None, top_level_key: str | None = None
+) -> TensorFileReader:
+    """A torch.save checkpoint's reader, imported here, when one is read (see pytorch_facts.py)."""
+    from syncd.formats.pytorch import PytorchReader
+
+    return PytorchReader(path, within, top_level_key)
+
+
 PYTORCH_FORMAT = Format(
-    name=pytorch.NAME,
+    name=pytorch_facts.NAME,
     extension=".pt",
-    reader=pytorch.PytorchReader,
+    reader=read_pytorch,
     dtypes=frozenset(),
-    magic=pytorch.ZIP_MAGIC,
-    aliases=pytorch.EXTENSIONS[1:],
+    magic=pytorch_facts.ZIP_MAGIC,
+    aliases=pytorch_facts.EXTENSIONS[1:],
 )
 READ_ONLY: tuple[Format, ...] = (PYTORCH_FORMAT,)
 BY_NAME = {fmt.name: fmt for fmt in (*FORMATS, *READ_ONLY)}

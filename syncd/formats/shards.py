@@ -31,7 +31,7 @@ from syncd.formats.fileio import (
     refuse_costly_decode,
     source_changed,
 )
-from syncd.formats.pytorch import PytorchReader
+from syncd.formats.registry import read_pytorch
 from syncd.formats.safetensors import SafetensorsReader, decoded_cost, unique_pairs
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
@@ -221,7 +221,7 @@ class ShardedReader:
         for file in self.index.files:
             shard_path = os.path.join(self.directory, file)
             reader: TensorFileReader = (
-                PytorchReader(shard_path, self.within)
+                read_pytorch(shard_path, self.within)
                 if shard_extension(self.path) == ".bin"
                 else SafetensorsReader(shard_path, self.within)
             )

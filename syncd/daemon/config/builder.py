@@ -55,7 +55,7 @@ from syncd.daemon.config.schema import (
 from syncd.daemon.config.yamlfile import MISSING, Section, YamlFile, describe, resolve
 from syncd.engine.directions import DIRECTIONS
 from syncd.engine.hashing import HASH_CHOICES
-from syncd.formats.pytorch import DAEMON_PATTERNS as PYTORCH_PATTERNS
+from syncd.formats.pytorch_facts import DAEMON_PATTERNS as PYTORCH_PATTERNS
 from syncd.formats.registry import PYTORCH_FORMAT
 from syncd.formats.shards import parse_shard_size
 

@@ -10,7 +10,9 @@ proves only what checks taken while writing prove too, at a second pass over eve
 * every write is recorded in a `WriteLedger` (where, how much, an XXH3-64 of the bytes as written); after
   the last write the ledger must tile each tensor's window of the *re-read* output table exactly once, and
   the file must have its planned size. A block written at a wrong offset, a short write, a window left
-  partly unwritten or a header that does not describe where the data went all fail.
+  partly unwritten or a header that does not describe where the data went all fail. A run of small tensors
+  written in one write is recorded as that write (`record_run`): what each of its tensors received is worked
+  out at the check, from where the run landed and how much of it arrived, as if each had its own entry.
 * the source's change check (its FileStamp, formats/fileio.py, before and after) catches a source rewritten
   while it was converted ("torn"); the recorded source hash is of the very bytes that were converted.
 
@@ -20,14 +22,17 @@ proves only what checks taken while writing prove too, at a second pass over eve
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from threading import Lock
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from syncd.errors import VerificationError
 from syncd.records import cheap_init
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import numpy as np
 
 TILE = 32  # the compiled kernel's tile edge; the numpy kernel's strips are 16 rows, a divisor of it
@@ -81,12 +86,49 @@ class Entry:
     digest: int = 0
 
 
+class RunPiece(Protocol):
+    """A tensor (or a piece of one) in a run written at once: its place in its tensor's window, its size."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def piece_at(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Run:
+    """One write of pieces lying end to end: meant for the first one's place plus `shift` (0 unless a fault
+    moved it), `written` of their bytes arrived; `digests`: each piece's XXH3-64 as written, when kept."""
+
+    __slots__ = ("pieces", "shift", "written", "digests")
+
+    def __init__(self, pieces: Sequence[RunPiece], shift: int, written: int, digests: list[int] | None) -> None:
+        self.pieces = pieces
+        self.shift = shift
+        self.written = written
+        self.digests = digests
+
+    def entries(self) -> Iterator[tuple[str, Entry]]:
+        """Each piece's entry, as a write of its own would have recorded it."""
+        at = 0
+        for k, piece in enumerate(self.pieces):
+            arrived = max(0, min(piece.nbytes, self.written - at))
+            digest = self.digests[k] if self.digests is not None else 0
+            yield piece.name, Entry(piece.piece_at + self.shift, arrived, 1, 0, digest)
+            at += piece.nbytes
+
+
 @dataclass
 class WriteLedger:
-    """Every write of a conversion, per target tensor (thread-safe: the writers run in parallel)."""
+    """Every write of a conversion, per target tensor (thread-safe: the writers run in parallel). `digests`:
+    whether the runs of small tensors keep a digest per tensor, which only the audit (`--verify full`,
+    planned.check_digests) reads; single writes always keep theirs."""
 
     windows: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (absolute offset, nbytes)
     entries: dict[str, list[Entry]] = field(default_factory=lambda: defaultdict(list))
+    runs: list[Run] = field(default_factory=list)
+    digests: bool = True
     _lock: Lock = field(default_factory=Lock)
 
     def expect(self, name: str, offset: int, nbytes: int) -> None:
@@ -96,23 +138,49 @@ class WriteLedger:
         with self._lock:
             self.entries[name].append(entry)
 
-    def record_many(self, entries: list[tuple[str, Entry]]) -> None:
+    def record_run(self, run: Run) -> None:
         with self._lock:
-            for name, entry in entries:
-                self.entries[name].append(entry)
+            self.runs.append(run)
 
     def check(self, table: dict[str, tuple[int, int]], file_size: int, actual_size: int, path: str) -> None:
         """The writes tile every window of the re-read `table` (name -> (offset, nbytes)) exactly once."""
         if actual_size != file_size:
             raise VerificationError(f"the output is {actual_size} bytes, {file_size} were planned", path)
+        whole, entries = self._run_entries()
         for name, (offset, nbytes) in self.windows.items():
             if table.get(name) != (offset, nbytes):
                 raise VerificationError(
                     f"tensor '{name}' was written at {offset} ({nbytes} bytes) but the header says {table.get(name)}",
                     path,
                 )
-            if not _tiles(self.entries.get(name, []), nbytes):
+            in_run = whole.get(name)
+            if in_run == nbytes:  # its one write: a run that put all of it at its place (most tensors)
+                continue
+            found = entries.get(name, []) if in_run is None else [Entry(0, in_run)]
+            if not _tiles(found, nbytes):
                 raise VerificationError(f"tensor '{name}' was not written exactly once in full", path)
+
+    def _run_entries(self) -> tuple[dict[str, int], dict[str, list[Entry]]]:
+        """(name -> nbytes of the tensors whose only write is a whole one at their place, in a run that
+        arrived whole and unmoved; every other tensor's entries, those of runs included). A tensor written
+        twice, or also by another write, is among the others: its entries then do not tile its window."""
+        whole: dict[str, int] = {}
+        entries: dict[str, list[Entry]] = defaultdict(list)
+        for name, found in self.entries.items():
+            entries[name].extend(found)
+        for run in self.runs:
+            if run.shift == 0 and run.written == sum(piece.nbytes for piece in run.pieces):
+                for piece in run.pieces:
+                    if piece.piece_at == 0 and piece.name not in whole and piece.name not in entries:
+                        whole[piece.name] = piece.nbytes
+                    else:
+                        entries[piece.name].append(Entry(piece.piece_at, piece.nbytes))
+            else:
+                for name, entry in run.entries():
+                    entries[name].append(entry)
+        for name in whole.keys() & entries.keys():  # written whole by a run, and again: back among the others
+            entries[name].append(Entry(0, whole.pop(name)))
+        return whole, entries
 
 
 def _tiles(entries: list[Entry], nbytes: int) -> bool:

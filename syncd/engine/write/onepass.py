@@ -43,10 +43,11 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
-from syncd.engine.write.checks import Entry, WriteLedger
+from syncd.engine.write.checks import Entry, Run, WriteLedger
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
@@ -250,6 +251,9 @@ def _raise_first(futures: list[Future[None]]) -> None:
         raise failure  # type: ignore[misc]
 
 
+_SRC_OFFSET = attrgetter("src_offset")  # (the key of every move, in C)
+
+
 def _runs(moves: list[Move]) -> Iterator[list[Move]]:
     """`moves` (in source order) in runs, each lying end to end in both the source and the output."""
     run: list[Move] = []
@@ -358,7 +362,7 @@ class OnePass:
         cursor, end = self.window or (0, self.src_size)
         batch_start = self._hashed_to = cursor
         batch: list[Move] = []
-        for move in sorted(self.moves, key=lambda m: m.src_offset):
+        for move in sorted(self.moves, key=_SRC_OFFSET):
             if move.src_offset < cursor:
                 raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
             small = move.matrix is None and 0 < move.nbytes < self.block_bytes
@@ -622,19 +626,17 @@ class OnePass:
             self._free.put(slot)
 
     def _write_run(self, run: list[Move], data: memoryview) -> None:
-        """Whole tensors lying end to end in `data` and in the output: one write, an entry per tensor."""
+        """Whole tensors lying end to end in `data` and in the output: one write, recorded as one run (the
+        ledger works out each tensor's entry at the check; a digest per tensor only for the audit)."""
         first = run[0]
         shift = self.seam.place(first.name, first.piece_at) - first.piece_at
         written = self._pwrite(data, first.dst_offset + shift)
         self._writeback.wrote(first.dst_offset + shift, written)
-        whole = written == len(data)  # (a short write: each tensor records what of it arrived)
-        entries = []
-        for move in run:
-            at = move.dst_offset - first.dst_offset
-            arrived = move.nbytes if whole else max(0, min(move.nbytes, written - at))
-            digest = block_digest(data[at : at + arrived])
-            entries.append((move.name, Entry(move.piece_at + shift, arrived, 1, 0, digest)))
-        self.ledger.record_many(entries)
+        digests = None
+        if self.ledger.digests:  # each tensor's bytes as they were handed to the write
+            starts = [m.dst_offset - first.dst_offset for m in run]
+            digests = [block_digest(data[at : min(at + m.nbytes, written)]) for at, m in zip(starts, run, strict=True)]
+        self.ledger.record_run(Run(run, shift, written, digests))
 
     def _transpose_whole(self, slot: _Slot, move: Move) -> None:
         """A tensor up to a slot: read whole, its output rows written whole, a band at a time."""

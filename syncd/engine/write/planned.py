@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, block_digest, new_hasher
@@ -55,7 +55,7 @@ class FromSource:
     def window(self) -> tuple[int, int, tuple[int, ...]]:
         """(absolute offset in the source file, byte length, shape) of what is moved."""
         info = self.reader.tensor(self.name)
-        if self.rows is None:
+        if self.rows is None:  # (most fills)
             return info.offset, info.nbytes, info.shape
         r0, r1 = self.rows
         if not info.shape or not 0 <= r0 <= r1 <= info.shape[0]:
@@ -108,15 +108,17 @@ def write_planned(
     progress: Callable[[int, int], None] | None = None,
     prefix: bytes = b"",
     part: bool = False,
+    digests: bool = True,
 ) -> Written:
     """Write a whole output: `header` at 0, each (spec, absolute start) of `placed`, zeros in between.
     `FromSource` tensors may come from several files (the shards of a set, `readers` in the set's order): one
     pass over each in turn, every one of them feeding one hash, after `prefix` (a set's index). `part`: the
     output takes a part of the source (a shard of an output set): only the span of each file its tensors
-    lie in is read, and no source hash is returned."""
+    lie in is read, and no source hash is returned. `digests`: keep a digest of every small tensor written
+    in a run, for the audit (check_digests); the checks of a fast verification do not read them."""
     os.ftruncate(fd, file_size)
     pwrite_all(fd, header, 0)
-    ledger = WriteLedger()
+    ledger = WriteLedger(digests=digests)
     counted = _Progress(sum(spec.nbytes for spec, _ in placed), progress) if progress else None
     moves = _place(fd, placed, len(header), file_size, ledger, counted)
     hasher = new_hasher(hash_name)
@@ -163,7 +165,14 @@ def _place(
         if start > cursor:
             write_zeros(fd, cursor, start - cursor)  # padding is zero bytes on disk, not a hole
         cursor = max(cursor, start + spec.nbytes)
-        pieces = source_pieces(spec.fill)
+        fill = spec.fill
+        if isinstance(fill, FromSource):  # (most tensors: one piece, the whole tensor)
+            path = fill.reader.path
+            if path not in moves:
+                moves[path] = []
+            moves[path].append(_move(spec, start, fill, 0, False))
+            continue
+        pieces = source_pieces(fill)
         if pieces:
             for piece, at in pieces:
                 path = piece.reader.path
@@ -200,8 +209,10 @@ def _move(spec: TensorSpec, start: int, fill: FromSource, at: int, joined: bool)
     offset, nbytes, shape = fill.window()
     if (at + nbytes > spec.nbytes) if joined else (nbytes != spec.nbytes):
         raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {nbytes}", fill.reader.path)
-    piece = {"piece_at": at, "tensor_nbytes": spec.nbytes} if joined else {}
     check = bool_checker(spec.dtype, spec.name) if spec.dtype in BOOL_DTYPES else None
+    if not fill.transpose and not joined:  # (most tensors: copied whole)
+        return Move(spec.name, offset, nbytes, start, 1, None, check)
+    piece = {"piece_at": at, "tensor_nbytes": spec.nbytes} if joined else {}
     if not fill.transpose:  # copied as bytes: the element size does not matter (QFloat, sub-byte floats)
         return Move(spec.name, offset, nbytes, start + at, 1, None, check, **piece)
     dtype = fill.reader.tensor(fill.name).dtype
@@ -231,10 +242,15 @@ def _write_small(fd: int, spec: TensorSpec, start: int, ledger: WriteLedger) -> 
         ledger.record(spec.name, Entry(0, 0))
 
 
+_NAME, _OFFSET, _NBYTES = attrgetter("name"), attrgetter("offset"), attrgetter("nbytes")
+
+
 def check_written(ledger: WriteLedger, output: TensorFileReader, file_size: int, fd: int) -> None:
     """The check without read-back: `output` is a fresh reader of the written file (its header and table
     re-read and re-validated); every window it lists must be the one written, exactly once in full."""
-    table = {t.name: (t.offset, t.nbytes) for t in output.tensors}
+    tensors = output.tensors  # (the table built in C: it holds every tensor)
+    names, offsets, sizes = map(_NAME, tensors), map(_OFFSET, tensors), map(_NBYTES, tensors)
+    table = dict(zip(names, zip(offsets, sizes, strict=True), strict=True))
     ledger.check(table, file_size, os.fstat(fd).st_size, output.path)
 
 
@@ -261,8 +277,12 @@ def verify_full(pieces: Sequence[tuple[FromSource, str, int]], output: TensorFil
 
 def check_digests(ledger: WriteLedger, output: TensorFileReader) -> None:
     """Part of the audit: every write, re-read from the output, has the XXH3-64 it had when it was written
-    (told apart from a difference with the source, this says the bytes changed after syncd wrote them)."""
-    for name, entries in ledger.entries.items():
+    (told apart from a difference with the source, this says the bytes changed after syncd wrote them); a
+    run of small tensors, each of its tensors."""
+    if not ledger.digests:
+        raise VerificationError("the writes were recorded without their digests: nothing to audit", output.path)
+    from_runs = [named for run in ledger.runs for named in run.entries()]
+    for name, entries in [*ledger.entries.items(), *((name, [entry]) for name, entry in from_runs)]:
         if name not in ledger.windows or ledger.windows[name][1] == 0:
             continue
         base = ledger.windows[name][0]
