@@ -474,10 +474,16 @@ def test_the_audit_finds_bytes_changed_after_they_were_written(tmp_path: Path) -
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
     engine = output.engine(slot_bytes=8192, strip_bytes=16384, block_bytes=4096)  # strided strips and whole pieces
     engine.run()
+    _assert_the_audit_finds_a_flipped_bit(output, engine, ("a.weight", "d.bias"), 100)
+
+
+def _assert_the_audit_finds_a_flipped_bit(output: _Output, engine: OnePass, names: tuple[str, ...], at: int) -> None:
+    """The audit passes the output as written, then fails on one bit flipped `at` bytes into each tensor of
+    `names` in turn (each flip undone before the next)."""
     with SafetensorsReader(output.dest) as out:
         check_digests(engine.ledger, out)
-        for name in ("a.weight", "d.bias"):
-            where = out.tensor(name).offset + 100
+        for name in names:
+            where = out.tensor(name).offset + at
             original = os.pread(output.fd, 1, where)
             os.pwrite(output.fd, bytes([original[0] ^ 1]), where)
             with pytest.raises(VerificationError, match=f"'{name}' reads back different"):
@@ -727,16 +733,8 @@ def test_the_audit_finds_a_small_tensor_changed_after_its_run_was_written(tmp_pa
     engine.run()
     output.check(engine)
     assert engine.ledger.runs and not engine.ledger.entries  # every tensor went in a run
-    with SafetensorsReader(output.dest) as out:
-        check_digests(engine.ledger, out)
-        for name in ("t000.bias", "t101.bias", "t199.bias"):  # first, middle and last of their runs or not
-            where = out.tensor(name).offset + 5
-            original = os.pread(output.fd, 1, where)
-            os.pwrite(output.fd, bytes([original[0] ^ 1]), where)
-            with pytest.raises(VerificationError, match=f"'{name}' reads back different"):
-                check_digests(engine.ledger, out)
-            os.pwrite(output.fd, original, where)
-    output.close()
+    # first, middle and last of their runs or not
+    _assert_the_audit_finds_a_flipped_bit(output, engine, ("t000.bias", "t101.bias", "t199.bias"), 5)
 
 
 def test_a_ledger_kept_without_digests_checks_the_writes_but_refuses_an_audit(tmp_path: Path) -> None:
