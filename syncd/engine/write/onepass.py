@@ -471,8 +471,6 @@ class OnePass:
             )
         # output-row pieces of at most a band: a narrow matrix ([N, 2]) must not grow the band buffers
         height = max(1, min(self.strip_bytes // row_bytes, self.band_bytes // move.itemsize))
-        # every part of a strip must be running at once (each waits for the others' rows): no more parts
-        # than writer threads or slots
         parts = self._parts()
         for r0 in range(0, rows, height):
             n = min(height, rows - r0)
@@ -513,8 +511,7 @@ class OnePass:
 
     def _column_jobs(self, move: Move, width: int) -> Iterator[tuple]:
         """The tensor's bytes read in file order for the hash, in jobs of whole rows up to a block or of one row
-        (read in parallel, hashed and checksummed in cache, hashed in turn), then converted group of columns by
-        group."""
+        (read in parallel, checksummed in cache, hashed in turn), then converted group of columns by group."""
         rows, cols = move.matrix  # type: ignore[misc]
         parts = self._parts()
         groups = -(-cols // width)
