@@ -687,7 +687,7 @@ class OnePass:
             if n == rows:
                 self._write(move, out, (shift + first) * rows * item)
             else:
-                self._write_pieces(move, out, r0, first, count)
+                self._write_pieces(move, out, r0, shift + first, count)
 
     def _write(self, move: Move, data: memoryview, rel: int) -> None:
         rel = self.seam.place(move.name, move.piece_at + rel) - move.piece_at
