@@ -29,7 +29,7 @@ from syncd.formats.fileio import (
     write_tensors,
     write_zeros,
 )
-from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
+from syncd.formats.table import CheckpointHeader, TensorSpec, tensor_info
 
 NAME = "burnpack"  # described in registry.py
 MAGIC = 0x4255524E
@@ -105,9 +105,10 @@ class BurnpackReader(TensorFileReader):
             raise self._fail(f"File contains {len(tensors_doc)} tensors, exceeding maximum of {MAX_TENSOR_COUNT}")
         descriptors = parse_descriptors(tensors_doc, self.path)
         layout, data_start = self._detect_layout(meta_size, descriptors)
+        info = tensor_info
         tensors = [
-            TensorInfo(d.name, d.dtype, d.shape, data_start + d.start, d.end - d.start, d.param_id, d.raw_dtype)
-            for d in descriptors
+            info((name, dtype, shape, data_start + start, end - start, param_id, raw))
+            for name, dtype, shape, start, end, param_id, raw in descriptors
         ]
         check_ranges(descriptors, self.path)
         self._index(tensors)

@@ -29,7 +29,7 @@ from syncd.formats.dtypes import (
     plain_byte_length,
 )
 from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, refuse_costly_decode, write_tensors
-from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec
+from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec, tensor_info
 
 # the safetensors library's limit on the JSON header
 NAME = "safetensors"  # described in registry.py
@@ -156,7 +156,7 @@ def parse_entries(document: dict[str, Any], data_start: int, path: str) -> list[
     this loop runs once per tensor (twice per conversion: the source, then the output re-read), and the calls
     were a sixth of its cost. What the tests do not accept goes through `parse_entry`, which names what is
     wrong."""
-    fields, dtypes, rank, dim_limit = _ENTRY_FIELDS, _PLAIN_DTYPES, PLAIN_RANK, PLAIN_DIM
+    fields, dtypes, rank, dim_limit, info = _ENTRY_FIELDS, _PLAIN_DTYPES, PLAIN_RANK, PLAIN_DIM, tensor_info
     tensors: list[TensorInfo] = []
     append = tensors.append
     for name, entry in document.items():
@@ -172,7 +172,7 @@ def parse_entries(document: dict[str, Any], data_start: int, path: str) -> list[
                     size *= dim
                 start, end = offsets if len(offsets) == 2 else (None, None)
                 if type(start) is int and type(end) is int and 0 <= start <= end < U64_LIMIT and size == end - start:
-                    append(TensorInfo(name, known[0], tuple(shape), data_start + start, size, None, raw))
+                    append(info((name, known[0], tuple(shape), data_start + start, size, None, raw)))
                     continue
         append(parse_entry(name, entry, data_start, path))
     return tensors
