@@ -239,7 +239,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     specs = (
         [_tensor_spec(source, carried, target, entry, casts.get(entry.target)) for entry in entries]
         if casts
-        else [target.tensor_spec(source, carried, entry, _source_fill(source, entry)) for entry in entries]
+        else target.tensor_specs(source, carried, entries, _source_fills(source, entries))
     )
     taken = {spec.name for spec in specs}
     restored = target.extra_specs(source, carried, adapted.target_layout, taken, store.carried_names)
@@ -355,6 +355,21 @@ def _source_fill(source: Source, entry: PlanEntry) -> FromSource | Joined | View
         FromSource(source.reader_of(piece.source), piece.source, piece.transpose, piece.rows) for piece in entry.pieces
     )
     return Joined(pieces) if entry.parts else pieces[0]
+
+
+def _source_fills(source: Source, entries: list[PlanEntry]) -> list[FromSource | Joined | ViewCopy]:
+    """Every entry's `_source_fill`. Where every source tensor is a window of its file (all but some PyTorch
+    checkpoints), an entry of one whole source tensor is filled from it without a call per entry: this runs
+    over the whole plan, once per tensor."""
+    if not all(reader.all_windows() for reader in source.readers):
+        return [_source_fill(source, entry) for entry in entries]
+    reader_of, fill = source.reader_of, FromSource
+    return [
+        fill(reader_of(entry.source), entry.source, entry.transpose, entry.rows)
+        if not entry.parts
+        else _source_fill(source, entry)
+        for entry in entries
+    ]
 
 
 def _view_copy(source: Source, entry: PlanEntry) -> ViewCopy:

@@ -10,7 +10,8 @@ answer: a target keeps no state and changes nothing it is given.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -29,6 +30,7 @@ from syncd.formats.table import TensorInfo, TensorSpec
 Fill = Callable[[Any], None]
 _NAME = attrgetter("name")
 _PARAM_ID = attrgetter("param_id")
+_SOURCE, _DTYPE, _RAW_DTYPE = attrgetter("source"), attrgetter("dtype"), attrgetter("raw_dtype")
 
 
 class Target(ABC):
@@ -50,8 +52,17 @@ class Target(ABC):
 
     def tensor_spec(self, source: Source, carried: carry.Carried, entry: PlanEntry, fill: Fill) -> TensorSpec:
         """The spec of a planned tensor, filled by `fill`."""
-        info = source.tensor(entry.source)
-        return TensorSpec(entry.target, info.dtype, entry.shape, _nbytes(entry, info), fill)
+        return self.tensor_specs(source, carried, [entry], [fill])[0]
+
+    def tensor_specs(
+        self, source: Source, carried: carry.Carried, entries: Sequence[PlanEntry], fills: Sequence[Fill]
+    ) -> list[TensorSpec]:
+        """The spec of each planned tensor, filled by its fill: over a whole plan at once (once per tensor)."""
+        infos = map(source.tensor, map(_SOURCE, entries))
+        return [
+            TensorSpec(entry.target, info.dtype, entry.shape, _nbytes(entry, info), fill)
+            for entry, info, fill in zip(entries, infos, fills, strict=True)
+        ]
 
     def extra_specs(
         self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str], moved: dict[str, str]
@@ -101,18 +112,24 @@ class BurnpackTarget(Target):
         rank = {name: i for i, name in enumerate(order)}
         return sorted(entries, key=lambda e: rank.get(carried_name(e), len(rank)))
 
-    def tensor_spec(self, source: Source, carried: carry.Carried, entry: PlanEntry, fill: Fill) -> TensorSpec:
-        info = source.tensor(entry.source)
-        if source.header.format == BURNPACK:  # (_burn_dtype's first case, inline: it runs once per tensor)
-            dtype, raw = info.dtype, info.raw_dtype
+    def tensor_specs(
+        self, source: Source, carried: carry.Carried, entries: Sequence[PlanEntry], fills: Sequence[Fill]
+    ) -> list[TensorSpec]:
+        infos = list(map(source.tensor, map(_SOURCE, entries)))
+        if source.header.format == BURNPACK or not carried.dtypes:  # (_burn_dtype's plain cases, in C)
+            raws = map(_RAW_DTYPE, infos) if source.header.format == BURNPACK else repeat(None)
+            dtypes: Iterable[tuple[str, Any]] = zip(map(_DTYPE, infos), raws, strict=False)  # raws: repeat()
         else:
-            dtype, raw = _burn_dtype(source, carried, info)
-        if entry.rows is None and not entry.parts:  # one whole source tensor (most entries)
-            own, nbytes = info.param_id, info.nbytes
-        else:  # a piece is not its packed source
-            own, nbytes = None, _nbytes(entry, info)
-        param_id = own if own is not None or not carried.param_ids else carried.param_ids.get(carried_name(entry))
-        return TensorSpec(entry.target, dtype, entry.shape, nbytes, fill, param_id, raw)
+            dtypes = [_burn_dtype(source, carried, info) for info in infos]
+        ids, specs = carried.param_ids, []
+        for entry, info, fill, (dtype, raw) in zip(entries, infos, fills, dtypes, strict=True):
+            if entry.rows is None and not entry.parts:  # one whole source tensor (most entries)
+                own, nbytes = info.param_id, info.nbytes
+            else:  # a piece is not its packed source
+                own, nbytes = None, _nbytes(entry, info)
+            param_id = own if own is not None or not ids else ids.get(carried_name(entry))
+            specs.append(TensorSpec(entry.target, dtype, entry.shape, nbytes, fill, param_id, raw))
+        return specs
 
     def metadata(
         self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]

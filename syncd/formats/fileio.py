@@ -268,6 +268,10 @@ class TensorFileReader:
         over the file. Otherwise (a PyTorch view, a tied weight) `readinto` gathers them."""
         return True
 
+    def all_windows(self) -> bool:
+        """`is_window` of every tensor of the file, asked once for a whole plan."""
+        return True
+
     def read(self, name: str) -> bytes:
         info = self.tensor(name)
         return pread_exact(self.fd, info.nbytes, info.offset, self.path, f"tensor '{name}'")

@@ -970,6 +970,9 @@ class PytorchReader(TensorFileReader):
     def is_window(self, name: str) -> bool:
         return name not in self._gathered
 
+    def all_windows(self) -> bool:
+        return not self._gathered
+
     def read(self, name: str) -> bytes:
         info = self.tensor(name)
         buf = bytearray(info.nbytes)
