@@ -7,6 +7,7 @@ read back with the independent readers in convcheck.py and, for the PyTorch side
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -48,6 +49,7 @@ from syncd.engine.write.planned import FromSource, verify_full
 from syncd.errors import FormatError, UnsupportedError, UsageError, VerificationError
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
 from syncd.formats.safetensors import SafetensorsReader
+from syncd.formats.table import TensorSpec
 
 pytestmark = pytest.mark.torch
 
@@ -652,6 +654,41 @@ def test_verify_tensor_catches_a_corrupted_output(tmp_path: Path) -> None:
             verify_tensor(src, "conv2.conv.weight", corrupt, "conv2.conv.weight", False)
         with pytest.raises(VerificationError):  # a transpose that was not done
             verify_tensor(src, "fc2.weight", ok, "fc2.weight", False)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "lay_out", "tensor", "change"),
+    [
+        (MNIST_PT, "plan_burnpack", "fc1.weight", "shape"),  # [in, out] laid out as [out, in]
+        (MNIST_WEB, "plan_safetensors", "fc1.weight", "shape"),
+        (MNIST_WEB, "plan_safetensors", "fc2.bias", "dtype"),  # F32 laid out as I32: the same bytes
+    ],
+)
+def test_a_header_that_does_not_describe_the_plan_is_never_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixture: Path, lay_out: str, tensor: str, change: str
+) -> None:
+    """A writer bug that lays out a table other than the planned one (same sizes, so every write still
+    tiles its window): the re-read table is compared with the plan, as the format stores dtypes."""
+    from syncd.engine import targets
+
+    real = getattr(targets, lay_out)
+
+    def misdescribing(specs: list[TensorSpec], *args: object, **kwargs: object) -> object:
+        def wrong(spec: TensorSpec) -> TensorSpec:
+            if spec.name != tensor:
+                return spec
+            if change == "shape":
+                return dataclasses.replace(spec, shape=tuple(reversed(spec.shape)))
+            return dataclasses.replace(spec, dtype="I32")
+
+        return real([wrong(spec) for spec in specs], *args, **kwargs)
+
+    monkeypatch.setattr(targets, lay_out, misdescribing)
+    source = _copy(fixture, tmp_path)
+    dest = tmp_path / "out.bin"
+    with pytest.raises(VerificationError, match=rf"written tensor table differs from the plan at \['{tensor}'\]"):
+        convert(ConvertRequest(source=source, dest=dest, to_format="burnpack" if lay_out == "plan_burnpack" else None))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]
 
 
 def test_a_source_failing_mid_conversion_leaves_nothing(tmp_path: Path) -> None:

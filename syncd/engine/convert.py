@@ -618,8 +618,8 @@ def _fill_in_source_hash(c: Conversion, fd: int, header: bytes, digest: str) -> 
 
 
 def _verify_table(c: Conversion, output: TensorFileReader, specs: list[TensorSpec]) -> None:
-    expected = _table_of(specs, c.target.comparable)
-    found = _table_of(output.tensors, c.target.comparable)
+    expected = _table_of(specs, c.target.stored_dtype)
+    found = _table_of(output.tensors, c.target.stored_dtype)
     if expected != found:
         missing = sorted(set(expected) ^ set(found)) or sorted(n for n in expected if expected[n] != found[n])
         raise VerificationError(f"the written tensor table differs from the plan at {missing[:5]}", str(c.dest))
@@ -628,10 +628,10 @@ def _verify_table(c: Conversion, output: TensorFileReader, specs: list[TensorSpe
 _NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
 
 
-def _table_of(tensors: Sequence[TensorSpec | TensorInfo], same: Callable[[str], str]) -> dict[str, tuple[str, Any]]:
+def _table_of(tensors: Sequence[TensorSpec | TensorInfo], stored: dict[str, str] | None) -> dict[str, tuple[str, Any]]:
     """name -> (dtype as the format stores it, shape), built in C: it runs over every tensor, twice."""
-    names, dtypes, shapes = map(_NAME, tensors), map(same, map(_DTYPE, tensors)), map(_SHAPE, tensors)
-    return dict(zip(names, zip(dtypes, shapes, strict=True), strict=True))
+    dtypes = map(_DTYPE, tensors) if stored is None else map(stored.__getitem__, map(_DTYPE, tensors))
+    return dict(zip(map(_NAME, tensors), zip(dtypes, map(_SHAPE, tensors), strict=True), strict=True))
 
 
 def _naming_file(exc: SyncdError, path: str) -> SyncdError:

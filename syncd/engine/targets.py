@@ -90,9 +90,8 @@ class Target(ABC):
         """Where everything goes: (the header bytes, the file size, the absolute start of each of `specs`).
         convert writes it all (write/planned.py)."""
 
-    def comparable(self, dtype: str) -> str:
-        """A dtype as this format stores it, for comparing the written table with the plan."""
-        return dtype
+    # a dtype as this format stores it, for comparing the written table with the plan (None: as it is named)
+    stored_dtype: dict[str, str] | None = None
 
     def check_written(self, specs: list[TensorSpec], output: TensorFileReader, dest: str) -> None:
         """Format-specific checks of the read-back output, after the table and the tensors (default: none)."""
@@ -198,8 +197,7 @@ class SafetensorsTarget(Target):
         plan = plan_safetensors(specs, metadata)
         return plan.header, plan.file_size, plan.starts
 
-    def comparable(self, dtype: str) -> str:
-        return DTYPE_TO_SAFETENSORS[dtype]  # Flex32 is written as F32, the Bool stores as BOOL...
+    stored_dtype = DTYPE_TO_SAFETENSORS  # Flex32 is written as F32, the Bool stores as BOOL...
 
 
 def _burn_dtype(source: Source, carried: carry.Carried, info: TensorInfo) -> tuple[str, Any]:
