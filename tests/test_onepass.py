@@ -747,6 +747,20 @@ def test_a_ledger_kept_without_digests_checks_the_writes_but_refuses_an_audit(tm
     output.close()
 
 
+@GEOMETRIES
+def test_a_ledger_kept_without_digests_takes_none_of_any_write(tmp_path: Path, geometry: dict[str, int]) -> None:
+    """Only the audit reads a write's digest: a conversion that will not audit (--verify fast) takes none, of
+    blocks, bands or pieces of strips alike, and its writes are checked all the same."""
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(ledger=WriteLedger(digests=False), **geometry)
+    engine.run()
+    output.check(engine)
+    entries = [entry for tensor in engine.ledger.entries.values() for entry in tensor]
+    assert entries and all(entry.digest == 0 for entry in entries)
+    assert all(run.digests is None for run in engine.ledger.runs)
+    output.close()
+
+
 def test_a_small_tensor_written_twice_is_caught(tmp_path: Path) -> None:
     """A run that lands whole and in place still counts each of its tensors once: one written again (here
     by a second pass over the same source) no longer tiles its window exactly once."""
