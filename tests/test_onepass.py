@@ -198,6 +198,31 @@ def test_memory_is_capped_by_the_ring_not_the_model(tmp_path: Path) -> None:
     output.close()
 
 
+def test_the_strip_buffer_is_as_large_as_the_largest_block_of_the_pass(tmp_path: Path) -> None:
+    """Its pages are made at once (aligned): it must not hold more than the pass's largest strip takes (here
+    b.weight, F32 [64, 1000], in one strip: 256,000 bytes, in a strip buffer that could hold 1 MiB)."""
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(workers=3, slot_bytes=8192, strip_bytes=1 << 20, block_bytes=7)
+    engine.run()
+    output.check(engine)
+    assert engine._strip_buffer is not None and len(engine._strip_buffer) == 64 * 1000 * 4
+    output.close()
+
+
+def test_an_aligned_buffer_is_in_memory_before_it_is_written() -> None:
+    """Its pages are made when it is (MAP_POPULATE), not one fault at a time as its first writes land."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * page
+
+    before = resident()
+    buffer = onepass.aligned(32 << 20)
+    assert resident() - before >= 31 << 20
+    assert len(buffer) == 32 << 20
+
+
 # -- fault injection: each class the full read-back caught
 
 
