@@ -238,6 +238,29 @@ def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the
         read(fd, bytearray(16), 1, 16, 0, 16)  # the descriptor is closed: an error, never a count
 
 
+def test_the_piece_copier_copies_each_piece_with_its_checksum_and_refuses_a_geometry_past_its_buffers(
+    compiled_kernel: Library,
+) -> None:
+    src = bytes(range(256)) * 4  # 1 KiB
+    dst = bytearray(3 * 16)
+    sums = np.zeros(6, np.uint64)  # every other slot: sums_stride 2
+    compiled_kernel.copy_pieces(src, dst, 3, 16, 100, 7, sums, 2)
+    assert bytes(dst) == b"".join(src[k * 100 : k * 100 + 16] for k in range(3))
+    expected = np.zeros(6, np.uint64)
+    piece_sums_numpy(bytes(dst), 3, 16, 16, 16, 7, expected, 2)
+    assert sums.tolist() == expected.tolist() and sums[1] == 0 and sums[0] != 0
+    for count, segment, stride, target, slots in [
+        (2, 16, 1016, 32, 4),  # a second piece past the source
+        (3, 16, 100, 32, 6),  # a third piece the target does not hold
+        (3, 16, 8, 48, 6),  # pieces that overlap in the source
+        (3, 16, 100, 48, 4),  # a sum past the sums
+        (3, 12, 100, 36, 6),  # pieces not of whole 8-byte words
+    ]:
+        sums = np.zeros(slots, np.uint64)
+        with pytest.raises(ValueError):
+            compiled_kernel.copy_pieces(src, bytearray(target), count, segment, stride, 7, sums, 2)
+
+
 @pytest.mark.parametrize(("rows", "row_bytes", "piece_bytes"), [(1, 8, 8), (5, 64, 24), (3, 4096, 1000), (7, 800, 800)])
 def test_the_checksum_is_its_definition_and_sees_a_changed_word_and_words_that_trade_places(
     compiled_kernel: Library, rows: int, row_bytes: int, piece_bytes: int

@@ -428,19 +428,40 @@ def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(tmp
     with SafetensorsReader(source) as reader:
         window = next((t.offset, t.offset + t.nbytes) for t in reader.tensors if t.name == "a.weight")
     pieces: list[int] = []
+    # the first piece read by columns: row 0's of the second group (12 columns; the first group is converted
+    # from the read for the hash itself), or the very last piece
+    wrong = window[0] + 12 * 4 if rows == "first" else window[1] - 8
 
     def flipped(fd: int, buf: memoryview, offset: int) -> int:
         n = os.preadv(fd, [buf], offset)
         if window[0] <= offset < window[1] and len(buf) < 170 * 4:  # a row's piece: the read by columns
             pieces.append(offset)
-            if offset == (window[0] if rows == "first" else window[1] - 8):  # the very first or last piece
+            if offset == wrong:
                 buf[0] ^= 1
         return n
 
     assert_pass_fails(
         source, tmp_path, SourceChangedError, "changed while it was being converted", seam=Seam(flipped), **COLUMNS
     )
-    assert len(pieces) == 300 * 15  # every row's piece of each of the 15 groups, each read once
+    # every row's piece of each of the 15 groups but the first, each read once
+    assert len(pieces) == 300 * 14 and len(set(pieces)) == len(pieces)
+    assert all((offset - window[0]) % (170 * 4) >= 12 * 4 for offset in pieces)
+
+
+def test_a_first_column_group_taken_wrong_from_the_read_for_the_hash_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first group's pieces are copied out of the rows read for the hash, and checksummed as copied: a copy
+    that takes the wrong bytes (here each row's piece one element further on) converts other bytes than the
+    hashed ones, and the checksums binding the two tell."""
+    real = kernels.copy_pieces
+
+    def shifted(src: Any, dst: Any, count: int, segment: int, stride: int, seed: int, sums: Any, step: int) -> None:
+        real(memoryview(src)[4:], dst, count, segment, stride, seed, sums, step)
+
+    monkeypatch.setattr(kernels, "copy_pieces", shifted)
+    source = _source(tmp_path)
+    assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", **COLUMNS)
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:

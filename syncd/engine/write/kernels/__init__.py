@@ -16,10 +16,11 @@ both run on numpy views of the same buffers.
 
 `pwrite_pieces` writes the output-row pieces of a tensor transposed in strips (each piece at its own offset):
 one call of the compiled kernel for a whole band, or one `os.pwrite` per piece without it. `pread_pieces` is
-its reverse, for a tensor taken by columns: a group of columns read piece by piece out of every source row.
+its reverse, for a tensor taken by columns: a group of columns read piece by piece out of every source row;
+`copy_pieces` takes the same pieces out of rows already in a buffer (the read for the hash), with their sums.
 `piece_sums` is the checksum that binds that read to the hashed one (onepass.py): every 4-byte word offset by
 a constant of its place, squared exactly and summed (mod 2**64), per piece of every row (why that catches a
-changed word and a swap: `_transpose.c`). Both exist only compiled (BY_COLUMNS).
+changed word and a swap: `_transpose.c`). These last three exist only compiled (BY_COLUMNS).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ PiecesWriter = Callable[[int, Any, int, int, int, int], int]
 # (fd, buf, count, segment, offset, stride, seed, sums, sums_stride) -> bytes read (fewer only at the end of
 # the file); with sums, each piece's checksum (PieceSums) at sums[k * sums_stride]
 PiecesReader = Callable[[int, Any, int, int, int, int, int, Any, int], int]
+# (src, dst, count, segment, stride, seed, sums, sums_stride): PiecesReader from a buffer, sums always taken
+PiecesCopier = Callable[[Any, Any, int, int, int, int, Any, int], None]
 # (buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): out[r * out_stride + p] = sum of piece p of row r
 PieceSums = Callable[[Any, int, int, int, int, int, Any, int], None]
 
@@ -165,6 +168,7 @@ band_matches: BandCheck = band_check_numpy
 pwrite_pieces: PiecesWriter = pwrite_pieces_python
 pread_pieces: PiecesReader = _needs_the_compiled_kernel
 piece_sums: PieceSums = _needs_the_compiled_kernel
+copy_pieces: PiecesCopier = _needs_the_compiled_kernel
 if _LIBRARY is not None:
     transpose = make_compiled(_LIBRARY.transpose)
     transpose_band = make_band(_LIBRARY.transpose)
@@ -172,6 +176,7 @@ if _LIBRARY is not None:
     pwrite_pieces = _LIBRARY.pwrite_pieces
     pread_pieces = _LIBRARY.pread_pieces
     piece_sums = _LIBRARY.piece_sums
+    copy_pieces = _LIBRARY.copy_pieces
 KERNEL_NAME = "compiled" if _LIBRARY is not None else "numpy"
 # Large tensors taken by groups of columns (onepass.py) only with the compiled kernel: without it, each row's
 # piece is a Python call and its checksum numpy temporaries (measured on [8192, 8192] F32: twice the time and

@@ -20,6 +20,8 @@
  * strips, in one call instead of one Python call per piece.
  * syncd_pread_pieces(fd, buf, count, segment, offset, stride): the reverse, `count` pieces read from offset,
  * offset + stride, ... into buf end to end: a group of columns of a tensor read row piece by row piece.
+ * syncd_copy_pieces(src, dst, count, segment, stride, seed, sums, sums_stride): the same pieces taken from a
+ * buffer already read (the read for the hash) instead of the file, each checksummed as pread_pieces does.
  * syncd_piece_sums(buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): a 64-bit checksum of
  * every piece of every row, which binds the two reads of a tensor taken by columns (onepass.py).
  */
@@ -275,6 +277,17 @@ EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segmen
         total += segment;
     }
     return total;
+}
+
+/* pread_pieces from memory: piece k from src + k * stride to dst + k * segment, each checksummed (with `sums`)
+ * as it lands, in L1. The caller has checked the geometry against both buffers. */
+EXPORT void syncd_copy_pieces(const void *src, void *dst, isize count, isize segment, isize stride, uint64_t seed,
+                              uint64_t *sums, isize sums_stride) {
+    for (isize k = 0; k < count; k++) {
+        char *piece = (char *)dst + k * segment;
+        memcpy(piece, (const char *)src + k * stride, (size_t)segment);
+        if (sums) sums[k * sums_stride] = piece_sum(piece, segment / 4, (uint32_t)seed);
+    }
 }
 
 EXPORT void syncd_piece_sums(const void *buf, isize rows, isize stride, isize row_bytes, isize piece_bytes,

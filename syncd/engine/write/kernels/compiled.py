@@ -96,6 +96,9 @@ class Library:
         self._pread.argtypes = [ctypes.c_int, void, size, size, ctypes.c_longlong, ctypes.c_longlong]
         self._pread.argtypes += [ctypes.c_uint64, void, size]
         self._pread.restype = ctypes.c_longlong
+        self._copy = cdll.syncd_copy_pieces
+        self._copy.argtypes = [void, void, size, size, size, ctypes.c_uint64, void, size]
+        self._copy.restype = None
         self._sums = cdll.syncd_piece_sums
         self._sums.argtypes = [void, size, size, size, size, ctypes.c_uint64, void, size]
         self._sums.restype = None
@@ -171,6 +174,21 @@ class Library:
         if done < 0:
             raise OSError(-done, os.strerror(-done))
         return int(done)
+
+    def copy_pieces(
+        self, src: Any, dst: Any, count: int, segment: int, stride: int, seed: int, sums: Any, sums_stride: int
+    ) -> None:
+        """pread_pieces from a buffer: `count` pieces of `segment` bytes from src, stride bytes apart, into dst
+        end to end, sums[k * sums_stride] = the checksum of piece k (piece_sums) taken from dst."""
+        source, target, out = _Pinned(src, writable=False), _Pinned(dst, writable=True), _Pinned(sums, writable=True)
+        if min(count, segment) < 0 or stride < segment or count * segment > target.nbytes:
+            raise ValueError("bad pieces geometry")
+        if count and (count - 1) * stride + segment > source.nbytes:
+            raise ValueError("buffers too small for the pieces")
+        _check_sums(target, out, count, segment, segment, max(segment, 8), sums_stride)
+        if count:
+            seed &= 2**64 - 1
+            self._copy(source.address, target.address, count, segment, stride, seed, out.address, sums_stride)
 
     def piece_sums(
         self, buf: Any, rows: int, stride: int, row_bytes: int, piece_bytes: int, seed: int, out: Any, out_stride: int
