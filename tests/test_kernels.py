@@ -261,6 +261,68 @@ def test_the_piece_copier_copies_each_piece_with_its_checksum_and_refuses_a_geom
             compiled_kernel.copy_pieces(src, bytearray(target), count, segment, stride, 7, sums, 2)
 
 
+def _in_bands(pieces: list[bytes], first_row: int, rows: int, chunk: int, size: int) -> bytes:
+    """What a block of `rows` rows laid out in bands of `chunk` bytes holds with `pieces` as rows first_row...
+    (zeros elsewhere), written apart from the kernel: band j is every row's bytes j*chunk.. end to end."""
+    block = bytearray(size)
+    segment = len(pieces[0])
+    for k, piece in enumerate(pieces):
+        for at in range(0, segment, chunk):
+            n = min(chunk, segment - at)
+            place = at * rows + (first_row + k) * n
+            block[place : place + n] = piece[at : at + n]
+    return bytes(block)
+
+
+@pytest.mark.parametrize("chunk", [16, 24, 40, 48])  # bands of 16 bytes; 24, then the 16 left; 40 and 8; whole
+def test_pieces_read_or_copied_into_bands_land_where_each_band_is_a_matrix_of_its_own(
+    compiled_kernel: Library, tmp_path: Path, chunk: int
+) -> None:
+    src = bytes(range(256)) * 4  # 1 KiB
+    path = tmp_path / "src"
+    path.write_bytes(src)
+    pieces = [src[8 + k * 100 : 56 + k * 100] for k in range(3)]  # 48 bytes each
+    expected_sums = np.zeros(3, np.uint64)
+    piece_sums_numpy(b"".join(pieces), 3, 48, 48, 48, 7, expected_sums, 1)
+    expected = _in_bands(pieces, 2, 6, chunk, 6 * 48)  # rows 2, 3, 4 of a block of 6
+    copied, sums = bytearray(6 * 48), np.zeros(3, np.uint64)
+    compiled_kernel.copy_pieces(src[8:], copied, 3, 48, 100, 7, sums, 1, 2, 6, chunk)
+    assert bytes(copied) == expected and sums.tolist() == expected_sums.tolist()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read, sums = bytearray(6 * 48), np.zeros(3, np.uint64)
+        assert compiled_kernel.pread_pieces(fd, read, 3, 48, 8, 100, 7, sums, 1, 2, 6, chunk) == 3 * 48
+        assert bytes(read) == expected and sums.tolist() == expected_sums.tolist()
+        with pytest.raises(ValueError):
+            compiled_kernel.pread_pieces(fd, bytearray(6 * 48), 3, 48, 8, 100, 7, None, 1, 4, 6, chunk)  # rows 4-6
+        with pytest.raises(ValueError):
+            compiled_kernel.pread_pieces(fd, bytearray(5 * 48), 3, 48, 8, 100, 7, None, 1, 2, 6, chunk)  # 5 rows
+    finally:
+        os.close(fd)
+
+
+def test_pieces_longer_than_the_staging_buffer_land_in_bands_with_the_checksum_of_the_whole(
+    compiled_kernel: Library, tmp_path: Path
+) -> None:
+    """A piece placed in bands is read through 64 KiB of staging at a time: one of 70,000 bytes in two reads,
+    its checksum summed over both (each word's term depends on its place in the piece alone)."""
+    segment, chunk, stride = 70_000, 4_000, 80_000
+    src = np.random.default_rng(5).integers(0, 256, 2 * stride, dtype=np.uint8).tobytes()
+    path = tmp_path / "src"
+    path.write_bytes(src)
+    pieces = [src[k * stride : k * stride + segment] for k in range(2)]
+    expected_sums = np.zeros(2, np.uint64)
+    piece_sums_numpy(b"".join(pieces), 2, segment, segment, segment, 3, expected_sums, 1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read, sums = bytearray(2 * segment), np.zeros(2, np.uint64)
+        assert compiled_kernel.pread_pieces(fd, read, 2, segment, 0, stride, 3, sums, 1, 0, 2, chunk) == 2 * segment
+    finally:
+        os.close(fd)
+    assert bytes(read) == _in_bands(pieces, 0, 2, chunk, 2 * segment)
+    assert sums.tolist() == expected_sums.tolist()
+
+
 @pytest.mark.parametrize(("rows", "row_bytes", "piece_bytes"), [(1, 8, 8), (5, 64, 24), (3, 4096, 1000), (7, 800, 800)])
 def test_the_checksum_is_its_definition_and_sees_a_changed_word_and_words_that_trade_places(
     compiled_kernel: Library, rows: int, row_bytes: int, piece_bytes: int

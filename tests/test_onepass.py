@@ -154,6 +154,26 @@ def test_every_tensor_arrives_exact_with_any_writers_and_buffers(
         assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
 
 
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("reads", ["compiled", "through the seam"])
+def test_column_groups_laid_out_in_bands_arrive_exact(tmp_path: Path, inline: bool, reads: str) -> None:
+    """Each row's piece of a column group goes to the group's bands (5 columns each, the last 2 wide), read by
+    the compiled kernel or piece by piece through the seam's reads, or copied out of the read for the hash
+    (the first group); each band transposed whole."""
+    source = _source(tmp_path)
+    output = _Output(source, tmp_path / "out.safetensors")
+    seam = Seam() if reads == "compiled" else Seam(read=lambda fd, buf, offset: os.preadv(fd, [buf], offset))
+    engine = output.engine(seam=seam, inline_bytes=1 << 30 if inline else 0, **BANDS)
+    assert engine._column_width(next(m for m in output.moves if m.name == "a.weight")) == 12
+    engine.run()
+    output.check(engine)
+    output.close()
+    before, after = load_file(str(source)), load_file(str(tmp_path / "out.safetensors"))
+    for name, value in before.items():
+        expected = value.T if name in output.transposed else value
+        assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
+
+
 def test_writeback_is_started_for_the_blocks_written_and_not_for_the_pieces_of_strips(tmp_path: Path) -> None:
     """The real sync_file_range, watched: each call covers the span of whole blocks written since the last one
     (not the whole file), and the output-row pieces of tensors written in strips are left to the fsync."""
@@ -257,11 +277,15 @@ def _band_checks(library: compiled.Library) -> dict[str, kernels.BandCheck]:
 
 
 # the geometries of a transposing pass: tensors read whole; in strips of the strip buffer, several parts each;
-# by groups of columns of the strip buffer (a.weight, F32 [300, 170]: 13 columns, 12 for whole 8-byte words)
+# by groups of columns of the strip buffer (a.weight, F32 [300, 170]: 13 columns, 12 for whole 8-byte words),
+# each group one band, or laid out in bands of 5 columns (5, 5 and 2 of a.weight's 12; 23 of b.weight's 64)
 WHOLE: dict[str, int] = {}
 STRIPS = {"slot_bytes": 8192, "strip_bytes": 16384, "workers": 3}
 COLUMNS = {**STRIPS, "min_column_piece": 8}
-GEOMETRIES = pytest.mark.parametrize("geometry", [WHOLE, STRIPS, COLUMNS], ids=["whole", "strips", "columns"])
+BANDS = {**COLUMNS, "band_bytes": 300 * 4 * 5}
+GEOMETRIES = pytest.mark.parametrize(
+    "geometry", [WHOLE, STRIPS, COLUMNS, BANDS], ids=["whole", "strips", "columns", "columns in bands"]
+)
 
 
 @GEOMETRIES
@@ -329,7 +353,7 @@ def test_a_tile_written_at_a_wrong_offset_is_caught(tmp_path: Path, geometry: di
         return offset + step if len(bands) == 2 else offset
 
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(band_bytes=8192, seam=Seam(place=misplaced), **geometry)
+    engine = output.engine(seam=Seam(place=misplaced), **{"band_bytes": 8192, **geometry})
     engine.run()
     assert len(bands) > 2
     with pytest.raises(VerificationError, match="'a.weight' was not written exactly once in full"):
@@ -356,7 +380,7 @@ def test_a_torn_tile_is_caught(tmp_path: Path, geometry: dict[str, int], reporte
         pwrite_all(fd, data, offset)
         return len(data)
 
-    engine = output.engine(band_bytes=8192, seam=Seam(write=torn), **geometry)
+    engine = output.engine(seam=Seam(write=torn), **{"band_bytes": 8192, **geometry})
     engine.run()
     assert len(calls) > 3
     if reported == "as it was":
@@ -417,8 +441,11 @@ def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> N
     )
 
 
+@pytest.mark.parametrize("layout", [COLUMNS, BANDS], ids=["one band", "bands"])
 @pytest.mark.parametrize("rows", ["first", "last"])
-def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(tmp_path: Path, rows: str) -> None:
+def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(
+    tmp_path: Path, rows: str, layout: dict[str, int]
+) -> None:
     """A tensor taken by columns is read twice: in file order for the hash, by groups of columns for the
     conversion. A source that changes between the two without its timestamps showing it (a writer through mmap,
     a network file system's cached attributes) is stood in for by a seam that flips one bit of one piece of the
@@ -441,7 +468,7 @@ def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(tmp
         return n
 
     assert_pass_fails(
-        source, tmp_path, SourceChangedError, "changed while it was being converted", seam=Seam(flipped), **COLUMNS
+        source, tmp_path, SourceChangedError, "changed while it was being converted", seam=Seam(flipped), **layout
     )
     # every row's piece of each of the 15 groups but the first, each read once
     assert len(pieces) == 300 * 14 and len(set(pieces)) == len(pieces)
@@ -456,8 +483,8 @@ def test_a_first_column_group_taken_wrong_from_the_read_for_the_hash_is_caught(
     hashed ones, and the checksums binding the two tell."""
     real = kernels.copy_pieces
 
-    def shifted(src: Any, dst: Any, count: int, segment: int, stride: int, seed: int, sums: Any, step: int) -> None:
-        real(memoryview(src)[4:], dst, count, segment, stride, seed, sums, step)
+    def shifted(src: Any, *args: Any) -> None:
+        real(memoryview(src)[4:], *args)
 
     monkeypatch.setattr(kernels, "copy_pieces", shifted)
     source = _source(tmp_path)

@@ -18,15 +18,17 @@ BLOCK_BYTES pieces; a transposed tensor up to SLOT_BYTES goes whole, one job (un
 longer than a band: a narrow matrix). One up to STRIP_BYTES goes as one strip of the strip buffer: the writers
 read its rows in parts, then transpose its columns in parts, its output rows written whole.
 
-A larger one is taken by groups of columns (`_column_width` says when): every source row's piece of the
-group is read into the strip buffer (one call of the compiled kernel per part), and the group's output rows,
-whole and end to end in the output, are written a band at a time. Those reads are not in file order, so the
-tensor's bytes are also read in file order for the hash, and the two reads are bound by a checksum of every
-piece (`_Bound`): this is the one place a source byte is read twice, and what is converted is still proven to
-be what was hashed. (The first group's pieces are copied out of the read for the hash as it goes: read once.)
-Tensors whose geometry does not suit that (rows not whole 8-byte words, output rows longer
-than a band, pieces shorter than MIN_COLUMN_PIECE) go in strips of source rows read in file order, each output
-row receiving one piece of the strip's height per strip. Every write lands in a WriteLedger (checks.py), every
+A larger one is taken by groups of columns (`_column_width` says when): every source row's piece of the group
+is read into the strip buffer (one call of the compiled kernel per part), and the group's output rows, whole
+and end to end in the output, are written a band at a time. The pieces land band by band (each band's rows end
+to end), so that each band is transposed as a matrix of its own: read out of whole pieces a few KiB apart
+(each row on another page), a band of the lm_head took three times as long. Those reads are not in file order, so
+the tensor's bytes are also read in file order for the hash, and the two reads are bound by a checksum of
+every piece (`_Bound`): this is the one place a source byte is read twice, and what is converted is still
+proven to be what was hashed. (The first group's pieces are copied out of the read for the hash as it goes:
+read once.) Tensors whose geometry does not suit that (rows not whole 8-byte words, output rows longer than a
+band, pieces shorter than MIN_COLUMN_PIECE) go in strips of source rows read in file order, each output row
+receiving one piece of the strip's height per strip. Every write lands in a WriteLedger (checks.py), every
 transposed band is checked in cache.
 
 `Seam` is where tests step into a pass to inject faults (a wrong read, transpose, place or write) without
@@ -154,10 +156,19 @@ class _Strip:
     share of the columns. The last to finish gives the buffer back.
 
     `hashed` jobs of the read for the hash fill it instead (a tensor's first column group): its parts then read
-    nothing and wait for those jobs as well."""
+    nothing and wait for those jobs as well. A column group's buffer is laid out in bands of `band` columns,
+    each band's rows end to end (kernels.pread_pieces): each band a matrix of its own, transposed whole."""
 
     def __init__(
-        self, buffer: memoryview, move: Move, first: int, count: int, parts: int, nbytes: int, hashed: int = 0
+        self,
+        buffer: memoryview,
+        move: Move,
+        first: int,
+        count: int,
+        parts: int,
+        nbytes: int,
+        hashed: int = 0,
+        band: int = 0,
     ) -> None:
         self.whole = buffer  # the strip buffer, given back as it was taken
         self.buffer = buffer[:nbytes]
@@ -165,6 +176,7 @@ class _Strip:
         self.first, self.count = first, count
         self.parts = parts
         self.hashed = hashed
+        self.band = band
         self.fillers = parts + hashed  # jobs that put rows into the buffer (the parts count, having read nothing)
         self.read = 0  # fillers whose rows are in the buffer (guarded by OnePass._turn)
         self.left = parts  # parts not finished
@@ -559,12 +571,14 @@ class OnePass:
         jobs = -(-rows // per)
         bound = _Bound(rows, groups, width, jobs + groups * parts)
         item = move.itemsize
-        first = _Strip(self._strip(rows * width * item), move, 0, width, parts, rows * width * item, hashed=jobs)
+        band = max(1, self.band_bytes // (rows * item))  # (as _transpose_columns cuts whole output rows)
+        first = _Strip(self._strip(rows * width * item), move, 0, width, parts, rows * width * item, jobs, band)
         for r0 in range(0, rows, per):
             yield self._hash_rows, self._free.get(), move, bound, r0, min(rows, r0 + per), first
         for c0 in range(0, cols, width):
             n = min(width, cols - c0)
-            group = first if c0 == 0 else _Strip(self._strip(rows * n * item), move, c0, n, parts, rows * n * item)
+            strip = self._strip(rows * n * item) if c0 else first.whole
+            group = first if c0 == 0 else _Strip(strip, move, c0, n, parts, rows * n * item, band=band)
             for part in range(parts):
                 yield self._column_part, self._free.get(), group, part, bound
 
@@ -587,13 +601,15 @@ class OnePass:
         buffer (with their checksums, on the converted side: what that group converts is what was hashed)."""
         from syncd.engine.write import kernels
 
-        row_bytes = move.matrix[1] * move.itemsize  # type: ignore[index]
+        rows, cols = move.matrix  # type: ignore[misc]
+        row_bytes = cols * move.itemsize
         piece, sums = bound.width * move.itemsize, memoryview(bound.hashed)[r0 * bound.groups * 8 :]
         try:
             data = self._read(slot.src((r1 - r0) * row_bytes), move.src_offset + r0 * row_bytes)
             kernels.piece_sums(data, r1 - r0, row_bytes, row_bytes, piece, bound.seed, sums, bound.groups)
-            mine, copied = first.buffer[r0 * piece : r1 * piece], memoryview(bound.converted)[r0 * bound.groups * 8 :]
-            kernels.copy_pieces(data, mine, r1 - r0, piece, row_bytes, bound.seed, copied, bound.groups)
+            copied = memoryview(bound.converted)[r0 * bound.groups * 8 :]
+            args = (bound.seed, copied, bound.groups, r0, rows, first.band * move.itemsize)
+            kernels.copy_pieces(data, first.buffer, r1 - r0, piece, row_bytes, *args)
         finally:
             self._free.put(slot)
         self._filled(first)
@@ -601,40 +617,47 @@ class OnePass:
 
     def _column_part(self, slot: _Slot, group: _Strip, part: int, bound: _Bound) -> None:
         """Part `part` of a column group: read its share of the rows' pieces (with their checksums, in cache),
-        wait for the other parts' pieces, transpose its share of the group's columns into whole output rows."""
+        wait for the other parts' pieces, transpose its share of the group's bands into whole output rows."""
         try:
             move = group.move
             rows, cols = move.matrix  # type: ignore[misc]
-            item, piece = move.itemsize, group.count * move.itemsize
+            item = move.itemsize
             lo, hi = group.share(part, rows)
             if hi > lo and not group.hashed:
                 sums = memoryview(bound.converted)[(lo * bound.groups + group.first // bound.width) * 8 :]
                 start = move.src_offset + (lo * cols + group.first) * item
-                mine = group.buffer[lo * piece : hi * piece]
-                self._read_pieces(mine, hi - lo, piece, start, cols * item, bound, sums)
+                self._read_pieces(group, lo, hi, start, cols * item, bound, sums)
             self._wait_for_parts(group)
-            c0, c1 = group.share(part, group.count)
-            self._transpose_columns(slot, move, group.buffer, 0, rows, c0, c1, group.count, group.first)
+            b0, b1 = group.share(part, -(-group.count // group.band))
+            for first in range(b0 * group.band, min(b1 * group.band, group.count), group.band):
+                n = min(group.band, group.count - first)  # a band: its own [rows, n] matrix
+                block = group.buffer[rows * first * item : rows * (first + n) * item]
+                self._transpose_columns(slot, move, block, 0, rows, 0, n, n, group.first + first)
         finally:
             self._free.put(slot)
             group.leave(self._strips)
         bound.done(self.src_path)
 
     def _read_pieces(
-        self, buf: memoryview, count: int, segment: int, offset: int, stride: int, bound: _Bound, sums: memoryview
+        self, group: _Strip, lo: int, hi: int, offset: int, stride: int, bound: _Bound, sums: memoryview
     ) -> None:
-        """`count` pieces of the source and their checksums (not hashed: _hash_rows hashes these bytes), in one
-        call of the compiled kernel unless a test stands in the seam's reads."""
+        """Rows lo:hi's pieces of the group, from `offset` on, `stride` apart, into its bands, with their
+        checksums (not hashed: _hash_rows hashes these bytes): one call of the compiled kernel unless a test
+        stands in the seam's reads (each piece then read through it, and placed by copy_pieces)."""
         from syncd.engine.write import kernels
 
+        rows, count, item = group.move.matrix[0], hi - lo, group.move.itemsize  # type: ignore[index]
+        segment, chunk = group.count * item, group.band * item
         if self.seam.read is not _preadv:
+            piece = memoryview(bytearray(segment))
             for k in range(count):
-                self._pread(buf[k * segment : (k + 1) * segment], offset + k * stride)
-            kernels.piece_sums(buf, count, segment, segment, segment, bound.seed, sums, bound.groups)
+                self._pread(piece, offset + k * stride)
+                at = sums[k * bound.groups * 8 :]
+                kernels.copy_pieces(piece, group.buffer, 1, segment, segment, bound.seed, at, 1, lo + k, rows, chunk)
             return
         try:
-            fd, seed = self.src_fd, bound.seed
-            done = kernels.pread_pieces(fd, buf, count, segment, offset, stride, seed, sums, bound.groups)
+            args = (offset, stride, bound.seed, sums, bound.groups, lo, rows, chunk)
+            done = kernels.pread_pieces(self.src_fd, group.buffer, count, segment, *args)
         except OSError as exc:
             raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
         if done < count * segment:

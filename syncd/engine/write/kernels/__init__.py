@@ -44,11 +44,13 @@ BandKernel = Callable[[Any, Any, int, int, int, int, int], None]
 BandCheck = Callable[[Any, Any, int, int, int, int, int, int], bool]
 # (fd, buf, count, segment, offset, stride) -> bytes written
 PiecesWriter = Callable[[int, Any, int, int, int, int], int]
-# (fd, buf, count, segment, offset, stride, seed, sums, sums_stride) -> bytes read (fewer only at the end of
-# the file); with sums, each piece's checksum (PieceSums) at sums[k * sums_stride]
-PiecesReader = Callable[[int, Any, int, int, int, int, int, Any, int], int]
-# (src, dst, count, segment, stride, seed, sums, sums_stride): PiecesReader from a buffer, sums always taken
-PiecesCopier = Callable[[Any, Any, int, int, int, int, Any, int], None]
+# (fd, buf, count, segment, offset, stride, seed, sums, sums_stride, first_row, total_rows, chunk) -> bytes read
+# (fewer only at the end of the file); with sums, each piece's checksum (PieceSums) at sums[k * sums_stride];
+# piece k is row first_row + k of a block of total_rows rows laid out in bands of chunk bytes (compiled.py)
+PiecesReader = Callable[[int, Any, int, int, int, int, int, Any, int, int, int, int], int]
+# (src, dst, count, segment, stride, seed, sums, sums_stride, first_row, total_rows, chunk): PiecesReader from
+# a buffer, sums always taken
+PiecesCopier = Callable[[Any, Any, int, int, int, int, Any, int, int, int, int], None]
 # (buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): out[r * out_stride + p] = sum of piece p of row r
 PieceSums = Callable[[Any, int, int, int, int, int, Any, int], None]
 
