@@ -229,8 +229,9 @@ def test_the_strip_buffer_is_as_large_as_the_largest_block_of_the_pass(tmp_path:
     output.close()
 
 
-def test_an_aligned_buffer_is_in_memory_before_it_is_written() -> None:
-    """Its pages are made when it is (MAP_POPULATE), not one fault at a time as its first writes land."""
+def test_an_aligned_buffer_is_in_memory_before_it_is_written_and_given_back_with_its_last_view() -> None:
+    """Its pages are made when it is (MAP_POPULATE), not one fault at a time as its first writes land; they are
+    unmapped once nothing holds them (a view of a view included)."""
     page = os.sysconf("SC_PAGE_SIZE")
 
     def resident() -> int:
@@ -240,7 +241,12 @@ def test_an_aligned_buffer_is_in_memory_before_it_is_written() -> None:
     before = resident()
     buffer = onepass.aligned(32 << 20)
     assert resident() - before >= 31 << 20
-    assert len(buffer) == 32 << 20
+    assert len(buffer) == 32 << 20 and not buffer.readonly
+    part = buffer[4096:8192]
+    del buffer
+    assert resident() - before >= 31 << 20  # still held by `part`
+    del part
+    assert resident() - before < 8 << 20
 
 
 # -- fault injection: each class the full read-back caught

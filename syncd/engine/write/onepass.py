@@ -37,12 +37,15 @@ reaching into its private methods.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
 import os
 import queue
 import random
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -117,17 +120,46 @@ class Move:
     tensor_nbytes: int | None = None
 
 
-# the pages of a buffer made at once rather than one fault at a time as it is first written (Linux): 96 MiB
-# took 0.05 s so against 0.10-0.15 s faulted in by the strip's reads, on this VM
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
 def aligned(size: int) -> memoryview:
-    """A page-aligned buffer of `size` bytes, every one of which its user writes: an anonymous mapping,
-    populated at once. (Not numpy: a conversion without
+    """A page-aligned buffer of `size` bytes, every one of which its user writes: an anonymous mapping, its
+    pages made at once where the system allows (_populated). (Not numpy: a conversion without
     transposes never imports it, which saves a tenth of a second of start-up.)"""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
-    return memoryview(mmap.mmap(-1, max(size, 1), flags=flags))[:size]
+    populated = _populated(max(size, 1))
+    if populated is None:
+        populated = memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+    return populated[:size]
+
+
+def _populated(size: int) -> memoryview | None:
+    """`size` bytes of fresh pages, all made by the mapping call (MAP_POPULATE) rather than one fault at a time
+    as they are first written (96 MiB: 0.05 s against 0.10-0.15 s faulted in by the strip's reads, on this VM),
+    unmapped when the last view of them goes; None where the system does not have it. The call goes through
+    ctypes, which releases the GIL: Python's mmap holds it meanwhile, stalling every writer."""
+    libc, populate = _libc(), getattr(mmap, "MAP_POPULATE", 0)
+    if libc is None or not populate:
+        return None
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:  # (MAP_FAILED)
+        return None
+    pages = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(pages, libc.munmap, address, size)
+    return memoryview(pages).cast("B")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's mmap and munmap, typed; None where there is none to load."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mapping, unmapping = libc.mmap, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    mapping.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    mapping.restype = ctypes.c_void_p
+    unmapping.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    unmapping.restype = ctypes.c_int
+    return libc
 
 
 class _Slot:
