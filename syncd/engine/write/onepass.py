@@ -143,7 +143,8 @@ def _populated(size: int) -> memoryview | None:
     if address is None or address == ctypes.c_void_p(-1).value:  # (MAP_FAILED)
         return None
     pages = (ctypes.c_char * size).from_address(address)
-    weakref.finalize(pages, libc.munmap, address, size)
+    # not at exit: a daemon thread may still be in a pass then, and the process's end unmaps it all anyway
+    weakref.finalize(pages, libc.munmap, address, size).atexit = False
     return memoryview(pages).cast("B")
 
 
