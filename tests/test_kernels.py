@@ -214,7 +214,7 @@ def piece_sums_numpy(
             out[r * out_stride + p] = (x * x).sum(dtype=np.uint64)
 
 
-def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the_file_ends(
+def test_the_piece_reader_reads_each_piece_and_stops_where_the_file_ends(
     compiled_kernel: Library, tmp_path: Path
 ) -> None:
     path = tmp_path / "src"
@@ -223,12 +223,8 @@ def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the
     fd = os.open(path, os.O_RDONLY)
     try:
         buf = bytearray(3 * 16)
-        sums = np.zeros(6, np.uint64)  # every other slot: sums_stride 2
-        assert read(fd, buf, 3, 16, 8, 100, 7, sums, 2) == 48
+        assert read(fd, buf, 3, 16, 8, 100) == 48
         assert bytes(buf) == b"".join(path.read_bytes()[8 + k * 100 : 24 + k * 100] for k in range(3))
-        expected = np.zeros(6, np.uint64)
-        piece_sums_numpy(bytes(buf), 3, 16, 16, 16, 7, expected, 2)
-        assert sums.tolist() == expected.tolist() and sums[1] == 0 and sums[0] != 0
         assert read(fd, bytearray(32), 2, 16, 1000, 10) == 30  # 16, then the 14 before the end
         with pytest.raises(ValueError):
             read(fd, bytearray(16), 2, 16, 0, 16)  # a second piece the buffer does not hold
@@ -238,27 +234,18 @@ def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the
         read(fd, bytearray(16), 1, 16, 0, 16)  # the descriptor is closed: an error, never a count
 
 
-def test_the_piece_copier_copies_each_piece_with_its_checksum_and_refuses_a_geometry_past_its_buffers(
-    compiled_kernel: Library,
-) -> None:
+def test_the_piece_copier_copies_each_piece_and_refuses_a_geometry_past_its_buffers(compiled_kernel: Library) -> None:
     src = bytes(range(256)) * 4  # 1 KiB
     dst = bytearray(3 * 16)
-    sums = np.zeros(6, np.uint64)  # every other slot: sums_stride 2
-    compiled_kernel.copy_pieces(src, dst, 3, 16, 100, 7, sums, 2)
+    compiled_kernel.copy_pieces(src, dst, 3, 16, 100)
     assert bytes(dst) == b"".join(src[k * 100 : k * 100 + 16] for k in range(3))
-    expected = np.zeros(6, np.uint64)
-    piece_sums_numpy(bytes(dst), 3, 16, 16, 16, 7, expected, 2)
-    assert sums.tolist() == expected.tolist() and sums[1] == 0 and sums[0] != 0
-    for count, segment, stride, target, slots in [
-        (2, 16, 1016, 32, 4),  # a second piece past the source
-        (3, 16, 100, 32, 6),  # a third piece the target does not hold
-        (3, 16, 8, 48, 6),  # pieces that overlap in the source
-        (3, 16, 100, 48, 4),  # a sum past the sums
-        (3, 12, 100, 36, 6),  # pieces not of whole 8-byte words
+    for count, segment, stride, target in [
+        (2, 16, 1016, 32),  # a second piece past the source
+        (3, 16, 100, 32),  # a third piece the target does not hold
+        (3, 16, 8, 48),  # pieces that overlap in the source
     ]:
-        sums = np.zeros(slots, np.uint64)
         with pytest.raises(ValueError):
-            compiled_kernel.copy_pieces(src, bytearray(target), count, segment, stride, 7, sums, 2)
+            compiled_kernel.copy_pieces(src, bytearray(target), count, segment, stride)
 
 
 def _in_bands(pieces: list[bytes], first_row: int, rows: int, chunk: int, size: int) -> bytes:
@@ -282,45 +269,63 @@ def test_pieces_read_or_copied_into_bands_land_where_each_band_is_a_matrix_of_it
     path = tmp_path / "src"
     path.write_bytes(src)
     pieces = [src[8 + k * 100 : 56 + k * 100] for k in range(3)]  # 48 bytes each
-    expected_sums = np.zeros(3, np.uint64)
-    piece_sums_numpy(b"".join(pieces), 3, 48, 48, 48, 7, expected_sums, 1)
     expected = _in_bands(pieces, 2, 6, chunk, 6 * 48)  # rows 2, 3, 4 of a block of 6
-    copied, sums = bytearray(6 * 48), np.zeros(3, np.uint64)
-    compiled_kernel.copy_pieces(src[8:], copied, 3, 48, 100, 7, sums, 1, 2, 6, chunk)
-    assert bytes(copied) == expected and sums.tolist() == expected_sums.tolist()
+    copied = bytearray(6 * 48)
+    compiled_kernel.copy_pieces(src[8:], copied, 3, 48, 100, 2, 6, chunk)
+    assert bytes(copied) == expected
     fd = os.open(path, os.O_RDONLY)
     try:
-        read, sums = bytearray(6 * 48), np.zeros(3, np.uint64)
-        assert compiled_kernel.pread_pieces(fd, read, 3, 48, 8, 100, 7, sums, 1, 2, 6, chunk) == 3 * 48
-        assert bytes(read) == expected and sums.tolist() == expected_sums.tolist()
+        read = bytearray(6 * 48)
+        assert compiled_kernel.pread_pieces(fd, read, 3, 48, 8, 100, 2, 6, chunk) == 3 * 48
+        assert bytes(read) == expected
         with pytest.raises(ValueError):
-            compiled_kernel.pread_pieces(fd, bytearray(6 * 48), 3, 48, 8, 100, 7, None, 1, 4, 6, chunk)  # rows 4-6
+            compiled_kernel.pread_pieces(fd, bytearray(6 * 48), 3, 48, 8, 100, 4, 6, chunk)  # rows 4-6 of 6
         with pytest.raises(ValueError):
-            compiled_kernel.pread_pieces(fd, bytearray(5 * 48), 3, 48, 8, 100, 7, None, 1, 2, 6, chunk)  # 5 rows
+            compiled_kernel.pread_pieces(fd, bytearray(5 * 48), 3, 48, 8, 100, 2, 6, chunk)  # 6 rows in 5's room
     finally:
         os.close(fd)
 
 
-def test_pieces_longer_than_the_staging_buffer_land_in_bands_with_the_checksum_of_the_whole(
-    compiled_kernel: Library, tmp_path: Path
-) -> None:
-    """A piece placed in bands is read through 64 KiB of staging at a time: one of 70,000 bytes in two reads,
-    its checksum summed over both (each word's term depends on its place in the piece alone)."""
+def test_pieces_longer_than_the_staging_buffer_land_in_bands(compiled_kernel: Library, tmp_path: Path) -> None:
+    """A piece placed in bands is read through 64 KiB of staging at a time: one of 70,000 bytes in two reads."""
     segment, chunk, stride = 70_000, 4_000, 80_000
     src = np.random.default_rng(5).integers(0, 256, 2 * stride, dtype=np.uint8).tobytes()
     path = tmp_path / "src"
     path.write_bytes(src)
     pieces = [src[k * stride : k * stride + segment] for k in range(2)]
-    expected_sums = np.zeros(2, np.uint64)
-    piece_sums_numpy(b"".join(pieces), 2, segment, segment, segment, 3, expected_sums, 1)
     fd = os.open(path, os.O_RDONLY)
     try:
-        read, sums = bytearray(2 * segment), np.zeros(2, np.uint64)
-        assert compiled_kernel.pread_pieces(fd, read, 2, segment, 0, stride, 3, sums, 1, 0, 2, chunk) == 2 * segment
+        read = bytearray(2 * segment)
+        assert compiled_kernel.pread_pieces(fd, read, 2, segment, 0, stride, 0, 2, chunk) == 2 * segment
     finally:
         os.close(fd)
     assert bytes(read) == _in_bands(pieces, 0, 2, chunk, 2 * segment)
-    assert sums.tolist() == expected_sums.tolist()
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 24, 48])
+def test_pieces_summed_band_by_band_as_placed_give_the_sums_of_the_pieces(compiled_kernel: Library, chunk: int) -> None:
+    """The converted side of the two reads of a tensor taken by columns sums each band of a group as placed,
+    its words counted from the band's first (first_word) and added (add): the total is each whole piece's sum,
+    which a piece placed in the wrong band or row changes."""
+    rows, segment = 5, 48
+    pieces = [np.random.default_rng(k).integers(0, 256, segment, dtype=np.uint8).tobytes() for k in range(rows)]
+    expected = np.zeros(rows, np.uint64)
+    piece_sums_numpy(b"".join(pieces), rows, segment, segment, segment, 11, expected, 1)
+
+    def banded_sums(block: bytes) -> list[int]:
+        sums = np.zeros(rows, np.uint64)
+        for at in range(0, segment, chunk):
+            n = min(chunk, segment - at)
+            band = block[at * rows : at * rows + rows * n]
+            compiled_kernel.piece_sums(band, rows, n, n, n, 11, sums, 1, first_word=at // 4, add=True)
+        return sums.tolist()
+
+    block = _in_bands(pieces, 0, rows, chunk, rows * segment)
+    assert banded_sums(block) == expected.tolist()
+    misplaced = _in_bands([pieces[1], pieces[0], *pieces[2:]], 0, rows, chunk, rows * segment)  # two rows swapped
+    assert banded_sums(misplaced)[:2] != expected.tolist()[:2]
+    with pytest.raises(ValueError):
+        compiled_kernel.piece_sums(block, rows, 8, 8, 8, 11, np.zeros(rows, np.uint64), 1, first_word=-1)
 
 
 @pytest.mark.parametrize(("rows", "row_bytes", "piece_bytes"), [(1, 8, 8), (5, 64, 24), (3, 4096, 1000), (7, 800, 800)])

@@ -484,9 +484,9 @@ def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(
 def test_a_first_column_group_taken_wrong_from_the_read_for_the_hash_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first group's pieces are copied out of the rows read for the hash, and checksummed as copied: a copy
-    that takes the wrong bytes (here each row's piece one element further on) converts other bytes than the
-    hashed ones, and the checksums binding the two tell."""
+    """The first group's pieces are copied out of the rows read for the hash, and summed as placed: a copy that
+    takes the wrong bytes (here each row's piece one element further on) converts other bytes than the hashed
+    ones, and the checksums binding the two tell."""
     real = kernels.copy_pieces
 
     def shifted(src: Any, *args: Any) -> None:
@@ -495,6 +495,32 @@ def test_a_first_column_group_taken_wrong_from_the_read_for_the_hash_is_caught(
     monkeypatch.setattr(kernels, "copy_pieces", shifted)
     source = _source(tmp_path)
     assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", **COLUMNS)
+
+
+@pytest.mark.parametrize("layout", [COLUMNS, BANDS], ids=["one band", "bands"])
+@pytest.mark.parametrize("placer", ["pread_pieces", "copy_pieces"])
+def test_a_piece_placed_wrong_in_the_strip_buffer_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: dict[str, int], placer: str
+) -> None:
+    """The pieces of a column group are placed in the strip buffer by the kernel (laid out in bands), then
+    transposed and checked against what was placed: a piece placed wrong would be transposed faithfully and
+    pass that check. The converted side's checksums are taken from the bands as placed, where the transpose
+    takes them, so here one byte of the first piece each call placed, changed after the call (the read of the
+    later groups, or the copy of the first out of the read for the hash), fails the pass."""
+    real = getattr(kernels, placer)
+    calls: list[int] = []
+
+    def misplacing(*args: Any) -> Any:
+        done = real(*args)
+        buf, segment, first_row, chunk = args[1], args[3], args[-3], args[-1]  # (both take these in this order)
+        memoryview(buf).cast("B")[first_row * min(chunk, segment)] ^= 0x10
+        calls.append(first_row)
+        return done
+
+    monkeypatch.setattr(kernels, placer, misplacing)
+    source = _source(tmp_path)
+    assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", **layout)
+    assert calls
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:

@@ -229,19 +229,33 @@ class _Strip:
 
 class _Bound:
     """The two reads of a tensor taken by columns: the one in file order that feeds the hash, and the one by
-    column groups that is converted. Each computes the checksum of every row's piece of every group
-    (kernels.piece_sums, seeded afresh per tensor); the last of them to finish compares the two sets. A source
+    column groups that is converted. Each gives the checksum of every row's piece of every group
+    (kernels.piece_sums, seeded afresh per tensor): the first as it is read, the second from the bands as
+    placed, band by band (`add`); the last of them to finish compares the two sets. A source
     rewritten between the reads (which its timestamps may not show: a writer through mmap, a network file
     system's cached attributes) fails the pass as a changed source: the output never holds bytes other than the
     ones hashed."""
 
-    def __init__(self, rows: int, groups: int, width: int, contributors: int) -> None:
-        self.groups, self.width = groups, width
+    def __init__(self, rows: int, groups: int, piece: int, contributors: int) -> None:
+        self.groups, self.piece = groups, piece  # piece: the bytes of a row's piece of a group (the last: less)
         self.seed = _SEEDS.getrandbits(64)
         self.hashed = bytearray(rows * groups * 8)
         self.converted = bytearray(rows * groups * 8)
         self.left = contributors
         self.lock = threading.Lock()
+
+    def add(self, band: memoryview, rows: int, row_bytes: int, at: int) -> None:
+        """A band of a column group as placed in the strip buffer (rows of row_bytes end to end, from byte `at`
+        of the tensor's rows on) added to its group's converted sums: summed from where the transpose takes
+        it, a piece read or placed wrong is caught as well as a changed source. Parts add in turn."""
+        from syncd.engine.write import kernels
+
+        group, within = divmod(at, self.piece)
+        sums = memoryview(self.converted)[group * 8 :]
+        with self.lock:
+            kernels.piece_sums(
+                band, rows, row_bytes, row_bytes, row_bytes, self.seed, sums, self.groups, within // 4, add=True
+            )
 
     def done(self, path: str) -> None:
         with self.lock:
@@ -602,9 +616,11 @@ class OnePass:
         groups = -(-cols // width)
         per = max(1, self.block_bytes // (cols * move.itemsize))  # (_column_width: a row fits a slot)
         jobs = -(-rows // per)
-        bound = _Bound(rows, groups, width, jobs + groups * parts)
+        bound = _Bound(rows, groups, width * move.itemsize, jobs + groups * parts)
         item = move.itemsize
-        band = max(1, self.band_bytes // (rows * item))  # (as _transpose_columns cuts whole output rows)
+        # bands of whole 8-byte words, each summed on its own (_Bound.add); _transpose_columns cuts its output
+        words = 8 // math.gcd(item, 8)
+        band = max(words, self.band_bytes // (rows * item) // words * words)
         first = _Strip(self._strip(rows * width * item), move, 0, width, parts, rows * width * item, jobs, band)
         for r0 in range(0, rows, per):
             yield self._hash_rows, self._free.get(), move, bound, r0, min(rows, r0 + per), first
@@ -631,52 +647,48 @@ class OnePass:
     def _hash_rows(self, slot: _Slot, move: Move, bound: _Bound, r0: int, r1: int, first: _Strip) -> None:
         """Rows r0:r1 of a tensor taken by columns, read in file order for the hash, and the checksums of their
         pieces; nothing is written from this read, but their pieces of the `first` column group go to the strip
-        buffer (with their checksums, on the converted side: what that group converts is what was hashed)."""
+        buffer (summed there like every group's, as placed: what that group converts is what was hashed)."""
         from syncd.engine.write import kernels
 
         rows, cols = move.matrix  # type: ignore[misc]
         row_bytes = cols * move.itemsize
-        piece, sums = bound.width * move.itemsize, memoryview(bound.hashed)[r0 * bound.groups * 8 :]
+        piece, sums = bound.piece, memoryview(bound.hashed)[r0 * bound.groups * 8 :]
         try:
             data = self._read(slot.src((r1 - r0) * row_bytes), move.src_offset + r0 * row_bytes)
             kernels.piece_sums(data, r1 - r0, row_bytes, row_bytes, piece, bound.seed, sums, bound.groups)
-            copied = memoryview(bound.converted)[r0 * bound.groups * 8 :]
-            args = (bound.seed, copied, bound.groups, r0, rows, first.band * move.itemsize)
-            kernels.copy_pieces(data, first.buffer, r1 - r0, piece, row_bytes, *args)
+            kernels.copy_pieces(data, first.buffer, r1 - r0, piece, row_bytes, r0, rows, first.band * move.itemsize)
         finally:
             self._free.put(slot)
         self._filled(first)
         bound.done(self.src_path)
 
     def _column_part(self, slot: _Slot, group: _Strip, part: int, bound: _Bound) -> None:
-        """Part `part` of a column group: read its share of the rows' pieces (with their checksums, in cache),
-        wait for the other parts' pieces, transpose its share of the group's bands into whole output rows."""
+        """Part `part` of a column group: read its share of the rows' pieces, wait for the other parts' pieces,
+        then take its share of the group's bands: each summed as placed (the sums bound to the hashed read's),
+        then transposed into whole output rows while in cache."""
         try:
             move = group.move
             rows, cols = move.matrix  # type: ignore[misc]
             item = move.itemsize
             lo, hi = group.share(part, rows)
             if hi > lo and not group.hashed:
-                sums = memoryview(bound.converted)[(lo * bound.groups + group.first // bound.width) * 8 :]
-                start = move.src_offset + (lo * cols + group.first) * item
-                self._read_pieces(group, lo, hi, start, cols * item, bound, sums)
+                self._read_pieces(group, lo, hi, move.src_offset + (lo * cols + group.first) * item, cols * item)
             self._wait_for_parts(group)
             b0, b1 = group.share(part, -(-group.count // group.band))
             for first in range(b0 * group.band, min(b1 * group.band, group.count), group.band):
                 n = min(group.band, group.count - first)  # a band: its own [rows, n] matrix
                 block = group.buffer[rows * first * item : rows * (first + n) * item]
+                bound.add(block, rows, n * item, (group.first + first) * item)
                 self._transpose_columns(slot, move, block, 0, rows, 0, n, n, group.first + first)
         finally:
             self._free.put(slot)
             group.leave(self._strips)
         bound.done(self.src_path)
 
-    def _read_pieces(
-        self, group: _Strip, lo: int, hi: int, offset: int, stride: int, bound: _Bound, sums: memoryview
-    ) -> None:
-        """Rows lo:hi's pieces of the group, from `offset` on, `stride` apart, into its bands, with their
-        checksums (not hashed: _hash_rows hashes these bytes): one call of the compiled kernel unless a test
-        stands in the seam's reads (each piece then read through it, and placed by copy_pieces)."""
+    def _read_pieces(self, group: _Strip, lo: int, hi: int, offset: int, stride: int) -> None:
+        """Rows lo:hi's pieces of the group, from `offset` on, `stride` apart, into its bands (not hashed:
+        _hash_rows hashes these bytes): one call of the compiled kernel unless a test stands in the seam's reads
+        (each piece then read through it, and placed by copy_pieces)."""
         from syncd.engine.write import kernels
 
         rows, count, item = group.move.matrix[0], hi - lo, group.move.itemsize  # type: ignore[index]
@@ -685,12 +697,10 @@ class OnePass:
             piece = memoryview(bytearray(segment))
             for k in range(count):
                 self._pread(piece, offset + k * stride)
-                at = sums[k * bound.groups * 8 :]
-                kernels.copy_pieces(piece, group.buffer, 1, segment, segment, bound.seed, at, 1, lo + k, rows, chunk)
+                kernels.copy_pieces(piece, group.buffer, 1, segment, segment, lo + k, rows, chunk)
             return
         try:
-            args = (offset, stride, bound.seed, sums, bound.groups, lo, rows, chunk)
-            done = kernels.pread_pieces(self.src_fd, group.buffer, count, segment, *args)
+            done = kernels.pread_pieces(self.src_fd, group.buffer, count, segment, offset, stride, lo, rows, chunk)
         except OSError as exc:
             raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
         if done < count * segment:

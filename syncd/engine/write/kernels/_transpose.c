@@ -18,13 +18,13 @@
  * syncd_pwrite_pieces(fd, buf, count, segment, offset, stride): the `count` pieces of `segment` bytes of buf,
  * laid end to end, written at offset, offset + stride, ...: the output-row pieces of a tensor transposed in
  * strips, in one call instead of one Python call per piece.
- * syncd_pread_pieces(fd, buf, count, segment, offset, stride, seed, sums, sums_stride, first_row, total_rows,
- * chunk): the reverse, `count` pieces read from offset, offset + stride, ...: a group of columns of a tensor read
- * row piece by row piece, each placed as rows first_row... of a block laid out in bands of `chunk` bytes.
- * syncd_copy_pieces(src, dst, count, segment, stride, seed, sums, sums_stride, first_row, total_rows, chunk): the
- * same pieces taken from a buffer already read (the read for the hash) instead of the file.
- * syncd_piece_sums(buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): a 64-bit checksum of
- * every piece of every row, which binds the two reads of a tensor taken by columns (onepass.py).
+ * syncd_pread_pieces(fd, buf, count, segment, offset, stride, first_row, total_rows, chunk): the reverse, `count`
+ * pieces read from offset, offset + stride, ...: a group of columns of a tensor read row piece by row piece, each
+ * placed as rows first_row... of a block laid out in bands of `chunk` bytes.
+ * syncd_copy_pieces(src, dst, count, segment, stride, first_row, total_rows, chunk): the same pieces taken from a
+ * buffer already read (the read for the hash) instead of the file.
+ * syncd_piece_sums(buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride, first_word, add): a 64-bit
+ * checksum of every piece of every row, which binds the two reads of a tensor taken by columns (onepass.py).
  */
 #include <errno.h>
 #include <stddef.h>
@@ -284,19 +284,17 @@ static void place(char *buf, const char *bytes, isize at, isize len, isize segme
 #define STAGING_BYTES (64 << 10) /* a piece placed in bands is read through this much at a time, in cache */
 
 /* Every piece whole, or as much as the file holds (a short count means end of file): the bytes read, or -errno.
- * With `sums`, each piece's checksum goes to sums[k * sums_stride], taken as it is read, while in cache. Pieces
- * are placed as place() says: read straight into place when they lie end to end, else through a staging buffer
- * of at most STAGING_BYTES (the checksum summed over its parts: each word's term depends on its place alone). */
+ * Pieces are placed as place() says: read straight into place when they lie end to end, else through a staging
+ * buffer of at most STAGING_BYTES. Their checksums are taken afterwards, over the bands as placed (onepass.py):
+ * what is summed is what is transposed, so a piece placed wrong is caught as well as one read wrong. */
 EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segment, long long offset,
-                                    long long stride, uint64_t seed, uint64_t *sums, isize sums_stride,
-                                    isize first_row, isize total_rows, isize chunk) {
+                                    long long stride, isize first_row, isize total_rows, isize chunk) {
     int direct = chunk >= segment;
     isize step = direct ? segment : (segment < STAGING_BYTES ? segment : STAGING_BYTES);
     char *staging = direct ? NULL : malloc((size_t)step);
     if (!direct && !staging) return -(long long)ENOMEM;
     long long total = 0;
     for (isize k = 0; k < count; k++) {
-        uint64_t sum = 0;
         for (isize at = 0; at < segment; at += step) {
             isize len = segment - at < step ? segment - at : step, done = 0;
             char *part = direct ? (char *)buf + (first_row + k) * segment : staging;
@@ -314,35 +312,35 @@ EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segmen
                 }
                 done += n;
             }
-            if (sums) sum += piece_sum(part, len / 4, (uint32_t)seed + (uint32_t)(at / 4) * SUM_STEP);
             if (!direct) place((char *)buf, part, at, len, segment, chunk, first_row + k, total_rows);
         }
-        if (sums) sums[k * sums_stride] = sum;
         total += segment;
     }
     free(staging);
     return total;
 }
 
-/* pread_pieces from memory: piece k from src + k * stride, placed in dst as place() says, each checksummed (with
- * `sums`) while in cache. The caller has checked the geometry against both buffers. */
-EXPORT void syncd_copy_pieces(const void *src, void *dst, isize count, isize segment, isize stride, uint64_t seed,
-                              uint64_t *sums, isize sums_stride, isize first_row, isize total_rows, isize chunk) {
-    for (isize k = 0; k < count; k++) {
-        const char *piece = (const char *)src + k * stride;
-        place((char *)dst, piece, 0, segment, segment, chunk, first_row + k, total_rows);
-        if (sums) sums[k * sums_stride] = piece_sum(piece, segment / 4, (uint32_t)seed);
-    }
+/* pread_pieces from memory: piece k from src + k * stride, placed in dst as place() says. The caller has checked
+ * the geometry against both buffers. */
+EXPORT void syncd_copy_pieces(const void *src, void *dst, isize count, isize segment, isize stride,
+                              isize first_row, isize total_rows, isize chunk) {
+    for (isize k = 0; k < count; k++)
+        place((char *)dst, (const char *)src + k * stride, 0, segment, segment, chunk, first_row + k, total_rows);
 }
 
+/* With first_word > 0 the pieces are parts of longer ones, from their word first_word on; with add, each sum is
+ * added to what out holds: the sum of a piece is the sum of its parts' (each word's term depends on its place
+ * alone), so a piece laid out in bands is summed band by band (onepass.py). */
 EXPORT void syncd_piece_sums(const void *buf, isize rows, isize stride, isize row_bytes, isize piece_bytes,
-                             uint64_t seed, uint64_t *out, isize out_stride) {
+                             uint64_t seed, uint64_t *out, isize out_stride, isize first_word, int add) {
     isize pieces = (row_bytes + piece_bytes - 1) / piece_bytes;
+    uint32_t first = (uint32_t)seed + (uint32_t)first_word * SUM_STEP;
     for (isize r = 0; r < rows; r++) {
         const char *row = (const char *)buf + r * stride;
         for (isize p = 0; p < pieces; p++) {
             isize start = p * piece_bytes, end = start + piece_bytes < row_bytes ? start + piece_bytes : row_bytes;
-            out[r * out_stride + p] = piece_sum(row + start, (end - start) / 4, (uint32_t)seed);
+            uint64_t sum = piece_sum(row + start, (end - start) / 4, first);
+            out[r * out_stride + p] = add ? out[r * out_stride + p] + sum : sum;
         }
     }
 }
