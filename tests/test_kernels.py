@@ -214,7 +214,7 @@ def piece_sums_numpy(
             out[r * out_stride + p] = (x * x).sum(dtype=np.uint64)
 
 
-def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the_file_ends(
+def test_the_piece_reader_reads_each_piece_and_stops_where_the_file_ends(
     compiled_kernel: Library, tmp_path: Path
 ) -> None:
     path = tmp_path / "src"
@@ -223,12 +223,8 @@ def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the
     fd = os.open(path, os.O_RDONLY)
     try:
         buf = bytearray(3 * 16)
-        sums = np.zeros(6, np.uint64)  # every other slot: sums_stride 2
-        assert read(fd, buf, 3, 16, 8, 100, 7, sums, 2) == 48
+        assert read(fd, buf, 3, 16, 8, 100) == 48
         assert bytes(buf) == b"".join(path.read_bytes()[8 + k * 100 : 24 + k * 100] for k in range(3))
-        expected = np.zeros(6, np.uint64)
-        piece_sums_numpy(bytes(buf), 3, 16, 16, 16, 7, expected, 2)
-        assert sums.tolist() == expected.tolist() and sums[1] == 0 and sums[0] != 0
         assert read(fd, bytearray(32), 2, 16, 1000, 10) == 30  # 16, then the 14 before the end
         with pytest.raises(ValueError):
             read(fd, bytearray(16), 2, 16, 0, 16)  # a second piece the buffer does not hold
@@ -236,6 +232,100 @@ def test_the_piece_reader_reads_each_piece_with_its_checksum_and_stops_where_the
         os.close(fd)
     with pytest.raises(OSError):
         read(fd, bytearray(16), 1, 16, 0, 16)  # the descriptor is closed: an error, never a count
+
+
+def test_the_piece_copier_copies_each_piece_and_refuses_a_geometry_past_its_buffers(compiled_kernel: Library) -> None:
+    src = bytes(range(256)) * 4  # 1 KiB
+    dst = bytearray(3 * 16)
+    compiled_kernel.copy_pieces(src, dst, 3, 16, 100)
+    assert bytes(dst) == b"".join(src[k * 100 : k * 100 + 16] for k in range(3))
+    for count, segment, stride, target in [
+        (2, 16, 1016, 32),  # a second piece past the source
+        (3, 16, 100, 32),  # a third piece the target does not hold
+        (3, 16, 8, 48),  # pieces that overlap in the source
+    ]:
+        with pytest.raises(ValueError):
+            compiled_kernel.copy_pieces(src, bytearray(target), count, segment, stride)
+
+
+def _in_bands(pieces: list[bytes], first_row: int, rows: int, chunk: int, size: int) -> bytes:
+    """What a block of `rows` rows laid out in bands of `chunk` bytes holds with `pieces` as rows first_row...
+    (zeros elsewhere), written apart from the kernel: band j is every row's bytes j*chunk.. end to end."""
+    block = bytearray(size)
+    segment = len(pieces[0])
+    for k, piece in enumerate(pieces):
+        for at in range(0, segment, chunk):
+            n = min(chunk, segment - at)
+            place = at * rows + (first_row + k) * n
+            block[place : place + n] = piece[at : at + n]
+    return bytes(block)
+
+
+@pytest.mark.parametrize("chunk", [16, 24, 40, 48])  # bands of 16 bytes; 24, then the 16 left; 40 and 8; whole
+def test_pieces_read_or_copied_into_bands_land_where_each_band_is_a_matrix_of_its_own(
+    compiled_kernel: Library, tmp_path: Path, chunk: int
+) -> None:
+    src = bytes(range(256)) * 4  # 1 KiB
+    path = tmp_path / "src"
+    path.write_bytes(src)
+    pieces = [src[8 + k * 100 : 56 + k * 100] for k in range(3)]  # 48 bytes each
+    expected = _in_bands(pieces, 2, 6, chunk, 6 * 48)  # rows 2, 3, 4 of a block of 6
+    copied = bytearray(6 * 48)
+    compiled_kernel.copy_pieces(src[8:], copied, 3, 48, 100, 2, 6, chunk)
+    assert bytes(copied) == expected
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read = bytearray(6 * 48)
+        assert compiled_kernel.pread_pieces(fd, read, 3, 48, 8, 100, 2, 6, chunk) == 3 * 48
+        assert bytes(read) == expected
+        with pytest.raises(ValueError):
+            compiled_kernel.pread_pieces(fd, bytearray(6 * 48), 3, 48, 8, 100, 4, 6, chunk)  # rows 4-6 of 6
+        with pytest.raises(ValueError):
+            compiled_kernel.pread_pieces(fd, bytearray(5 * 48), 3, 48, 8, 100, 2, 6, chunk)  # 6 rows in 5's room
+    finally:
+        os.close(fd)
+
+
+def test_pieces_longer_than_the_staging_buffer_land_in_bands(compiled_kernel: Library, tmp_path: Path) -> None:
+    """A piece placed in bands is read through 64 KiB of staging at a time: one of 70,000 bytes in two reads."""
+    segment, chunk, stride = 70_000, 4_000, 80_000
+    src = np.random.default_rng(5).integers(0, 256, 2 * stride, dtype=np.uint8).tobytes()
+    path = tmp_path / "src"
+    path.write_bytes(src)
+    pieces = [src[k * stride : k * stride + segment] for k in range(2)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read = bytearray(2 * segment)
+        assert compiled_kernel.pread_pieces(fd, read, 2, segment, 0, stride, 0, 2, chunk) == 2 * segment
+    finally:
+        os.close(fd)
+    assert bytes(read) == _in_bands(pieces, 0, 2, chunk, 2 * segment)
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 24, 48])
+def test_pieces_summed_band_by_band_as_placed_give_the_sums_of_the_pieces(compiled_kernel: Library, chunk: int) -> None:
+    """The converted side of the two reads of a tensor taken by columns sums each band of a group as placed,
+    its words counted from the band's first (first_word) and added (add): the total is each whole piece's sum,
+    which a piece placed in the wrong band or row changes."""
+    rows, segment = 5, 48
+    pieces = [np.random.default_rng(k).integers(0, 256, segment, dtype=np.uint8).tobytes() for k in range(rows)]
+    expected = np.zeros(rows, np.uint64)
+    piece_sums_numpy(b"".join(pieces), rows, segment, segment, segment, 11, expected, 1)
+
+    def banded_sums(block: bytes) -> list[int]:
+        sums = np.zeros(rows, np.uint64)
+        for at in range(0, segment, chunk):
+            n = min(chunk, segment - at)
+            band = block[at * rows : at * rows + rows * n]
+            compiled_kernel.piece_sums(band, rows, n, n, n, 11, sums, 1, first_word=at // 4, add=True)
+        return sums.tolist()
+
+    block = _in_bands(pieces, 0, rows, chunk, rows * segment)
+    assert banded_sums(block) == expected.tolist()
+    misplaced = _in_bands([pieces[1], pieces[0], *pieces[2:]], 0, rows, chunk, rows * segment)  # two rows swapped
+    assert banded_sums(misplaced)[:2] != expected.tolist()[:2]
+    with pytest.raises(ValueError):
+        compiled_kernel.piece_sums(block, rows, 8, 8, 8, 11, np.zeros(rows, np.uint64), 1, first_word=-1)
 
 
 @pytest.mark.parametrize(("rows", "row_bytes", "piece_bytes"), [(1, 8, 8), (5, 64, 24), (3, 4096, 1000), (7, 800, 800)])

@@ -154,6 +154,26 @@ def test_every_tensor_arrives_exact_with_any_writers_and_buffers(
         assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
 
 
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("reads", ["compiled", "through the seam"])
+def test_column_groups_laid_out_in_bands_arrive_exact(tmp_path: Path, inline: bool, reads: str) -> None:
+    """Each row's piece of a column group goes to the group's bands (5 columns each, the last 2 wide), read by
+    the compiled kernel or piece by piece through the seam's reads, or copied out of the read for the hash
+    (the first group); each band transposed whole."""
+    source = _source(tmp_path)
+    output = _Output(source, tmp_path / "out.safetensors")
+    seam = Seam() if reads == "compiled" else Seam(read=lambda fd, buf, offset: os.preadv(fd, [buf], offset))
+    engine = output.engine(seam=seam, inline_bytes=1 << 30 if inline else 0, **BANDS)
+    assert engine._column_width(next(m for m in output.moves if m.name == "a.weight")) == 12
+    engine.run()
+    output.check(engine)
+    output.close()
+    before, after = load_file(str(source)), load_file(str(tmp_path / "out.safetensors"))
+    for name, value in before.items():
+        expected = value.T if name in output.transposed else value
+        assert after[name].tobytes() == np.ascontiguousarray(expected).tobytes(), name
+
+
 def test_writeback_is_started_for_the_blocks_written_and_not_for_the_pieces_of_strips(tmp_path: Path) -> None:
     """The real sync_file_range, watched: each call covers the span of whole blocks written since the last one
     (not the whole file), and the output-row pieces of tensors written in strips are left to the fsync."""
@@ -198,6 +218,37 @@ def test_memory_is_capped_by_the_ring_not_the_model(tmp_path: Path) -> None:
     output.close()
 
 
+def test_the_strip_buffer_is_as_large_as_the_largest_block_of_the_pass(tmp_path: Path) -> None:
+    """Its pages are made at once (aligned): it must not hold more than the pass's largest strip takes (here
+    b.weight, F32 [64, 1000], in one strip: 256,000 bytes, in a strip buffer that could hold 1 MiB)."""
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(workers=3, slot_bytes=8192, strip_bytes=1 << 20, block_bytes=7)
+    engine.run()
+    output.check(engine)
+    assert engine._strip_buffer is not None and len(engine._strip_buffer) == 64 * 1000 * 4
+    output.close()
+
+
+def test_an_aligned_buffer_is_in_memory_before_it_is_written_and_given_back_with_its_last_view() -> None:
+    """Its pages are made when it is (MAP_POPULATE), not one fault at a time as its first writes land; they are
+    unmapped once nothing holds them (a view of a view included)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * page
+
+    before = resident()
+    buffer = onepass.aligned(32 << 20)
+    assert resident() - before >= 31 << 20
+    assert len(buffer) == 32 << 20 and not buffer.readonly
+    part = buffer[4096:8192]
+    del buffer
+    assert resident() - before >= 31 << 20  # still held by `part`
+    del part
+    assert resident() - before < 8 << 20
+
+
 # -- fault injection: each class the full read-back caught
 
 
@@ -232,11 +283,15 @@ def _band_checks(library: compiled.Library) -> dict[str, kernels.BandCheck]:
 
 
 # the geometries of a transposing pass: tensors read whole; in strips of the strip buffer, several parts each;
-# by groups of columns of the strip buffer (a.weight, F32 [300, 170]: 13 columns, 12 for whole 8-byte words)
+# by groups of columns of the strip buffer (a.weight, F32 [300, 170]: 13 columns, 12 for whole 8-byte words),
+# each group one band, or laid out in bands of 5 columns (5, 5 and 2 of a.weight's 12; 23 of b.weight's 64)
 WHOLE: dict[str, int] = {}
 STRIPS = {"slot_bytes": 8192, "strip_bytes": 16384, "workers": 3}
 COLUMNS = {**STRIPS, "min_column_piece": 8}
-GEOMETRIES = pytest.mark.parametrize("geometry", [WHOLE, STRIPS, COLUMNS], ids=["whole", "strips", "columns"])
+BANDS = {**COLUMNS, "band_bytes": 300 * 4 * 5}
+GEOMETRIES = pytest.mark.parametrize(
+    "geometry", [WHOLE, STRIPS, COLUMNS, BANDS], ids=["whole", "strips", "columns", "columns in bands"]
+)
 
 
 @GEOMETRIES
@@ -304,7 +359,7 @@ def test_a_tile_written_at_a_wrong_offset_is_caught(tmp_path: Path, geometry: di
         return offset + step if len(bands) == 2 else offset
 
     output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
-    engine = output.engine(band_bytes=8192, seam=Seam(place=misplaced), **geometry)
+    engine = output.engine(seam=Seam(place=misplaced), **{"band_bytes": 8192, **geometry})
     engine.run()
     assert len(bands) > 2
     with pytest.raises(VerificationError, match="'a.weight' was not written exactly once in full"):
@@ -331,7 +386,7 @@ def test_a_torn_tile_is_caught(tmp_path: Path, geometry: dict[str, int], reporte
         pwrite_all(fd, data, offset)
         return len(data)
 
-    engine = output.engine(band_bytes=8192, seam=Seam(write=torn), **geometry)
+    engine = output.engine(seam=Seam(write=torn), **{"band_bytes": 8192, **geometry})
     engine.run()
     assert len(calls) > 3
     if reported == "as it was":
@@ -392,8 +447,11 @@ def test_a_source_rewritten_while_it_is_converted_is_caught(tmp_path: Path) -> N
     )
 
 
+@pytest.mark.parametrize("layout", [COLUMNS, BANDS], ids=["one band", "bands"])
 @pytest.mark.parametrize("rows", ["first", "last"])
-def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(tmp_path: Path, rows: str) -> None:
+def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(
+    tmp_path: Path, rows: str, layout: dict[str, int]
+) -> None:
     """A tensor taken by columns is read twice: in file order for the hash, by groups of columns for the
     conversion. A source that changes between the two without its timestamps showing it (a writer through mmap,
     a network file system's cached attributes) is stood in for by a seam that flips one bit of one piece of the
@@ -403,19 +461,66 @@ def test_bytes_converted_by_columns_that_are_not_the_bytes_hashed_are_caught(tmp
     with SafetensorsReader(source) as reader:
         window = next((t.offset, t.offset + t.nbytes) for t in reader.tensors if t.name == "a.weight")
     pieces: list[int] = []
+    # the first piece read by columns: row 0's of the second group (12 columns; the first group is converted
+    # from the read for the hash itself), or the very last piece
+    wrong = window[0] + 12 * 4 if rows == "first" else window[1] - 8
 
     def flipped(fd: int, buf: memoryview, offset: int) -> int:
         n = os.preadv(fd, [buf], offset)
         if window[0] <= offset < window[1] and len(buf) < 170 * 4:  # a row's piece: the read by columns
             pieces.append(offset)
-            if offset == (window[0] if rows == "first" else window[1] - 8):  # the very first or last piece
+            if offset == wrong:
                 buf[0] ^= 1
         return n
 
     assert_pass_fails(
-        source, tmp_path, SourceChangedError, "changed while it was being converted", seam=Seam(flipped), **COLUMNS
+        source, tmp_path, SourceChangedError, "changed while it was being converted", seam=Seam(flipped), **layout
     )
-    assert len(pieces) == 300 * 15  # every row's piece of each of the 15 groups, each read once
+    # every row's piece of each of the 15 groups but the first, each read once
+    assert len(pieces) == 300 * 14 and len(set(pieces)) == len(pieces)
+    assert all((offset - window[0]) % (170 * 4) >= 12 * 4 for offset in pieces)
+
+
+def test_a_first_column_group_taken_wrong_from_the_read_for_the_hash_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first group's pieces are copied out of the rows read for the hash, and summed as placed: a copy that
+    takes the wrong bytes (here each row's piece one element further on) converts other bytes than the hashed
+    ones, and the checksums binding the two tell."""
+    real = kernels.copy_pieces
+
+    def shifted(src: Any, *args: Any) -> None:
+        real(memoryview(src)[4:], *args)
+
+    monkeypatch.setattr(kernels, "copy_pieces", shifted)
+    source = _source(tmp_path)
+    assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", **COLUMNS)
+
+
+@pytest.mark.parametrize("layout", [COLUMNS, BANDS], ids=["one band", "bands"])
+@pytest.mark.parametrize("placer", ["pread_pieces", "copy_pieces"])
+def test_a_piece_placed_wrong_in_the_strip_buffer_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: dict[str, int], placer: str
+) -> None:
+    """The pieces of a column group are placed in the strip buffer by the kernel (laid out in bands), then
+    transposed and checked against what was placed: a piece placed wrong would be transposed faithfully and
+    pass that check. The converted side's checksums are taken from the bands as placed, where the transpose
+    takes them, so here one byte of the first piece each call placed, changed after the call (the read of the
+    later groups, or the copy of the first out of the read for the hash), fails the pass."""
+    real = getattr(kernels, placer)
+    calls: list[int] = []
+
+    def misplacing(*args: Any) -> Any:
+        done = real(*args)
+        buf, segment, first_row, chunk = args[1], args[3], args[-3], args[-1]  # (both take these in this order)
+        memoryview(buf).cast("B")[first_row * min(chunk, segment)] ^= 0x10
+        calls.append(first_row)
+        return done
+
+    monkeypatch.setattr(kernels, placer, misplacing)
+    source = _source(tmp_path)
+    assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", **layout)
+    assert calls
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:
@@ -744,6 +849,20 @@ def test_a_ledger_kept_without_digests_checks_the_writes_but_refuses_an_audit(tm
     output.check(engine)
     with SafetensorsReader(output.dest) as out, pytest.raises(VerificationError, match="without their digests"):
         check_digests(engine.ledger, out)
+    output.close()
+
+
+@GEOMETRIES
+def test_a_ledger_kept_without_digests_takes_none_of_any_write(tmp_path: Path, geometry: dict[str, int]) -> None:
+    """Only the audit reads a write's digest: a conversion that will not audit (--verify fast) takes none, of
+    blocks, bands or pieces of strips alike, and its writes are checked all the same."""
+    output = _Output(_source(tmp_path), tmp_path / "out.safetensors")
+    engine = output.engine(ledger=WriteLedger(digests=False), **geometry)
+    engine.run()
+    output.check(engine)
+    entries = [entry for tensor in engine.ledger.entries.values() for entry in tensor]
+    assert entries and all(entry.digest == 0 for entry in entries)
+    assert all(run.digests is None for run in engine.ledger.runs)
     output.close()
 
 

@@ -122,8 +122,8 @@ class Run:
 @dataclass
 class WriteLedger:
     """Every write of a conversion, per target tensor (thread-safe: the writers run in parallel). `digests`:
-    whether the runs of small tensors keep a digest per tensor, which only the audit (`--verify full`,
-    planned.check_digests) reads; single writes always keep theirs."""
+    whether writes keep a digest (a run of small tensors, one per tensor), which only the audit
+    (`--verify full`, planned.check_digests) reads; without, their entries hold 0."""
 
     windows: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (absolute offset, nbytes)
     entries: dict[str, list[Entry]] = field(default_factory=lambda: defaultdict(list))

@@ -16,17 +16,19 @@ both run on numpy views of the same buffers.
 
 `pwrite_pieces` writes the output-row pieces of a tensor transposed in strips (each piece at its own offset):
 one call of the compiled kernel for a whole band, or one `os.pwrite` per piece without it. `pread_pieces` is
-its reverse, for a tensor taken by columns: a group of columns read piece by piece out of every source row.
-`piece_sums` is the checksum that binds that read to the hashed one (onepass.py): every 4-byte word offset by
-a constant of its place, squared exactly and summed (mod 2**64), per piece of every row (why that catches a
-changed word and a swap: `_transpose.c`). Both exist only compiled (BY_COLUMNS).
+its reverse, for a tensor taken by columns: a group of columns read piece by piece out of every source row;
+`copy_pieces` takes the same pieces out of rows already in a buffer (the read for the hash).
+`piece_sums` is the checksum that binds that read, as placed, to the hashed one (onepass.py): every 4-byte word
+offset by a constant of its place, squared exactly and summed (mod 2**64), per piece of every row (why that
+catches a changed word and a swap: `_transpose.c`); a piece laid out in bands is summed band by band. These
+last three exist only compiled (BY_COLUMNS).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from syncd.engine.write.checks import FULL_CHECK_ELEMENTS, SAMPLES_PER_TILE, check_transposed
 from syncd.engine.write.kernels.compiled import Library, load
@@ -43,11 +45,30 @@ BandKernel = Callable[[Any, Any, int, int, int, int, int], None]
 BandCheck = Callable[[Any, Any, int, int, int, int, int, int], bool]
 # (fd, buf, count, segment, offset, stride) -> bytes written
 PiecesWriter = Callable[[int, Any, int, int, int, int], int]
-# (fd, buf, count, segment, offset, stride, seed, sums, sums_stride) -> bytes read (fewer only at the end of
-# the file); with sums, each piece's checksum (PieceSums) at sums[k * sums_stride]
-PiecesReader = Callable[[int, Any, int, int, int, int, int, Any, int], int]
-# (buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): out[r * out_stride + p] = sum of piece p of row r
-PieceSums = Callable[[Any, int, int, int, int, int, Any, int], None]
+# (fd, buf, count, segment, offset, stride, first_row, total_rows, chunk) -> bytes read (fewer only at the end of
+# the file); piece k is row first_row + k of a block of total_rows rows laid out in bands of chunk bytes
+PiecesReader = Callable[[int, Any, int, int, int, int, int, int, int], int]
+# (src, dst, count, segment, stride, first_row, total_rows, chunk): PiecesReader from a buffer
+PiecesCopier = Callable[[Any, Any, int, int, int, int, int, int], None]
+
+
+class PieceSums(Protocol):
+    """out[r * out_stride + p] = the sum of piece p of row r; with first_word, of pieces that are parts of
+    longer ones from that 4-byte word on; with add, added to what out holds."""
+
+    def __call__(
+        self,
+        buf: Any,
+        rows: int,
+        stride: int,
+        row_bytes: int,
+        piece_bytes: int,
+        seed: int,
+        out: Any,
+        out_stride: int,
+        first_word: int = 0,
+        add: bool = False,
+    ) -> None: ...
 
 
 def transpose_numpy(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> None:
@@ -100,7 +121,7 @@ def pwrite_pieces_python(fd: int, buf: Any, count: int, segment: int, offset: in
     return count * segment
 
 
-def _needs_the_compiled_kernel(*args: Any) -> Any:
+def _needs_the_compiled_kernel(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("reading a tensor by columns needs the compiled kernel")  # BY_COLUMNS is False then
 
 
@@ -165,6 +186,7 @@ band_matches: BandCheck = band_check_numpy
 pwrite_pieces: PiecesWriter = pwrite_pieces_python
 pread_pieces: PiecesReader = _needs_the_compiled_kernel
 piece_sums: PieceSums = _needs_the_compiled_kernel
+copy_pieces: PiecesCopier = _needs_the_compiled_kernel
 if _LIBRARY is not None:
     transpose = make_compiled(_LIBRARY.transpose)
     transpose_band = make_band(_LIBRARY.transpose)
@@ -172,6 +194,7 @@ if _LIBRARY is not None:
     pwrite_pieces = _LIBRARY.pwrite_pieces
     pread_pieces = _LIBRARY.pread_pieces
     piece_sums = _LIBRARY.piece_sums
+    copy_pieces = _LIBRARY.copy_pieces
 KERNEL_NAME = "compiled" if _LIBRARY is not None else "numpy"
 # Large tensors taken by groups of columns (onepass.py) only with the compiled kernel: without it, each row's
 # piece is a Python call and its checksum numpy temporaries (measured on [8192, 8192] F32: twice the time and

@@ -18,14 +18,18 @@
  * syncd_pwrite_pieces(fd, buf, count, segment, offset, stride): the `count` pieces of `segment` bytes of buf,
  * laid end to end, written at offset, offset + stride, ...: the output-row pieces of a tensor transposed in
  * strips, in one call instead of one Python call per piece.
- * syncd_pread_pieces(fd, buf, count, segment, offset, stride): the reverse, `count` pieces read from offset,
- * offset + stride, ... into buf end to end: a group of columns of a tensor read row piece by row piece.
- * syncd_piece_sums(buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride): a 64-bit checksum of
- * every piece of every row, which binds the two reads of a tensor taken by columns (onepass.py).
+ * syncd_pread_pieces(fd, buf, count, segment, offset, stride, first_row, total_rows, chunk): the reverse, `count`
+ * pieces read from offset, offset + stride, ...: a group of columns of a tensor read row piece by row piece, each
+ * placed as rows first_row... of a block laid out in bands of `chunk` bytes.
+ * syncd_copy_pieces(src, dst, count, segment, stride, first_row, total_rows, chunk): the same pieces taken from a
+ * buffer already read (the read for the hash) instead of the file.
+ * syncd_piece_sums(buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride, first_word, add): a 64-bit
+ * checksum of every piece of every row, which binds the two reads of a tensor taken by columns (onepass.py).
  */
 #include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -256,35 +260,87 @@ static uint64_t piece_sum(const char *at, isize words, uint32_t seed) {
     return sum;
 }
 
+/* Where the pieces go: piece k is row first_row + k of a block of total_rows rows. With chunk >= segment the
+ * pieces lie end to end (row r at r * segment); otherwise the block is laid out in bands of `chunk` bytes of
+ * every row, each band's rows end to end: byte b of row r, in band j = b / chunk (n bytes wide: chunk, or what
+ * is left of the row), goes to j * chunk * total_rows + r * n + b % chunk. A band of columns is then one
+ * contiguous matrix, which transposes at three times the speed of the same band read out of rows far apart
+ * (each on another page: measured on the lm_head's groups, onepass.py). place() puts bytes at..at+len of a row. */
+static void place(char *buf, const char *bytes, isize at, isize len, isize segment, isize chunk, isize row,
+                  isize rows) {
+    if (chunk >= segment) {
+        memcpy(buf + row * segment + at, bytes, (size_t)len);
+        return;
+    }
+    for (isize end = at + len; at < end;) {
+        isize j = at / chunk, band_end = (j + 1) * chunk < segment ? (j + 1) * chunk : segment;
+        isize n = band_end - j * chunk, m = (band_end < end ? band_end : end) - at;
+        memcpy(buf + j * chunk * rows + row * n + (at - j * chunk), bytes, (size_t)m);
+        bytes += m;
+        at += m;
+    }
+}
+
+#define STAGING_BYTES (64 << 10) /* a piece placed in bands is read through this much at a time, in cache */
+
 /* Every piece whole, or as much as the file holds (a short count means end of file): the bytes read, or -errno.
- * With `sums`, each piece's checksum goes to sums[k * sums_stride] as soon as it is read, while in cache. */
+ * Pieces are placed as place() says: read straight into place when they lie end to end, else through a staging
+ * buffer of at most STAGING_BYTES. Their checksums are taken afterwards, over the bands as placed (onepass.py):
+ * what is summed is what is transposed, so a piece placed wrong is caught as well as one read wrong. */
 EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segment, long long offset,
-                                    long long stride, uint64_t seed, uint64_t *sums, isize sums_stride) {
+                                    long long stride, isize first_row, isize total_rows, isize chunk) {
+    int direct = chunk >= segment;
+    isize step = direct ? segment : (segment < STAGING_BYTES ? segment : STAGING_BYTES);
+    char *staging = direct ? NULL : malloc((size_t)step);
+    if (!direct && !staging) return -(long long)ENOMEM;
     long long total = 0;
     for (isize k = 0; k < count; k++) {
-        char *piece = (char *)buf + k * segment;
-        isize done = 0;
-        while (done < segment) {
-            ssize_t n = pread(fd, piece + done, (size_t)(segment - done), (off_t)(offset + k * stride + done));
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0) return -(long long)errno;
-            if (n == 0) return total + done;
-            done += n;
+        for (isize at = 0; at < segment; at += step) {
+            isize len = segment - at < step ? segment - at : step, done = 0;
+            char *part = direct ? (char *)buf + (first_row + k) * segment : staging;
+            while (done < len) {
+                ssize_t n = pread(fd, part + done, (size_t)(len - done), (off_t)(offset + k * stride + at + done));
+                if (n < 0 && errno == EINTR) continue;
+                if (n < 0) {
+                    int error = errno;
+                    free(staging);
+                    return -(long long)error;
+                }
+                if (n == 0) { /* the end of the file: a short count, which the caller refuses */
+                    free(staging);
+                    return total + at + done;
+                }
+                done += n;
+            }
+            if (!direct) place((char *)buf, part, at, len, segment, chunk, first_row + k, total_rows);
         }
-        if (sums) sums[k * sums_stride] = piece_sum(piece, segment / 4, (uint32_t)seed);
         total += segment;
     }
+    free(staging);
     return total;
 }
 
+/* pread_pieces from memory: piece k from src + k * stride, placed in dst as place() says. The caller has checked
+ * the geometry against both buffers. */
+EXPORT void syncd_copy_pieces(const void *src, void *dst, isize count, isize segment, isize stride,
+                              isize first_row, isize total_rows, isize chunk) {
+    for (isize k = 0; k < count; k++)
+        place((char *)dst, (const char *)src + k * stride, 0, segment, segment, chunk, first_row + k, total_rows);
+}
+
+/* With first_word > 0 the pieces are parts of longer ones, from their word first_word on; with add, each sum is
+ * added to what out holds: the sum of a piece is the sum of its parts' (each word's term depends on its place
+ * alone), so a piece laid out in bands is summed band by band (onepass.py). */
 EXPORT void syncd_piece_sums(const void *buf, isize rows, isize stride, isize row_bytes, isize piece_bytes,
-                             uint64_t seed, uint64_t *out, isize out_stride) {
+                             uint64_t seed, uint64_t *out, isize out_stride, isize first_word, int add) {
     isize pieces = (row_bytes + piece_bytes - 1) / piece_bytes;
+    uint32_t first = (uint32_t)seed + (uint32_t)first_word * SUM_STEP;
     for (isize r = 0; r < rows; r++) {
         const char *row = (const char *)buf + r * stride;
         for (isize p = 0; p < pieces; p++) {
             isize start = p * piece_bytes, end = start + piece_bytes < row_bytes ? start + piece_bytes : row_bytes;
-            out[r * out_stride + p] = piece_sum(row + start, (end - start) / 4, (uint32_t)seed);
+            uint64_t sum = piece_sum(row + start, (end - start) / 4, first);
+            out[r * out_stride + p] = add ? out[r * out_stride + p] + sum : sum;
         }
     }
 }

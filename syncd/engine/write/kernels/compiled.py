@@ -94,10 +94,13 @@ class Library:
         self._pwrite.restype = ctypes.c_longlong
         self._pread = cdll.syncd_pread_pieces
         self._pread.argtypes = [ctypes.c_int, void, size, size, ctypes.c_longlong, ctypes.c_longlong]
-        self._pread.argtypes += [ctypes.c_uint64, void, size]
+        self._pread.argtypes += [size, size, size]
         self._pread.restype = ctypes.c_longlong
+        self._copy = cdll.syncd_copy_pieces
+        self._copy.argtypes = [void, void, size, size, size, size, size, size]
+        self._copy.restype = None
         self._sums = cdll.syncd_piece_sums
-        self._sums.argtypes = [void, size, size, size, size, ctypes.c_uint64, void, size]
+        self._sums.argtypes = [void, size, size, size, size, ctypes.c_uint64, void, size, size, ctypes.c_int]
         self._sums.restype = None
 
     def transpose(
@@ -152,35 +155,80 @@ class Library:
         segment: int,
         offset: int,
         stride: int,
-        seed: int = 0,
-        sums: Any = None,
-        sums_stride: int = 1,
+        first_row: int = 0,
+        total_rows: int | None = None,
+        chunk: int = 0,
     ) -> int:
-        """`count` pieces of `segment` bytes read from offset + k * stride into buf, end to end; the bytes read
-        (fewer only at the end of the file; errors raise OSError). With `sums`, sums[k * sums_stride] = the
-        checksum of piece k (piece_sums), taken as it is read."""
+        """`count` pieces of `segment` bytes read from offset + k * stride into buf; the bytes read (fewer only
+        at the end of the file; errors raise OSError). Piece k is row first_row + k of a block of total_rows
+        (default: count) in buf: end to end, or with 0 < chunk < segment in bands of `chunk` bytes of every row,
+        each band's rows end to end (see _transpose.c, place)."""
         data = _Pinned(buf, writable=True)
-        if min(count, segment, offset, stride) < 0 or count * segment > data.nbytes:
+        if min(count, segment, offset, stride) < 0:
             raise ValueError("bad pieces geometry")
-        address = 0
-        if sums is not None:
-            out = _Pinned(sums, writable=True)
-            _check_sums(data, out, count, segment, segment, max(segment, 8), sums_stride)
-            address = out.address
-        done = self._pread(fd, data.address, count, segment, offset, stride, seed & (2**64 - 1), address, sums_stride)
+        rows, chunk = _placement(data, count, segment, first_row, total_rows, chunk)
+        done = self._pread(fd, data.address, count, segment, offset, stride, first_row, rows, chunk)
         if done < 0:
             raise OSError(-done, os.strerror(-done))
         return int(done)
 
+    def copy_pieces(
+        self,
+        src: Any,
+        dst: Any,
+        count: int,
+        segment: int,
+        stride: int,
+        first_row: int = 0,
+        total_rows: int | None = None,
+        chunk: int = 0,
+    ) -> None:
+        """pread_pieces from a buffer: `count` pieces of `segment` bytes from src, stride bytes apart, placed in
+        dst as pread_pieces places them."""
+        source, target = _Pinned(src, writable=False), _Pinned(dst, writable=True)
+        if min(count, segment) < 0 or stride < segment:
+            raise ValueError("bad pieces geometry")
+        rows, chunk = _placement(target, count, segment, first_row, total_rows, chunk)
+        if count and (count - 1) * stride + segment > source.nbytes:
+            raise ValueError("buffers too small for the pieces")
+        if count:
+            self._copy(source.address, target.address, count, segment, stride, first_row, rows, chunk)
+
     def piece_sums(
-        self, buf: Any, rows: int, stride: int, row_bytes: int, piece_bytes: int, seed: int, out: Any, out_stride: int
+        self,
+        buf: Any,
+        rows: int,
+        stride: int,
+        row_bytes: int,
+        piece_bytes: int,
+        seed: int,
+        out: Any,
+        out_stride: int,
+        first_word: int = 0,
+        add: bool = False,
     ) -> None:
         """out[r * out_stride + p] = the checksum of piece p (piece_bytes long, the last one what is left) of
-        row r (row_bytes long, rows `stride` bytes apart) of buf: kernels.piece_sums."""
+        row r (row_bytes long, rows `stride` bytes apart) of buf: kernels.piece_sums. With `first_word`, the
+        pieces are parts of longer ones from that 4-byte word on; with `add`, their sums are added to out's."""
         data, sums = _Pinned(buf, writable=False), _Pinned(out, writable=True)
         _check_sums(data, sums, rows, stride, row_bytes, piece_bytes, out_stride)
+        if first_word < 0:
+            raise ValueError("bad checksum geometry")
         if rows:
-            self._sums(data.address, rows, stride, row_bytes, piece_bytes, seed & (2**64 - 1), sums.address, out_stride)
+            seed &= 2**64 - 1
+            where = (sums.address, out_stride, first_word, add)
+            self._sums(data.address, rows, stride, row_bytes, piece_bytes, seed, *where)
+
+
+def _placement(
+    target: _Pinned, count: int, segment: int, first_row: int, total_rows: int | None, chunk: int
+) -> tuple[int, int]:
+    """(total rows, chunk) of where pieces go in `target` (pread_pieces), checked against its size."""
+    rows = count if total_rows is None else total_rows
+    chunk = segment if chunk <= 0 else min(chunk, segment)
+    if first_row < 0 or rows < first_row + count or rows * segment > target.nbytes:
+        raise ValueError("bad pieces geometry")
+    return rows, max(chunk, 1)
 
 
 def _check_sums(
