@@ -16,7 +16,9 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,6 +50,7 @@ from syncd.engine.write.onepass import STRIP_BYTES
 from syncd.engine.write.planned import FromSource, verify_full
 from syncd.errors import FormatError, UnsupportedError, UsageError, VerificationError
 from syncd.formats.burnpack import LAYOUT_PACKED, BurnpackReader, Scalar, write_burnpack
+from syncd.formats.fileio import pwrite_all
 from syncd.formats.safetensors import SafetensorsReader
 from syncd.formats.table import TensorSpec
 
@@ -656,19 +659,24 @@ def test_verify_tensor_catches_a_corrupted_output(tmp_path: Path) -> None:
             verify_tensor(src, "fc2.weight", ok, "fc2.weight", False)
 
 
+TABLE_DIFFERS = r"written tensor table differs from the plan at \['{}'\]"
+
+
 @pytest.mark.parametrize(
-    ("fixture", "lay_out", "tensor", "change"),
+    ("fixture", "lay_out", "tensor", "change", "caught"),
     [
-        (MNIST_PT, "plan_burnpack", "fc1.weight", "shape"),  # [in, out] laid out as [out, in]
-        (MNIST_WEB, "plan_safetensors", "fc1.weight", "shape"),
-        (MNIST_WEB, "plan_safetensors", "fc2.bias", "dtype"),  # F32 laid out as I32: the same bytes
+        (MNIST_PT, "plan_burnpack", "fc1.weight", "shape", TABLE_DIFFERS),  # [in, out] laid out as [out, in]
+        (MNIST_WEB, "plan_safetensors", "fc1.weight", "shape", TABLE_DIFFERS),
+        (MNIST_WEB, "plan_safetensors", "fc2.bias", "dtype", TABLE_DIFFERS),  # F32 laid out as I32: the same bytes
+        (MNIST_PT, "plan_burnpack", "fc2.bias", "param_id", "param_ids differ after writing"),
     ],
 )
 def test_a_header_that_does_not_describe_the_plan_is_never_published(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixture: Path, lay_out: str, tensor: str, change: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixture: Path, lay_out: str, tensor: str, change: str, caught: str
 ) -> None:
     """A writer bug that lays out a table other than the planned one (same sizes, so every write still
-    tiles its window): the re-read table is compared with the plan, as the format stores dtypes."""
+    tiles its window): the re-read table is compared with the plan, as the format stores dtypes, and a
+    burnpack's param_ids with the planned ones."""
     from syncd.engine import targets
 
     real = getattr(targets, lay_out)
@@ -679,6 +687,8 @@ def test_a_header_that_does_not_describe_the_plan_is_never_published(
                 return spec
             if change == "shape":
                 return dataclasses.replace(spec, shape=tuple(reversed(spec.shape)))
+            if change == "param_id":
+                return dataclasses.replace(spec, param_id=(spec.param_id or 0) + 1)
             return dataclasses.replace(spec, dtype="I32")
 
         return real([wrong(spec) for spec in specs], *args, **kwargs)
@@ -686,9 +696,49 @@ def test_a_header_that_does_not_describe_the_plan_is_never_published(
     monkeypatch.setattr(targets, lay_out, misdescribing)
     source = _copy(fixture, tmp_path)
     dest = tmp_path / "out.bin"
-    with pytest.raises(VerificationError, match=rf"written tensor table differs from the plan at \['{tensor}'\]"):
+    with pytest.raises(VerificationError, match=caught.format(tensor)):
         convert(ConvertRequest(source=source, dest=dest, to_format="burnpack" if lay_out == "plan_burnpack" else None))
     assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]
+
+
+def test_a_header_that_reads_back_other_than_written_is_never_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header goes out twice: first with a placeholder for the source hash, then with the hash (known once
+    the source is read) written over it. A second write that does not land as written (a storage fault, stood
+    in for by one changed byte) is read back and refused."""
+    from syncd.engine import convert as engine
+
+    def damaged(fd: int, data: bytes, offset: int) -> None:
+        pwrite_all(fd, data[:-1] + bytes([data[-1] ^ 1]), offset)
+
+    monkeypatch.setattr(engine, "pwrite_all", damaged)
+    source = _copy(MNIST_PT, tmp_path)
+    with pytest.raises(VerificationError, match="the output header reads back different from what was written"):
+        convert(ConvertRequest(source=source, dest=tmp_path / "out.bpk"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]
+
+
+def test_a_carried_tensor_written_back_other_than_carried_is_never_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BatchNorm's num_batches_tracked has no Burn slot: it travels in the .bpk's metadata and is written back
+    on the way to PyTorch, from those bytes (not from the one pass). What arrives is read back and compared
+    with what was carried: a fill that writes other bytes (here one flipped) fails the conversion."""
+    from syncd.engine import targets
+
+    bpk = tmp_path / "mnist.bpk"
+    convert(ConvertRequest(source=_copy(MNIST_PT, tmp_path), dest=bpk))
+    real = targets._bytes_fill
+
+    def flipped(data: bytes) -> Callable[[Any], None]:
+        return real(bytes([data[0] ^ 1]) + data[1:])
+
+    monkeypatch.setattr(targets, "_bytes_fill", flipped)
+    out = tmp_path / "back.safetensors"
+    with pytest.raises(VerificationError, match=r"restored tensor '.*num_batches_tracked' differs after writing"):
+        convert(ConvertRequest(source=bpk, dest=out))
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["mnist.bpk", MNIST_PT.name]
 
 
 def test_a_source_failing_mid_conversion_leaves_nothing(tmp_path: Path) -> None:

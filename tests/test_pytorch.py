@@ -14,6 +14,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from daemonutil import DaemonRun
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from syncd.errors import FormatError
+from syncd.engine.convert import ConvertRequest, convert
+from syncd.errors import FormatError, VerificationError
 from syncd.formats import open_checkpoint
 
 pytestmark = pytest.mark.torch
@@ -137,6 +139,29 @@ def test_views_and_shared_storages_are_read_and_written_contiguous(tmp_path: Pat
     proc = run_cli("convert", source, "-o", out, "--layout", "keep", "--verify", "full")
     assert proc.returncode == 0, proc.stderr
     assert_safetensors_equal(out, {name: t.contiguous() for name, t in state.items()})
+
+
+def test_a_view_written_other_than_its_source_is_never_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A view is gathered and written outside the one pass, so the pass's checks do not cover it: it is read
+    back and compared with its source gathered again. A gather that writes other bytes (here the first strip
+    of every view with one byte flipped) fails the conversion, whatever the fast verification skips."""
+    from syncd.engine.write import views as view_copies
+
+    def flipped(self: view_copies.ViewPiece, sink: Any) -> None:
+        for done, data in self.strips():
+            if done == 0 and data:
+                data[0] ^= 1
+            sink.pwrite(data, self.at + done)
+
+    monkeypatch.setattr(view_copies.ViewPiece, "fill", flipped)
+    source = tmp_path / "views.pt"
+    torch.save(views(), source)
+    out = tmp_path / "views.safetensors"
+    with pytest.raises(VerificationError, match=r"tensor '\w+' differs from its source"):
+        convert(ConvertRequest(source=source, dest=out, layout="keep"))
+    assert dir_listing(tmp_path) == ["views.pt"]
 
 
 def test_views_that_are_linear_weights_are_transposed_going_to_burn(tmp_path: Path) -> None:
