@@ -27,7 +27,7 @@ from typing import Any
 
 from syncd.engine.hashing import DEFAULT_HASH, block_digest, new_hasher
 from syncd.engine.write.checks import Entry, WriteLedger
-from syncd.engine.write.onepass import Move, OnePass, default_workers
+from syncd.engine.write.onepass import Move, OnePass, default_workers, move
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.fileio import TensorFileReader, TensorSink, bool_checker, pwrite_all, write_zeros
@@ -211,7 +211,7 @@ def _move(spec: TensorSpec, start: int, fill: FromSource, at: int, joined: bool)
         raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {nbytes}", fill.reader.path)
     check = bool_checker(spec.dtype, spec.name) if spec.dtype in BOOL_DTYPES else None
     if not fill.transpose and not joined:  # (most tensors: copied whole)
-        return Move(spec.name, offset, nbytes, start, 1, None, check)
+        return move((spec.name, offset, nbytes, start, 1, None, check, 0, None))
     piece = {"piece_at": at, "tensor_nbytes": spec.nbytes} if joined else {}
     if not fill.transpose:  # copied as bytes: the element size does not matter (QFloat, sub-byte floats)
         return Move(spec.name, offset, nbytes, start + at, 1, None, check, **piece)
