@@ -256,7 +256,7 @@ class _Bound:
         sums = memoryview(self.converted)[group * 8 :]
         with self.lock:
             kernels.piece_sums(
-                band, rows, row_bytes, row_bytes, row_bytes, self.seed, sums, self.groups, within // 4, add=True
+                band, rows, row_bytes, row_bytes, row_bytes, self.seed, sums, self.groups, within // 4, True
             )
 
     def done(self, path: str) -> None:
@@ -657,7 +657,7 @@ class OnePass:
         piece, sums = bound.piece, memoryview(bound.hashed)[r0 * bound.groups * 8 :]
         try:
             data = self._read(slot.src((r1 - r0) * row_bytes), move.src_offset + r0 * row_bytes)
-            kernels.piece_sums(data, r1 - r0, row_bytes, row_bytes, piece, bound.seed, sums, bound.groups)
+            kernels.piece_sums(data, r1 - r0, row_bytes, row_bytes, piece, bound.seed, sums, bound.groups, 0, False)
             kernels.copy_pieces(data, first.buffer, r1 - r0, piece, row_bytes, r0, rows, first.band * move.itemsize)
         finally:
             self._free.put(slot)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from syncd.engine.write.checks import FULL_CHECK_ELEMENTS, SAMPLES_PER_TILE, check_transposed
 from syncd.engine.write.kernels.compiled import Library, load
@@ -52,23 +52,10 @@ PiecesReader = Callable[[int, Any, int, int, int, int, int, int, int], int]
 PiecesCopier = Callable[[Any, Any, int, int, int, int, int, int], None]
 
 
-class PieceSums(Protocol):
-    """out[r * out_stride + p] = the sum of piece p of row r; with first_word, of pieces that are parts of
-    longer ones from that 4-byte word on; with add, added to what out holds."""
-
-    def __call__(
-        self,
-        buf: Any,
-        rows: int,
-        stride: int,
-        row_bytes: int,
-        piece_bytes: int,
-        seed: int,
-        out: Any,
-        out_stride: int,
-        first_word: int = 0,
-        add: bool = False,
-    ) -> None: ...
+# (buf, rows, stride, row_bytes, piece_bytes, seed, out, out_stride, first_word, add): out[r * out_stride + p] =
+# the sum of piece p of row r; with first_word, of pieces that are parts of longer ones from that 4-byte word
+# on; with add, added to what out holds
+PieceSums = Callable[[Any, int, int, int, int, int, Any, int, int, bool], None]
 
 
 def transpose_numpy(src: np.ndarray, out: np.ndarray, first_col: int = 0) -> None:
@@ -121,7 +108,7 @@ def pwrite_pieces_python(fd: int, buf: Any, count: int, segment: int, offset: in
     return count * segment
 
 
-def _needs_the_compiled_kernel(*args: Any, **kwargs: Any) -> Any:
+def _needs_the_compiled_kernel(*args: Any) -> Any:
     raise RuntimeError("reading a tensor by columns needs the compiled kernel")  # BY_COLUMNS is False then
 
 
