@@ -75,3 +75,10 @@ def test_a_transposing_conversion_with_the_compiled_kernel_does_not_import_numpy
     (tmp_path / "out.safetensors").unlink()
     status, modules = _imports(*argv, root=root, env={"SYNCD_KERNEL": "numpy"})  # the fallback needs numpy
     assert status == 0 and "numpy" in modules
+
+
+def test_the_version_and_the_top_level_help_import_no_commands_modules() -> None:
+    for argv in (["--version"], ["--help"], []):
+        status, modules = _imports(*argv)
+        assert status in (0, 2), argv  # (no command at all: the help, as a usage error)
+        assert modules <= {"syncd", "syncd.cli", "syncd.cli.main", "syncd.errors"}, (argv, modules)

@@ -175,9 +175,10 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
-def _command_word(argv: list[str]) -> str | None:
-    """The subcommand named in `argv` (the first word not starting with '-'), if any."""
-    return next((arg for arg in argv if not arg.startswith("-")), None)
+def _command_word(argv: list[str]) -> str:
+    """The subcommand named in `argv` (the first word not starting with '-'); "" when it names none
+    (`syncd --version`, `syncd --help`), which needs no command's options, so imports none of their modules."""
+    return next((arg for arg in argv if not arg.startswith("-")), "")
 
 
 def main(argv: list[str] | None = None) -> int:
