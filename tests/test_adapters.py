@@ -705,3 +705,37 @@ def test_globs_skip_modules_without_layer_tensors_but_exact_paths_do_not() -> No
         plan_conversion(
             [*source, TensorRef("steps.count", "I64", ())], to_layout="burn", module_map=map_of(steps="Linear")
         )
+
+
+@pytest.mark.parametrize(
+    ("recorded", "tensors", "kind"),
+    [
+        ("Linear", {"fc.bias": (16,)}, "Other"),  # its weight gone: "bias without weight"
+        ("Linear", {"fc.weight": (4, 3, 2), "fc.bias": (4,)}, "Conv"),
+        ("Embedding", {"fc.weight": (8,)}, "Other"),  # a lone 1-D weight, in a burn-layout file
+        ("Conv", {"fc.weight": (4, 8), "fc.bias": (8,)}, "Linear"),
+        ("BatchNorm", {"fc.gamma": (4, 4), "fc.beta": (4, 4), "fc.running_mean": (4,)}, "Unknown"),
+    ],
+)
+def test_a_recorded_kind_the_tensors_cannot_be_is_passed_over(
+    recorded: str, tensors: dict[str, tuple[int, ...]], kind: str
+) -> None:
+    """A file's syncd.kinds is as untrusted as the rest of it: a kind whose tensors are not there, or not of its
+    shapes, is ignored and the names and shapes decide, as for a module map's statement (a Linear recorded for
+    a module without its weight once reached the steps that transpose the weight: KeyError)."""
+    table = [TensorRef(name, "F32", shape) for name, shape in tensors.items()]
+    context = FileContext(recorded_layout="burn", recorded_kinds={"fc": recorded})
+    try:
+        plan = plan_conversion(table, to_layout="pytorch", source_layout="burn", context=context)
+    except AmbiguousLayoutError as exc:
+        assert kind == "Unknown" and exc.undecided == ["fc"]
+    else:
+        assert plan.kinds["fc"] == kind
+        assert "recorded in the file" not in " ".join(plan.decisions)
+
+
+def test_a_recorded_kind_that_fits_is_taken() -> None:
+    table = [TensorRef("fc.weight", "F32", (4, 3)), TensorRef("fc.bias", "F32", (3,))]
+    context = FileContext(recorded_layout="burn", recorded_kinds={"fc": "LinearInOut"})
+    plan = plan_conversion(table, to_layout="pytorch", source_layout="burn", context=context)
+    assert plan.kinds["fc"] == "LinearInOut" and "recorded in the file (syncd.kinds)" in " ".join(plan.decisions)

@@ -180,8 +180,8 @@ def _defined_kind(module: Module, definition: ModelDefinition) -> ModuleKind | N
     kind = definition.kinds.get(module.path)
     if kind is None or kind in PACKED_KINDS:
         return None
-    rule = ModuleMap.from_dict({"modules": {module.path or "": kind}}, source=definition.source).rules[0]
     try:
+        rule = ModuleMap.from_dict({"modules": {module.path or "": kind}}, source=definition.source).rules[0]
         mapped_kind(module, rule, definition.source)
     except (ConfigError, UnsupportedError):
         return None
@@ -189,12 +189,25 @@ def _defined_kind(module: Module, definition: ModelDefinition) -> ModuleKind | N
 
 
 def _recorded_kind(module: Module, kind: str | None) -> ModuleKind | None:
-    """A syncd-made file says what it was converted with; a record that does not fit the tensors is ignored."""
-    if kind is None or kind not in RECORDED_KINDS:
-        return None
-    if kind != OTHER and not set(module.params) <= _ALLOWED_LEAVES.get(kind, frozenset()):
+    """A syncd-made file says what it was converted with; a record that does not fit the tensors is ignored
+    (the file's metadata is as untrusted as the rest of it: a Linear recorded for a module without its
+    weight would otherwise reach the steps that transpose that weight)."""
+    if kind is None or kind not in RECORDED_KINDS or not _fits_record(module, kind):
         return None
     return ModuleKind(module.path, kind, "recorded in the file (syncd.kinds)", by=BY_RECORD)
+
+
+def _fits_record(module: Module, kind: str) -> bool:
+    """The tensors' names and shapes can be those of a `kind`: as a module map stating it is checked
+    (_check_mapped_shapes); Conv, which only inference names, as inference names it."""
+    if kind == OTHER:
+        return True
+    if not set(module.params) <= _ALLOWED_LEAVES.get(kind, frozenset()):
+        return False
+    if kind == CONV:
+        bias = module.shape("bias") if "bias" in module.params else (0,)
+        return "weight" in module.params and len(module.shape("weight")) >= 3 and len(bias) == 1
+    return _weight_lacks(module, kind) is None if kind in _WEIGHT_RANK else _all_vectors(module)
 
 
 def _table_kind(module: Module, architecture: Architecture) -> ModuleKind | None:
@@ -422,40 +435,45 @@ def mapped_kind(module: Module, rule: ModuleRule, source: str) -> ModuleKind:
     return ModuleKind(module.path, kind, reason, rule.pattern, by=BY_MAP)
 
 
+_WEIGHT_RANK = {LINEAR: 2, LINEAR_IN_OUT: 2, EMBEDDING: 2, **{k: int(k[-2]) + 2 for k in CONV_KINDS}}  # Conv2d: 4
+
+
 def _check_mapped_shapes(module: Module, rule: ModuleRule, source: str) -> None:
     kind = rule.kind
-    if kind in (LINEAR, LINEAR_IN_OUT, EMBEDDING, *CONV_KINDS):
-        want = 2 if kind in (LINEAR, LINEAR_IN_OUT, EMBEDDING) else int(kind[-2]) + 2  # Conv2d -> rank 4
-        _require(
-            module,
-            "weight" in module.params and len(module.shape("weight")) == want,
-            rule,
-            source,
-            f"a rank-{want} weight",
-        )
-        if "bias" in module.params:
-            bias = module.shape("bias")
-            weight = module.shape("weight")
-            fits = len(bias) == 1 and (
-                bias[0] in weight if kind == LINEAR else bias[0] == weight[-1] if kind == LINEAR_IN_OUT else True
+    if kind in _WEIGHT_RANK:
+        lacking = _weight_lacks(module, kind)
+        if lacking is not None:
+            raise ConfigError(
+                f"modules.{rule.pattern!r}: maps {module.label!r} to {kind}, which needs {lacking}, "
+                f"but it has {_shapes(module)}",
+                source,
             )
-            _require(module, fits, rule, source, "a 1-D bias matching the weight")
         return
-    vectors = set(module.params) - {"num_batches_tracked"}
-    if not _all_rank(module, vectors, 1):
+    if not _all_vectors(module):
         # Burn's norms and PRelu hold 1-D parameters only (docs/burn-adapters.md#norms)
         raise UnsupportedError(
             f"{module.label}: {kind} tensors {_shapes(module)} are not 1-D; Burn's {kind} holds 1-D parameters only"
         )
 
 
-def _require(module: Module, ok: bool, rule: ModuleRule, source: str, what: str) -> None:
-    if not ok:
-        raise ConfigError(
-            f"modules.{rule.pattern!r}: maps {module.label!r} to {rule.kind}, which needs {what}, "
-            f"but it has {_shapes(module)}",
-            source,
+def _weight_lacks(module: Module, kind: str) -> str | None:
+    """What a module of a weighted kind (_WEIGHT_RANK) needs that its tensors do not give, or None: the
+    plan's steps take its weight's rows and columns, and the layout evidence its bias against them."""
+    want = _WEIGHT_RANK[kind]
+    if "weight" not in module.params or len(module.shape("weight")) != want:
+        return f"a rank-{want} weight"
+    if "bias" in module.params:
+        bias, weight = module.shape("bias"), module.shape("weight")
+        fits = len(bias) == 1 and (
+            bias[0] in weight if kind == LINEAR else bias[0] == weight[-1] if kind == LINEAR_IN_OUT else True
         )
+        if not fits:
+            return "a 1-D bias matching the weight"
+    return None
+
+
+def _all_vectors(module: Module) -> bool:
+    return _all_rank(module, set(module.params) - {"num_batches_tracked"}, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
