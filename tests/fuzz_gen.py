@@ -45,7 +45,7 @@ from conftest import (
 )
 from hypothesis import strategies as st
 
-from syncd.errors import SyncdError
+from syncd.errors import SyncdError, VerificationError
 
 CORPUS_DIR = REGRESSIONS
 
@@ -2189,6 +2189,8 @@ def check_convert(blob: bytes, ext: str, workdir: Path, to_format: str | None = 
     try:
         with budget():
             convert(ConvertRequest(source=source, dest=dest, to_format=to_format, layout=layout))
+    except VerificationError as exc:  # the pass's own output failed its checks: a bug, whatever the input
+        raise _fail(blob, ext, f"conversion ({to_format}, {layout}) failed its verification: {exc}") from None
     except SyncdError as exc:
         if not _one_line(exc):
             raise _fail(blob, ext, f"{type(exc).__name__} is not one line: {str(exc)[:300]!r}") from None
