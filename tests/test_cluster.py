@@ -132,6 +132,8 @@ def test_a_dead_nodes_scratch_nobody_claims_again_is_removed_by_the_survivors_ne
     dead.proc.wait(30)
     wait_until(lambda: not any(path.exists() for path in held), 4 * RESCAN, "the dead node's scratch removed")
     assert time.monotonic() - killed_at <= RESCAN + 2 * TICK, "not removed at the first rescan after the death"
+    # the survivor logs the removal right after it: wait for the line, not for the next read to happen after it
+    wait_until(lambda: survivor.statuses("removed"), 10, "the survivor's line for the removal")
     assert [r["source"] for r in survivor.statuses("removed")] == [str(path) for path in held]
     assert not list(cluster.tree.rglob("*.bpk"))
 
