@@ -19,6 +19,10 @@ adopts it from that record without reading the source: the output is syncd's whe
 file recorded (any write, truncate, chmod or utime changes its ctime, which no one can set back). A record
 that does not match proves nothing, and the file is then judged as if there were none.
 
+Right before an output is put in place, its publisher adds to the claim file the record of that output
+(`placing`), the publish's own record replacing both afterwards. A node killed in between leaves an output
+its `placing` still proves (by identity without the ctime, which putting the file in place changes).
+
 The file stays while its output exists (it is the record); a claim file whose output is gone is removed by
 whichever node next finds it unlocked. Removing takes the lock first and checks the name still is that file;
 taking a claim checks the same after locking, so a claim is never taken on a file just unlinked.
@@ -77,20 +81,25 @@ class Published:
     dest_stamp: Stamp
     node: str = ""  # the host that published, for people reading the file
 
-    def to_bytes(self) -> bytes:
-        doc = {
+    def to_doc(self) -> dict[str, object]:
+        return {
             "source": self.source,
             "source_stamp": list(self.source_stamp),
             "dest_stamp": list(self.dest_stamp),
             "node": self.node,
         }
-        return (json.dumps(doc, sort_keys=True) + "\n").encode()
+
+    def to_bytes(self) -> bytes:
+        return _encode(self.to_doc())
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Published | None:
-        """The record in `data`; None for anything that is not a whole record (an empty claim, a torn write)."""
+    def from_bytes(cls, data: bytes, key: str | None = None) -> Published | None:
+        """The record in `data` (or under its `key`); None for anything that is not a whole record (an
+        empty claim, a torn write)."""
         try:
             doc = json.loads(data)
+            if key is not None:
+                doc = doc[key]
             source, node = doc["source"], doc.get("node", "")
             source_stamp, dest_stamp = _stamp(doc["source_stamp"]), _stamp(doc["dest_stamp"])
         except (ValueError, KeyError, TypeError):
@@ -98,6 +107,10 @@ class Published:
         if not isinstance(source, str) or not isinstance(node, str) or source_stamp is None or dest_stamp is None:
             return None
         return cls(source, source_stamp, dest_stamp, node)
+
+
+def _encode(doc: dict[str, object]) -> bytes:
+    return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
 def _stamp(value: object) -> Stamp | None:
@@ -115,13 +128,34 @@ class Claim:
 
     def published(self) -> Published | None:
         """The record of the last publish of this output, if the file holds a whole one."""
+        data = self._read()
+        return None if data is None else Published.from_bytes(data)
+
+    def placing(self) -> Published | None:
+        """The record of an output about to be put in place and not recorded as published since (its
+        publisher died in between), if the file holds a whole one. Its `dest_stamp` has the ctime the file
+        had before it was put in place."""
+        data = self._read()
+        return None if data is None else Published.from_bytes(data, "placing")
+
+    def record_placing(self, placing: Published) -> None:
+        """Add the record of the output about to be put in place, keeping the last publish's (made durable
+        before the output is placed)."""
+        last = self.published()
+        self._write(_encode({**(last.to_doc() if last is not None else {}), "placing": placing.to_doc()}))
+
+    def _read(self) -> bytes | None:
         data = os.pread(self.fd, _RECORD_MAX + 1, 0)
-        return None if len(data) > _RECORD_MAX else Published.from_bytes(data)
+        return None if len(data) > _RECORD_MAX else data
 
     def record(self, published: Published) -> None:
         """Write the record of a publish (made durable before the claim is released)."""
-        data = published.to_bytes()
-        os.ftruncate(self.fd, 0)
+        self._write(published.to_bytes())
+
+    def _write(self, data: bytes) -> None:
+        """Replace the record in one write, never truncating first: a holder killed between a truncate and
+        its write would leave no record at all. A shorter record is padded with spaces (JSON's own)."""
+        data = data.ljust(os.fstat(self.fd).st_size, b" ")
         os.pwrite(self.fd, data, 0)
         os.fsync(self.fd)
 

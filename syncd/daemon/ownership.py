@@ -10,6 +10,9 @@ exactly the conversion of the current source: the conversion is run and the publ
 On a shared filesystem the record may be another node's: the claim file beside the output holds the last
 publish (`syncd.daemon.claims.Published`), which proves the same thing by the same identity (without the
 device number, which differs between clients); an output so proven is adopted without reading the source.
+An output is also recorded right before it is put in place, in the state and in the claim, so that one
+placed by a daemon killed before it could record the publish is still proven (by its identity without the
+ctime, which placing the file changes): else every later save would leave it alone as someone else's file.
 Every file is opened confined, without following symlinks and without blocking (a FIFO or a symlink to a
 device renamed onto any of the names must not hang a worker).
 """
@@ -76,9 +79,10 @@ def decide(
     version: FileStamp,
     dest: Path,
     published: Published | None = None,
+    placing: Published | None = None,
 ) -> Decision:
-    """What to do about `dest` before converting `source` (at `version`) into it; `published` is the record
-    in the output's claim file, on a shared filesystem.
+    """What to do about `dest` before converting `source` (at `version`) into it; `published` and `placing`
+    are the records in the output's claim file, on a shared filesystem.
 
     syncd's own earlier output of this source (proven by the state's record, or by the publishing node's) is
     replaced (`updated`) whatever `on_exists` says, or adopted as it is when the record shows it is the
@@ -94,12 +98,17 @@ def decide(
     ours = own_earlier_output(state, source, dest, root)
     if ours is not None:
         return Decision(Action.REPLACE, ours)
-    if published is not None:
-        proven = published_by_syncd(published, source, dest)
-        if proven is not None:
-            if published.source_stamp == source_stamp(version):
-                return Decision(Action.IN_SYNC)
-            return Decision(Action.REPLACE, proven)
+    placed = placed_by_this_daemon(state, source, dest, root)
+    if placed is not None:
+        placed_version, identity = placed
+        return Decision(Action.IN_SYNC) if not placed_version.changed(version) else Decision(Action.REPLACE, identity)
+    for record, placed_only in ((published, False), (placing, True)):
+        if record is not None:
+            proven = published_by_syncd(record, source, dest, placed_only=placed_only)
+            if proven is not None:
+                if record.source_stamp == source_stamp(version):
+                    return Decision(Action.IN_SYNC)
+                return Decision(Action.REPLACE, proven)
     if names_source(dest, source, root):
         return Decision(Action.VERIFY)
     return someone_elses(watch, dest)
@@ -110,17 +119,45 @@ def source_stamp(version: FileStamp) -> Stamp:
     return (version.ino, version.size, version.mtime_ns, version.ctime_ns)
 
 
-def published_by_syncd(published: Published, source: Path, dest: Path) -> FileStamp | None:
-    """The identity of `dest` if it still is exactly the file a node recorded publishing from `source`."""
+def published_by_syncd(
+    published: Published, source: Path, dest: Path, *, placed_only: bool = False
+) -> FileStamp | None:
+    """The identity of `dest` if it still is exactly the file a node recorded publishing from `source`
+    (`placed_only`: recorded before putting it in place, which changed its ctime)."""
     if published.source != carry.file_label(source.name):
         return None
     try:
         info = os.lstat(dest)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(info.st_mode) or stamp_of(info) != published.dest_stamp:
+    compared = 3 if placed_only else 4  # (inode, size, mtime_ns, ctime_ns)
+    if not stat.S_ISREG(info.st_mode) or stamp_of(info)[:compared] != published.dest_stamp[:compared]:
         return None
     return FileStamp.of(info)
+
+
+def placed_by_this_daemon(state: StateDB, source: Path, dest: Path, root: Path) -> tuple[FileStamp, FileStamp] | None:
+    """(the source version it converted, the identity of `dest`) if `dest` is the output this daemon recorded
+    as about to be put in place from `source`, unchanged since, and never recorded as published (the daemon
+    was killed in between): the same file, size and mtime (placing it changed its ctime), naming `source`."""
+    placing = state.placing(dest)
+    if placing is None or os.fsencode(placing.source) != os.fsencode(source):
+        return None
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    now, recorded = FileStamp.of(info), placing.output
+    if not stat.S_ISREG(info.st_mode) or (now.dev, now.ino, now.size, now.mtime_ns) != (
+        recorded.dev,
+        recorded.ino,
+        recorded.size,
+        recorded.mtime_ns,
+    ):
+        return None
+    if _source_named_in(dest, root) != carry.file_label(source.name):
+        return None
+    return placing.version, now
 
 
 def someone_elses(watch: Watch, dest: Path) -> Decision:

@@ -31,7 +31,7 @@ from syncd.formats.fileio import FileStamp
 log = logging.getLogger("syncd.state")
 
 DB_NAME = "state.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 LOCK_NAME = "lock"
 SUCCESS_STATUSES = ("converted", "in_sync")
 
@@ -68,6 +68,26 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # the declared kind of a failure (syncd/errors.py): config failures are looked at again after a reload
         "ALTER TABLE sources ADD COLUMN kind TEXT",
     ),
+    (
+        # an output about to be put in place, recorded before it is (see StateDB.record_placing)
+        """
+        CREATE TABLE placing (
+            dest         BLOB PRIMARY KEY,
+            source       BLOB NOT NULL,
+            dev          INTEGER NOT NULL,
+            ino          INTEGER NOT NULL,
+            size         INTEGER NOT NULL,
+            mtime_ns     INTEGER NOT NULL,
+            ctime_ns     INTEGER NOT NULL,
+            out_dev      INTEGER NOT NULL,
+            out_ino      INTEGER NOT NULL,
+            out_size     INTEGER NOT NULL,
+            out_mtime_ns INTEGER NOT NULL,
+            out_ctime_ns INTEGER NOT NULL,
+            updated      TEXT NOT NULL
+        )
+        """,
+    ),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -102,6 +122,16 @@ class SourceState:
     attempts: int  # consecutive failures of this version
     updated: datetime
     kind: str | None = None  # of a failure: input | config | environment | busy (syncd/errors.py)
+
+
+@dataclass(frozen=True)
+class Placing:
+    """An output recorded right before it was put in place: the source version it is the conversion of,
+    and the finished file's identity (its ctime aside: linking or renaming the file into place changes it)."""
+
+    source: str
+    version: FileStamp
+    output: FileStamp
 
 
 class StateDB:
@@ -144,7 +174,33 @@ class StateDB:
             return False
         return not state.version.changed(version)
 
+    def placing(self, dest: PathArg) -> Placing | None:
+        """The output last recorded as about to be put in place at `dest` and not recorded as published since
+        (the daemon was killed in between), if any."""
+        row = self._run(lambda db: db.execute("SELECT * FROM placing WHERE dest = ?", (_key(dest),)).fetchone())
+        if row is None:
+            return None
+        version, output = _row_version(row, ""), _row_version(row, "out_")
+        assert version is not None and output is not None
+        return Placing(os.fsdecode(row["source"]), version, output)
+
     # -------------------------------------------------------------------------------------- updates
+
+    def record_placing(self, source: PathArg, version: FileStamp, dest: PathArg, output: FileStamp) -> None:
+        """Remember, before it is put in place, the finished output of `source` at `version` about to become
+        `dest`. A daemon killed after placing it and before `record` would otherwise leave an output no
+        record proves its own; this one does (`record` forgets it)."""
+        values = {
+            **_version_columns("", version),
+            **_version_columns("out_", output),
+            "dest": _key(dest),
+            "source": _key(source),
+            "updated": utc_timestamp(),
+        }
+        columns = ", ".join(values)
+        placeholders = ", ".join(f":{name}" for name in values)
+        sql = f"INSERT OR REPLACE INTO placing ({columns}) VALUES ({placeholders})"
+        self._run(lambda db: db.execute(sql, values))
 
     def record(
         self,
@@ -173,7 +229,7 @@ class StateDB:
             "attempts": 0,
             "updated": utc_timestamp(),
         }
-        self._upsert(values)
+        self._upsert(values, placed=_key(dest))
 
     def record_failure(
         self, source: PathArg, version: FileStamp, error: str, *, transient: bool, kind: str | None = None
@@ -244,11 +300,19 @@ class StateDB:
 
     # -------------------------------------------------------------------------------------- plumbing
 
-    def _upsert(self, values: dict[str, object]) -> None:
+    def _upsert(self, values: dict[str, object], placed: bytes | None = None) -> None:
+        """Write one source's row; `placed`: a destination now recorded as published, whose record of
+        placing is forgotten in the same transaction."""
         columns = ", ".join(values)
         placeholders = ", ".join(f":{name}" for name in values)
         sql = f"INSERT OR REPLACE INTO sources ({columns}) VALUES ({placeholders})"
-        self._run(lambda db: db.execute(sql, values))
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute(sql, values)
+            if placed is not None:
+                db.execute("DELETE FROM placing WHERE dest = ?", (placed,))
+
+        self._run(write)
 
     def _run(self, operation: Callable[[sqlite3.Connection], T]) -> T:
         """Runs `operation` in a transaction; on corruption found mid-run, starts a fresh db and retries once."""

@@ -291,23 +291,23 @@ class Syncer:
     def _decide_and_convert(self, job: _Job, claim: claims.Claim | None) -> Outcome:
         watch, path, version, dest, base = job.watch, job.path, job.version, job.dest, job.base
         try:
-            decision = ownership.decide(
-                self.state, watch, path, version, dest, claim.published() if claim is not None else None
-            )
+            records = (claim.published(), claim.placing()) if claim is not None else (None, None)
+            decision = ownership.decide(self.state, watch, path, version, dest, *records)
             if decision.action is Action.IN_SYNC:
-                # another node's output, proven by its record: adopted without reading the source, quietly
+                # published by another node, or placed by this one before it was killed, as a record proves:
+                # adopted without reading the source, quietly
                 self.state.record(path, version, dest, status="in_sync")
-                log.debug("in_sync %s: %s published by another syncd, as its record shows", path, dest)
+                log.debug("in_sync %s: %s is its conversion, as syncd's record shows", path, dest)
                 return Outcome(Status.IN_SYNC)
             if decision.action is Action.SKIP:
                 return self._skipped(path, version, base, "destination exists (on_exists: skip)")
             if decision.action is Action.VERIFY:
-                result, decision = self._verify(watch, path, dest, job.from_format)
+                result, decision = self._verify(job, claim)
                 if result is None:
                     reason = "destination exists and is not this source's conversion (on_exists: skip)"
                     return self._skipped(path, version, base, reason)
             else:
-                result = self._run_engine(watch, path, dest, job.from_format, decision)
+                result = self._run_engine(job, decision, claim)
         except Exception as exc:
             return self._failed_or_later(path, version, exc, base, job.started, job.finished)
         updated = decision.action is Action.REPLACE
@@ -360,27 +360,24 @@ class Syncer:
             self.synclog.log(Status.SKIPPED, **base, reason=reason)
         return Outcome(Status.SKIPPED)
 
-    def _verify(
-        self, watch: Watch, path: Path, dest: Path, from_format: Format
-    ) -> tuple[ConvertResult | None, ownership.Decision]:
+    def _verify(self, job: _Job, claim: claims.Claim | None) -> tuple[ConvertResult | None, ownership.Decision]:
         """A destination that names this source but has no record of ours: converted without replacing
         anything, the publish compares bytes -- the same bytes are in sync (and from now on ours); other bytes
         make it someone else's file, which `on_exists` decides about (None: skip it). Returns the result and
         the decision it was published under."""
         create = ownership.Decision(Action.CREATE)
         try:
-            return self._run_engine(watch, path, dest, from_format, create), create
+            return self._run_engine(job, create, claim), create
         except ConflictError:
-            decision = ownership.someone_elses(watch, dest)
+            decision = ownership.someone_elses(job.watch, job.dest)
             if decision.action is Action.SKIP:
                 return None, decision
             if decision.action is not Action.OVERWRITE:
                 raise
-        return self._run_engine(watch, path, dest, from_format, decision), decision
+        return self._run_engine(job, decision, claim), decision
 
-    def _run_engine(
-        self, watch: Watch, path: Path, dest: Path, from_format: Format, decision: ownership.Decision
-    ) -> ConvertResult:
+    def _run_engine(self, job: _Job, decision: ownership.Decision, claim: claims.Claim | None) -> ConvertResult:
+        watch, path, dest = job.watch, job.path, job.dest
         if watch.mirror is not None:
             _make_mirror_dirs(watch, dest.parent)
         _check_inside(dest.parent, watch.mirror or watch.path)
@@ -388,7 +385,7 @@ class Syncer:
             ConvertRequest(
                 source=path,
                 dest=dest,
-                to_format=converts_to(from_format).name,
+                to_format=converts_to(job.from_format).name,
                 layout=watch.layout,
                 module_map=watch.module_map,
                 overwrite=decision.action is Action.OVERWRITE,
@@ -400,8 +397,26 @@ class Syncer:
                 shard_size=watch.shard_size,
                 hash_name=self.hash_name,
                 top_level_key=watch.top_level_key,
+                before_placing=lambda output: self._record_placing(job, output, claim),
             )
         )
+
+    def _record_placing(self, job: _Job, output: FileStamp, claim: claims.Claim | None) -> None:
+        """Record the output about to be put in place, in the state and in the claim (for the other nodes):
+        a daemon killed between placing it and recording the publish leaves a file no other record proves
+        syncd's, which every later save of the source would then leave alone as someone else's."""
+        self.state.record_placing(job.path, job.version, job.dest, output)
+        if claim is not None:
+            placing = claims.Published(
+                carry.file_label(job.path.name),
+                ownership.source_stamp(job.version),
+                (output.ino, output.size, output.mtime_ns, output.ctime_ns),
+                node=claims.this_node(),
+            )
+            try:
+                claim.record_placing(placing)
+            except OSError as exc:  # placed all the same: only a kill right after it would then cost a conversion
+                log.warning("%s: cannot record the output being placed at %s (%s)", claim.path, job.dest, exc.strerror)
 
     def _converted(
         self,

@@ -101,6 +101,10 @@ class ConvertRequest:
     hash_name: str = hashing.DEFAULT_HASH  # the source hash recorded: xxh3_128 | sha256
     verify: str = "fast"  # fast: checks taken while writing, table re-read; full: also every tensor re-read
     top_level_key: str | None = None  # a PyTorch checkpoint's key holding the tensors (Burn's with_top_level_key)
+    # called with the finished output's identity right before a single-file output is put in place (after
+    # its fsync and the source's last check); may raise to stop it. The daemon records it there, so that an
+    # output placed by a daemon killed before it could record the publish is still provably its own.
+    before_placing: Callable[[FileStamp], None] | None = None
 
 
 @dataclass
@@ -646,12 +650,19 @@ def _naming_file(exc: SyncdError, path: str) -> SyncdError:
 def _publish(scratch: Scratch, c: Conversion) -> PublishResult:
     """Publish the finished output; the source is proven unchanged as late as possible, right before the
     output is put in place (after its fsync)."""
+    told = c.request.before_placing
+
+    def before_placing() -> None:
+        c.source.check_unchanged()
+        if told is not None:
+            told(FileStamp.of_fd(scratch.fd))
+
     return publish(
         scratch,
         replace=c.request.overwrite,
         replace_if=c.request.replace_if,
         source=Path(c.source.path),
-        before_placing=c.source.check_unchanged,
+        before_placing=before_placing,
     )
 
 

@@ -1,0 +1,155 @@
+"""A daemon killed after putting an output in place and before recording the publish: the output is still
+provably syncd's, by the record made right before placing it (in the state, and in the claim for the other
+nodes), so the next save of the source updates it. Without that record the output was someone else's file
+to every later look, left alone for good (the kill -9 soak, tests/soak.py, found it).
+
+The daemon's decisions run in this process (syncd.daemon.sync.Syncer), on real files, a real state database
+and real claim files; the kill is a BaseException raised where the daemon records the publish, which nothing
+of syncd's catches, so that what it leaves on disk is what a SIGKILL at that step leaves."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_training_loop import checkpoint, conversion_of, write_file
+
+from syncd.daemon.claims import claim_path, try_claim
+from syncd.daemon.config import Watch
+from syncd.daemon.state import StateDB
+from syncd.daemon.statuses import Status
+from syncd.daemon.sync import Syncer
+from syncd.daemon.synclog import SyncLog
+from syncd.engine.hashing import DEFAULT_HASH
+
+
+class Killed(BaseException):
+    """The daemon's death at the step it is raised from."""
+
+
+class Node:
+    """One daemon's decisions, with its own state directory, over a watched tree."""
+
+    def __init__(self, root: Path, runs: Path, shared: bool) -> None:
+        self.state = StateDB(root / "state")
+        self.log = root / "sync.log.jsonl"
+        self.syncer = Syncer(self.state, SyncLog(self.log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+        self.watch = Watch(path=runs, direction="safetensors->bpk")
+        if shared:
+            self.syncer.shared = frozenset({runs})
+
+    def process(self, source: Path) -> Status | None:
+        return self.syncer.process(self.watch, source, closed=True).status
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def killed_at_the_record_of_the_publish(self, source: Path) -> None:
+        def record(*_args: object, **_kwargs: object) -> None:
+            raise Killed
+
+        self.state.record = record  # type: ignore[method-assign]
+        with pytest.raises(Killed):
+            self.process(source)
+        self.state.close()
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "runs"
+    path.mkdir()
+    yield path
+
+
+def save(path: Path, seed: int) -> bytes:
+    """A training loop's re-save: a new file renamed over the old name."""
+    data = checkpoint(seed, width=16)
+    write_file(path.with_name("incoming.partial"), data)
+    os.replace(path.with_name("incoming.partial"), path)
+    return data
+
+
+def killed_right_after_placing(tmp_path: Path, runs: Path, *, first: bool, shared: bool) -> tuple[Path, Path]:
+    """(the source, its output): the output of the source's latest save placed by a daemon that died before
+    recording it (`first`: its first conversion; else an update of an earlier, recorded one)."""
+    source, output = runs / "model.safetensors", runs / "model.bpk"
+    node = Node(tmp_path / "node-a", runs, shared)
+    if not first:
+        save(source, 1)
+        assert node.process(source) is Status.CONVERTED
+    data = save(source, 2)
+    node.killed_at_the_record_of_the_publish(source)
+    assert output.read_bytes() == conversion_of(data, source.name, tmp_path / "expected")  # placed
+    return source, output
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "shared"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-conversion", "update"])
+def test_the_next_save_updates_an_output_placed_by_a_daemon_killed_before_recording_it(
+    tmp_path: Path, runs: Path, first: bool, shared: bool
+) -> None:
+    source, output = killed_right_after_placing(tmp_path, runs, first=first, shared=shared)
+    data = save(source, 3)
+    node = Node(tmp_path / "node-a", runs, shared)  # the same daemon, restarted
+    assert node.process(source) is Status.UPDATED
+    assert output.read_bytes() == conversion_of(data, source.name, tmp_path / "expected")
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-conversion", "update"])
+def test_another_node_updates_an_output_placed_by_a_node_killed_before_recording_it(
+    tmp_path: Path, runs: Path, first: bool
+) -> None:
+    """The other node has no state of the dead one's: the record in the claim file proves the output."""
+    source, output = killed_right_after_placing(tmp_path, runs, first=first, shared=True)
+    data = save(source, 3)
+    node = Node(tmp_path / "node-b", runs, shared=True)
+    assert node.process(source) is Status.UPDATED
+    assert output.read_bytes() == conversion_of(data, source.name, tmp_path / "expected")
+
+
+@pytest.mark.parametrize("node", ["node-a", "node-b"], ids=["restarted", "another-node"])
+def test_an_output_placed_from_the_source_as_it_still_is_is_adopted_without_converting_again(
+    tmp_path: Path, runs: Path, node: str
+) -> None:
+    source, output = killed_right_after_placing(tmp_path, runs, first=False, shared=True)
+    placed = os.stat(output)
+    after = Node(tmp_path / node, runs, shared=True)
+    said = after.lines()
+    assert after.process(source) is Status.IN_SYNC
+    assert after.lines() == said  # adopted quietly: not converted again (a conversion says `in_sync`)
+    assert os.stat(output).st_ino == placed.st_ino
+    data = save(source, 3)  # and it stays syncd's to update
+    assert after.process(source) is Status.UPDATED
+    assert output.read_bytes() == conversion_of(data, source.name, tmp_path / "expected")
+
+
+@pytest.mark.parametrize("node", ["node-a", "node-b"], ids=["restarted", "another-node"])
+def test_an_output_placed_then_written_by_someone_else_is_left_alone(tmp_path: Path, runs: Path, node: str) -> None:
+    """Written over after it was placed (even with the same bytes: its mtime changed), the file proves
+    nothing any more: someone else's, which on_exists (skip) leaves as it is."""
+    source, output = killed_right_after_placing(tmp_path, runs, first=False, shared=True)
+    users = output.read_bytes()
+    write_file(output, users)
+    save(source, 3)
+    assert Node(tmp_path / node, runs, shared=True).process(source) is Status.SKIPPED
+    assert output.read_bytes() == users
+
+
+def test_a_claims_record_of_placing_keeps_the_last_publish_and_the_publish_replaces_both(tmp_path: Path) -> None:
+    from syncd.daemon.claims import Published
+
+    dest = tmp_path / "model.bpk"
+    last = Published("model.safetensors", (1, 2, 3, 4), (5, 6, 7, 8), node="a")
+    placing = Published("model.safetensors", (11, 12, 13, 14), (15, 16, 17, 18), node="a-long-host-name" * 4)
+    now = Published("model.safetensors", (11, 12, 13, 14), (15, 16, 17, 19), node="a")
+    claim = try_claim(dest)
+    assert claim is not None
+    with claim:
+        claim.record(last)
+        claim.record_placing(placing)
+        assert (claim.published(), claim.placing()) == (last, placing)
+        claim.record(now)  # shorter than what it replaces: padded, never truncated first
+        assert (claim.published(), claim.placing()) == (now, None)
+    assert claim_path(dest).stat().st_size > len(now.to_bytes())
