@@ -529,6 +529,8 @@ def test_a_piece_placed_wrong_in_the_strip_buffer_is_caught(
 
 
 def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> None:
+    """A change of the source, not a bad file: it held these bytes when it was opened (a training loop
+    saving again over the same name truncates it first); the daemon looks again once it is quiet."""
     source = _source(tmp_path)
 
     def truncated(fd: int, buf: memoryview, offset: int) -> int:
@@ -537,7 +539,12 @@ def test_a_source_truncated_while_it_is_converted_is_caught(tmp_path: Path) -> N
         return os.preadv(fd, [buf], offset)
 
     assert_pass_fails(
-        source, tmp_path, FormatError, "truncated while it was being converted", block_bytes=4096, seam=Seam(truncated)
+        source,
+        tmp_path,
+        SourceChangedError,
+        "truncated while it was being converted; nothing was published",
+        block_bytes=4096,
+        seam=Seam(truncated),
     )
 
 

@@ -509,7 +509,7 @@ class OnePass:
             except OSError as exc:
                 raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
             if n == 0:
-                raise FormatError("file truncated while it was being converted", self.src_path)
+                raise source_changed(self.src_path, "truncated")  # it held these bytes when opened
             done += n
 
     def _hash_only(self, slot: _Slot, start: int, end: int) -> None:
@@ -710,7 +710,7 @@ class OnePass:
         except OSError as exc:
             raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
         if done < count * segment:
-            raise FormatError("file truncated while it was being converted", self.src_path)
+            raise source_changed(self.src_path, "truncated")  # it held these bytes when opened
 
     def _read_rows(self, slot: _Slot, group: _Strip, lo: int, hi: int, start: int, row_bytes: int) -> None:
         """`_read_pieces` by whole rows (rows lo:hi from `start` on), a block of them per read, each row's piece
