@@ -130,6 +130,7 @@ SWEEP_TYPES = (
     "poolformer",
     "wav2vec2",
     "hubert",
+    "esm",  # save_pretrained writes its LayerNorms' gamma/beta
 )
 
 # The model class built for a type: its sequence-to-sequence or language-model head where it has one, else its

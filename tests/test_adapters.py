@@ -318,6 +318,34 @@ def test_instance_norm_with_running_stats_drops_them_going_to_burn() -> None:
     assert renamed(plan) == {"1.weight": "1.gamma", "1.bias": "1.beta"}
 
 
+def bert_like(norm: str, layout: str) -> list[TensorRef]:
+    """A dense layer [32 -> 48] with its bias and a norm over 48 named gamma/beta, in `layout`."""
+    weight = (48, 32) if layout == "pytorch" else (32, 48)
+    return [
+        TensorRef("enc.dense.weight", "F32", weight),
+        TensorRef("enc.dense.bias", "F32", (48,)),
+        TensorRef(f"enc.{norm}.gamma", "F32", (48,)),
+        TensorRef(f"enc.{norm}.beta", "F32", (48,)),
+    ]
+
+
+def test_gamma_and_beta_of_a_module_named_LayerNorm_show_no_layout() -> None:
+    """transformers' BERT-era PyTorch files spell them so (and save_pretrained writes ESM's so): the file's
+    other evidence decides, and going to Burn the names are already Burn's."""
+    to_burn = plan_conversion(bert_like("LayerNorm", "pytorch"), to_layout="burn")
+    assert to_burn.source_layout == "pytorch"
+    assert transposed(to_burn) == {"enc.dense.weight"} and renamed(to_burn) == {}
+    to_pytorch = plan_conversion(bert_like("LayerNorm", "burn"), to_layout="pytorch")
+    assert to_pytorch.source_layout == "burn" and transposed(to_pytorch) == {"enc.dense.weight"}
+    names = {"enc.LayerNorm.gamma": "enc.LayerNorm.weight", "enc.LayerNorm.beta": "enc.LayerNorm.bias"}
+    assert renamed(to_pytorch) == names
+
+
+def test_gamma_and_beta_of_a_norm_named_otherwise_still_show_burn_layout() -> None:
+    with pytest.raises(AmbiguousLayoutError, match=r"pytorch from enc.dense; burn from enc.norm\)"):
+        plan_conversion(bert_like("norm", "pytorch"), to_layout="burn")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # conflicts, contradictions, refusals
 

@@ -48,6 +48,11 @@ from syncd.errors import ConfigError, UnsupportedError
 RUNNING_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 PYTORCH_AFFINE = frozenset({"weight", "bias"})
 BURN_AFFINE = frozenset({"gamma", "beta"})
+# A module named `LayerNorm` holding gamma/beta says nothing of the layout: PyTorch files of transformers'
+# BERT-era families spell them so (its loader renames `LayerNorm.gamma`/`.beta` to weight/bias, and since
+# transformers 5 save_pretrained writes ESM's so), and a Burn file converted from such a model keeps the
+# module's name (docs/burn-adapters.md#norms).
+HF_LEGACY_NORM = "LayerNorm"
 ADAPTABLE_LEAVES = PYTORCH_AFFINE | BURN_AFFINE | RUNNING_STATS | {"alpha"}
 
 # Which leaves each mapped kind may hold (either side's names), docs/burn-adapters.md#module-kinds.
@@ -483,7 +488,10 @@ def _all_vectors(module: Module) -> bool:
 def layout_evidence(module: Module, kind: ModuleKind) -> list[Evidence]:
     """Names are strong evidence; "a bias matches dim N" is weak: names and metadata outrank it."""
     if kind.kind in NORM_KINDS or kind.kind == PRELU:  # (a side's names once each: one reason per side)
-        return [_evidence((module.path, side, reason, True)) for side, reason in _names_shown(frozenset(module.params))]
+        leaves = frozenset(module.params)
+        if module.path.rpartition(".")[2] == HF_LEGACY_NORM:
+            leaves -= BURN_AFFINE
+        return [_evidence((module.path, side, reason, True)) for side, reason in _names_shown(leaves)]
     found: dict[tuple[str, bool], list[str]] = {}
     if kind.kind == LINEAR:
         _linear_evidence(module, found)
