@@ -204,6 +204,8 @@ def is_norm(module: nn.Module) -> bool:
     (and a bias): Burn's ports use their RmsNorm / LayerNorm for these."""
     if isinstance(module, TORCH_NORMS):
         return True
+    if isinstance(module, nn.Embedding | nn.Linear):  # a subclass named so (InklingNormedEmbedding) is no norm
+        return False
     own = {name for name, _ in module.named_parameters(recurse=False)}
     return "norm" in type(module).__name__.lower() and own in ({"weight"}, {"weight", "bias"})
 
