@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from syncd.adapters import ModuleMap
+from syncd.daemon.service import SHARD_SIZE_UNAPPLIED
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
 from syncd.engine.hashing import SOURCE_HASH_KEYS
 from syncd.errors import SyncdError
@@ -555,6 +556,25 @@ def test_daemon_applies_a_watchs_store_settings(saves: dict[str, Path], tmp_path
         assert {dtype for dtype, _, _ in converted.values()} == {"BF16"}
         record = run.statuses("converted", index)[0]
         assert "left out by the tensor filter: lm_head.weight" in record["layout"]
+
+
+@pytest.mark.daemon
+def test_a_watchs_shard_size_is_said_not_to_be_applied_and_one_file_is_written(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """The daemon cannot yet keep a set it published up to date across saves: it writes one file, and says
+    so at start (not silently)."""
+    bpk = single_bpk(saves, tmp_path)
+    watch = {"path": "runs", "direction": "bpk->safetensors", "shard_size": "1MB"}
+    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        shutil.copy(bpk, runs / "model.bpk.part")
+        os.rename(runs / "model.bpk.part", runs / "model.bpk")
+        run.wait_for("converted", [runs / "model.bpk"])
+        warned = [r for r in run.records() if r["status"] == "warning"]
+        assert [(r["watch"], r["reason"]) for r in warned] == [(str(runs), SHARD_SIZE_UNAPPLIED)], run.log_text()
+        assert sorted(p.name for p in runs.iterdir()) == ["model.bpk", "model.safetensors"]
 
 
 def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
