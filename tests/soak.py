@@ -4,6 +4,8 @@ exactly one output, equal to its conversion, and no scratch file may be left any
 
     .venv/bin/python tests/soak.py                 # 30 kills (a few minutes)
     .venv/bin/python tests/soak.py --kills 200 --seed 7
+    .venv/bin/python tests/soak.py --shared --lose-state   # claims as on a shared filesystem; each restart
+                                                           # without the state, as another node would be
 
 Prints one line per kill and a verdict; exits 1 on the first broken property.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -68,13 +71,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--shared", action="store_true", help="the watch is shared: outputs are claimed")
+    parser.add_argument("--lose-state", action="store_true", help="wipe the state directory at every restart")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="syncd-soak-"))
     versions: dict[str, int] = {}
-    with DaemonRun(root / "d", [{"path": "runs", "direction": "safetensors->bpk"}]) as run:
+    settings = {"cluster": {"shared": True, "poll_interval": 0.5}} if args.shared else {}
+    with DaemonRun(root / "d", [{"path": "runs", "direction": "safetensors->bpk"}], **settings) as run:
         runs = run.watch_dir()
         for kill in range(1, args.kills + 1):
+            if args.lose_state:
+                shutil.rmtree(run.state_dir, ignore_errors=True)
             run.start()
             stream(runs, rng, versions, rng.uniform(0.5, 2.5))
             run.send(signal.SIGKILL)
