@@ -131,6 +131,7 @@ SWEEP_TYPES = (
     "wav2vec2",
     "hubert",
     "esm",  # save_pretrained writes its LayerNorms' gamma/beta
+    "siglip",  # its vision head holds a torch nn.MultiheadAttention (in_proj packed)
 )
 
 # The model class built for a type: its sequence-to-sequence or language-model head where it has one, else its
@@ -221,6 +222,10 @@ def expected_burn(
         owner_path = owners.get(name, name).rpartition(".")[0]
         module = model.get_submodule(owner_path) if owner_path else model
         burn_name = name
+        attention = _attention_owning(model, owner_path)
+        if attention is not None:
+            expected.update(_burn_attention(attention[0], attention[1], name, shape, data))
+            continue
         if isinstance(module, nn.Linear) and leaf == "weight":
             shape, data = shape[::-1], _transposed(data, shape)
         elif is_norm(module) and leaf in ("weight", "bias"):
@@ -232,6 +237,40 @@ def expected_burn(
         # nn.Embedding, convolutions, transformers' Conv1D (already [in, out]) and every other type: as stored
         expected[burn_name] = (shape, data)
     return expected
+
+
+def _attention_owning(model: nn.Module, owner_path: str) -> tuple[str, nn.MultiheadAttention] | None:
+    """(its path, the module) if the tensor's owner is an nn.MultiheadAttention or its out_proj."""
+    for path in (owner_path, owner_path.rpartition(".")[0] if owner_path.endswith("out_proj") else None):
+        if path is not None:
+            module = model.get_submodule(path) if path else model
+            if isinstance(module, nn.MultiheadAttention):
+                return path, module
+    return None
+
+
+def _burn_attention(
+    path: str, module: nn.MultiheadAttention, name: str, shape: tuple[int, ...], data: bytes
+) -> dict[str, tuple[tuple[int, ...], bytes]]:
+    """Burn's MultiHeadAttention (attention/mha.rs): in_proj's rows q, k, v become the Linears query, key and
+    value, out_proj the Linear output; each Linear's weight transposed (docs/burn-adapters.md#packed-modules)."""
+    prefix = f"{path}." if path else ""
+    leaf: str = name[len(prefix) :]
+    if leaf.startswith("out_proj."):
+        part = leaf.removeprefix("out_proj.")
+        return {
+            f"{prefix}output.{part}": (shape[::-1], _transposed(data, shape)) if part == "weight" else (shape, data)
+        }
+    rows = module.embed_dim
+    width = len(data) // shape[0]  # bytes per row of in_proj (a bias row is one element)
+    split: dict[str, tuple[tuple[int, ...], bytes]] = {}
+    for i, target in enumerate(("query", "key", "value")):
+        chunk = data[i * rows * width : (i + 1) * rows * width]
+        if leaf == "in_proj_weight":
+            split[f"{prefix}{target}.weight"] = ((shape[1], rows), _transposed(chunk, (rows, shape[1])))
+        else:
+            split[f"{prefix}{target}.bias"] = ((rows,), chunk)
+    return split
 
 
 def _transposed(data: bytes, shape: tuple[int, ...]) -> bytes:

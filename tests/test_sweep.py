@@ -20,7 +20,7 @@ from conftest import REPO
 from convcheck import hiding, read_bpk, read_safetensors
 from hfsweep import SWEEP_TYPES, build, expected_burn, save
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch]  # builds and saves 53 models (~1.5 min)
+pytestmark = [pytest.mark.slow, pytest.mark.torch]  # builds and saves 54 models (~1.5 min)
 
 # One interpreter runs the CLI's own `main` once per command line (as `syncd ARGS` each): a real process with
 # its own imports, paying Python's and transformers' start-up once, not per model.
