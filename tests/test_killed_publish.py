@@ -9,6 +9,7 @@ of syncd's catches, so that what it leaves on disk is what a SIGKILL at that ste
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from test_training_loop import checkpoint, conversion_of, write_file
 
 from syncd.daemon.claims import claim_path, try_claim
 from syncd.daemon.config import Watch
+from syncd.daemon.ownership import PLACED_UNRECORDED
 from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
@@ -116,9 +118,11 @@ def test_an_output_placed_from_the_source_as_it_still_is_is_adopted_without_conv
     source, output = killed_right_after_placing(tmp_path, runs, first=False, shared=True)
     placed = os.stat(output)
     after = Node(tmp_path / node, runs, shared=True)
-    said = after.lines()
+    said = len(after.lines())
     assert after.process(source) is Status.IN_SYNC
-    assert after.lines() == said  # adopted quietly: not converted again (a conversion says `in_sync`)
+    # not converted again (a conversion's line gives its tensors); what the dead daemon never said is said now
+    adopted = [json.loads(line) for line in after.lines()[said:]]
+    assert [(r["status"], r["reason"], "tensors" in r) for r in adopted] == [("in_sync", PLACED_UNRECORDED, False)]
     assert os.stat(output).st_ino == placed.st_ino
     data = save(source, 3)  # and it stays syncd's to update
     assert after.process(source) is Status.UPDATED

@@ -70,6 +70,7 @@ class Action(StrEnum):
 class Decision:
     action: Action
     replace_if: FileStamp | None = None  # for REPLACE: the identity of our output being replaced
+    said: str | None = None  # for IN_SYNC: why, when it is worth a line in the sync log
 
 
 def decide(
@@ -101,17 +102,23 @@ def decide(
     placed = placed_by_this_daemon(state, source, dest, root)
     if placed is not None:
         placed_version, identity = placed
-        return Decision(Action.IN_SYNC) if not placed_version.changed(version) else Decision(Action.REPLACE, identity)
+        if not placed_version.changed(version):
+            return Decision(Action.IN_SYNC, said=PLACED_UNRECORDED)
+        return Decision(Action.REPLACE, identity)
     for record, placed_only in ((published, False), (placing, True)):
         if record is not None:
             proven = published_by_syncd(record, source, dest, placed_only=placed_only)
             if proven is not None:
-                if record.source_stamp == source_stamp(version):
-                    return Decision(Action.IN_SYNC)
+                if record.source_stamp == source_stamp(version):  # (the publisher logged it, unless it died first)
+                    return Decision(Action.IN_SYNC, said=PLACED_UNRECORDED if placed_only else None)
                 return Decision(Action.REPLACE, proven)
     if names_source(dest, source, root):
         return Decision(Action.VERIFY)
     return someone_elses(watch, dest)
+
+
+# the line for an output a daemon put in place and was stopped before it could record (or log) the publish
+PLACED_UNRECORDED = "published by a syncd stopped before it could record the publish: recorded now"
 
 
 def source_stamp(version: FileStamp) -> Stamp:

@@ -297,7 +297,10 @@ class Syncer:
                 # published by another node, or placed by this one before it was killed, as a record proves:
                 # adopted without reading the source, quietly
                 self.state.record(path, version, dest, status="in_sync")
-                log.debug("in_sync %s: %s is its conversion, as syncd's record shows", path, dest)
+                if decision.said is not None:  # a publish whose publisher died before logging it: said now
+                    self.synclog.log(Status.IN_SYNC, **base, reason=decision.said)
+                else:
+                    log.debug("in_sync %s: %s is its conversion, as syncd's record shows", path, dest)
                 return Outcome(Status.IN_SYNC)
             if decision.action is Action.SKIP:
                 return self._skipped(path, version, base, "destination exists (on_exists: skip)")
