@@ -15,7 +15,13 @@ import torch
 from daemonutil import DaemonRun, scratch_files
 from safetensors.torch import load_file, save_file
 
+from syncd.daemon.config import Watch
+from syncd.daemon.state import StateDB
+from syncd.daemon.statuses import Status
+from syncd.daemon.sync import Syncer
+from syncd.daemon.synclog import SyncLog
 from syncd.engine.convert import ConvertRequest, convert
+from syncd.engine.hashing import DEFAULT_HASH
 from syncd.errors import SyncdError, VerificationError
 
 pytestmark = pytest.mark.torch
@@ -187,3 +193,27 @@ def test_an_index_is_parsed_once_per_version_not_on_every_event_beside_it(
     # the index read when it is first asked about and when it is converted (refused), the interpreter's own
     # files besides (93 MiB in all when measured); not once per event (663 MiB before)
     assert read < 5 * index.stat().st_size, f"{read >> 20} MiB read for a {index.stat().st_size >> 20} MiB index"
+
+
+def test_a_file_saved_again_while_it_is_read_is_looked_at_later_not_refused(tmp_path: Path) -> None:
+    """A training loop saving again over the same name while the daemon reads the previous save (whose close
+    it saw): what is read is neither version, and the error says nothing about the file now there. Only that
+    version, once looked at, is refused if it is bad. The daemon's decisions run in this process; the save
+    comes between the daemon's look at the file and the conversion opening it (its progress seam)."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    source = runs / "model.safetensors"
+    save_file(_state(1), source)
+    syncer = Syncer(StateDB(tmp_path / "state"), SyncLog(tmp_path / "sync.log.jsonl"), 0.0, DEFAULT_HASH)
+    watch = Watch(path=runs, direction="safetensors->bpk")
+
+    def saved_again(path: Path) -> None:
+        path.write_bytes(b"{not a checkpoint, and not the file the daemon looked at}")
+        syncer.progress_for = lambda _path: None
+
+    syncer.progress_for = saved_again
+    outcome = syncer.process(watch, source, closed=True)
+    assert (outcome.status, outcome.retry_in is not None) == (None, True)
+    assert not (tmp_path / "sync.log.jsonl").exists() or "refused" not in (tmp_path / "sync.log.jsonl").read_text()
+    assert syncer.process(watch, source, closed=True).status is Status.REFUSED  # the version there now is bad
+    assert not source.with_suffix(".bpk").exists()

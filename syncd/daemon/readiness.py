@@ -136,6 +136,11 @@ class Readiness:
             if wait is not None:
                 return NotYet(wait, f"{path} is not complete yet, looking again in {wait:.2f} s: {exc}")
         content_error = isinstance(exc, FormatError) and exc.kind == "input"
+        if content_error and changed_since(path, version):
+            # read while it was being saved again (a close seen is the previous save's): the error says
+            # nothing about the version there now, which is looked at once it is quiet
+            why = f"{path} changed while it was being read, looking again once it is quiet: {one_line(exc)}"
+            return NotYet(self.busy_retry if os.path.lexists(path) else None, why, logging.INFO)
         if content_error and not finished and recently_changed(version):
             return NotYet(self.busy_retry, f"{path} does not read yet, looking again later: {exc}")
         return None
@@ -193,6 +198,14 @@ def open_for_writing(path: Path) -> bool | None:
 def anyone_writing(paths: list[Path]) -> bool:
     """True if some process has any of `paths` (those that exist) open for writing."""
     return any(open_for_writing(p) for p in paths if os.path.lexists(p))
+
+
+def changed_since(path: Path, version: FileStamp) -> bool:
+    """`path` is no longer the file as stamped in `version` (written, replaced or removed since)."""
+    try:
+        return version.changed(FileStamp.of_path(path, follow_symlinks=False))
+    except OSError:
+        return True
 
 
 def recently_changed(version: FileStamp) -> bool:
