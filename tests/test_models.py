@@ -10,6 +10,7 @@ bit.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from torch import nn
 
 from syncd.adapters import FileContext, LayoutAmbiguityError, ModuleMap, TensorRef, plan_conversion
 from syncd.engine.convert import ConvertRequest, convert
+from syncd.engine.definition import module_budget
 from syncd.errors import UnsupportedError
 
 pytestmark = pytest.mark.torch
@@ -392,6 +394,25 @@ def test_gpt2_conv1d_is_kept_and_the_decisions_name_their_sources(tmp_path: Path
             )
         c_fc = model.transformer.h[0].mlp.c_fc.weight
         assert read_bpk(tmp_path / "model.bpk").tensors["transformer.h.0.mlp.c_fc.weight"].shape == tuple(c_fc.shape)
+
+
+def test_a_config_describing_a_huge_model_is_not_built_past_what_the_checkpoint_holds(tmp_path: Path) -> None:
+    """config.json lies in a watched directory: one claiming 100,000 layers would take minutes and gigabytes to
+    build even on the meta device (10,000 took a minute and 1.1 GiB). The build stops at the module budget
+    the checkpoint's tensor count allows, and the other evidence decides, as for a model it cannot build."""
+    honest, hostile = tmp_path / "honest", tmp_path / "hostile"
+    _bert().save_pretrained(honest)
+    shutil.copytree(honest, hostile)
+    config = json.loads((hostile / "config.json").read_text())
+    (hostile / "config.json").write_text(json.dumps({**config, "num_hidden_layers": LAYERS}))
+    expected = convert(ConvertRequest(source=honest / "model.safetensors"))
+    result = convert(ConvertRequest(source=hostile / "model.safetensors"))
+    budget = module_budget(expected.tensors)
+    assert f"model definition not used: config.json describes a model of more than {budget} modules" in result.decisions
+    assert read_bpk(hostile / "model.bpk").tensors == read_bpk(honest / "model.bpk").tensors
+
+
+LAYERS = 100_000
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ def gather_context(
     recorded_layout: str | None,
     recorded_kinds: dict[str, str],
     map_states_every_module: bool = False,
+    tensor_count: int | None = None,
 ) -> FileContext:
     """`map_states_every_module`: the user's module map has a rule for every module of the checkpoint, so the
     model's definition, the evidence after the map, could decide nothing: it is not built (building it imports
@@ -37,7 +38,7 @@ def gather_context(
     definition: ModelDefinition | None = None
     definition_note: str | None = "model definition not built: the module map states every module"
     if not (map_states_every_module and config is not None):
-        definition, definition_note = definition_for(config)
+        definition, definition_note = definition_for(config, tensor_count)
     return FileContext(
         metadata=dict(metadata),
         recorded_layout=recorded_layout,

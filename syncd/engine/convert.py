@@ -301,7 +301,9 @@ def _adapt(
         refs, real = undo_renames([tensor_ref((t.name, t.dtype, t.shape)) for t in source.tensors], carried.renames)
         # our own record of what we wrote, the file's metadata and the config.json beside it
         mapped = states_every_module(request.module_map, (ref.name for ref in refs))
-        context = gather_context(source.path, source.header.metadata, carried.layout, carried.kinds, mapped)
+        context = gather_context(
+            source.path, source.header.metadata, carried.layout, carried.kinds, mapped, len(source.tensors)
+        )
         adapted = plan_conversion(
             refs,
             to_layout=to_layout,

@@ -19,10 +19,13 @@ conventions decide as before. Built once per distinct config (the daemon convert
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from syncd.adapters import ModelDefinition
@@ -45,20 +48,36 @@ from syncd.adapters.model import (
 
 _CACHE_SIZE = 16  # distinct configs whose tables are kept (a daemon watches a few models)
 
+# A config.json lies in a watched directory: one saying 10,000 layers took a minute and 1.1 GiB to build, even
+# on the meta device (about 1 ms per module). A model of far more modules than the checkpoint has tensors is
+# not this checkpoint's, so the build stops there: at most this many modules per tensor, plus an allowance.
+MODULES_PER_TENSOR = 8
+MODULE_ALLOWANCE = 1000
+MAX_TENSORS = 100_000  # the most a checkpoint syncd reads may hold (Burn's reader limit)
 
-def definition_for(config: dict[str, Any] | None) -> tuple[ModelDefinition | None, str | None]:
-    """(the module kinds of the model `config` describes, or None; a note when it could not be used)."""
+
+def module_budget(tensor_count: int | None) -> int:
+    """The most modules built for a checkpoint of `tensor_count` tensors (None: any checkpoint)."""
+    tensors = MAX_TENSORS if tensor_count is None else min(tensor_count, MAX_TENSORS)
+    return MODULES_PER_TENSOR * tensors + MODULE_ALLOWANCE
+
+
+def definition_for(
+    config: dict[str, Any] | None, tensor_count: int | None = None
+) -> tuple[ModelDefinition | None, str | None]:
+    """(the module kinds of the model `config` describes, or None; a note when it could not be used).
+    `tensor_count`: the checkpoint's, which bounds the model built (`module_budget`)."""
     if not config or os.environ.get("SYNCD_NO_MODEL_DEFINITION"):
         return None, None
     try:
         key = json.dumps(config, sort_keys=True)
     except (TypeError, ValueError):
         return None, "model definition not used: config.json holds values JSON cannot hold again"
-    return _cached_definition(key)
+    return _cached_definition(key, module_budget(tensor_count))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _cached_definition(config_json: str) -> tuple[ModelDefinition | None, str | None]:
+def _cached_definition(config_json: str, budget: int) -> tuple[ModelDefinition | None, str | None]:
     try:  # transformers first: without it, torch is not worth its import time here
         import transformers
     except ImportError:
@@ -69,7 +88,10 @@ def _cached_definition(config_json: str) -> tuple[ModelDefinition | None, str | 
         return None, "model definition not used: transformers is not installed (pip install 'syncd[transformers]')"
     config = json.loads(config_json)
     try:
-        model, class_name = _build_on_meta(transformers, torch, config)
+        with _at_most(budget, torch):
+            model, class_name = _build_on_meta(transformers, torch, config)
+    except _TooManyModules:
+        return None, f"model definition not used: config.json describes a model of more than {budget} modules"
     except Exception as exc:  # a class transformers cannot build here: the other evidence decides
         text = " ".join(str(exc).split())[:160] or type(exc).__name__
         return None, f"model definition not used: transformers cannot build it ({text})"
@@ -100,6 +122,46 @@ def _build_on_meta(transformers: Any, torch: Any, config: dict[str, Any]) -> tup
             return model_class(auto_config), model_class.__name__
         model = transformers.AutoModel.from_config(auto_config)
         return model, type(model).__name__
+
+
+class _TooManyModules(Exception):
+    pass
+
+
+_building = threading.local()  # the modules the build in this thread may still register
+_hook_lock = threading.Lock()
+_hook_registered = False
+
+
+@contextlib.contextmanager
+def _at_most(budget: int, torch: Any) -> Iterator[None]:
+    """Stop a build in this thread (raising _TooManyModules) once it registers more than `budget` modules:
+    counted by a global module-registration hook of torch, registered once, which counts only in a thread
+    that is building here."""
+    _register_hook(torch)
+    _building.left = budget
+    try:
+        yield
+    finally:
+        _building.left = None
+
+
+def _register_hook(torch: Any) -> None:
+    global _hook_registered
+    with _hook_lock:
+        if not _hook_registered:
+            torch.nn.modules.module.register_module_module_registration_hook(_count_module)
+            _hook_registered = True
+
+
+def _count_module(_parent: Any, _name: str, _module: Any) -> None:
+    left = getattr(_building, "left", None)
+    if left is None:
+        return None
+    if left <= 0:
+        raise _TooManyModules
+    _building.left = left - 1
+    return None
 
 
 def _is_model_class(found: Any) -> bool:
