@@ -27,6 +27,7 @@ from syncd.adapters import (
     apply_plan,
     plan_conversion,
 )
+from syncd.adapters.plan import collapse_by_index
 from syncd.errors import AmbiguousLayoutError, ConfigError, SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import SAFETENSORS_TO_DTYPE
 
@@ -344,6 +345,25 @@ def test_gamma_and_beta_of_a_module_named_LayerNorm_show_no_layout() -> None:
 def test_gamma_and_beta_of_a_norm_named_otherwise_still_show_burn_layout() -> None:
     with pytest.raises(AmbiguousLayoutError, match=r"pytorch from enc.dense; burn from enc.norm\)"):
         plan_conversion(bert_like("norm", "pytorch"), to_layout="burn")
+
+
+def test_modules_differing_in_one_index_and_decided_alike_share_one_decision_line() -> None:
+    linear, norm = "Linear (shapes) -> transpose", "RmsNorm (names) -> rename weight->gamma"
+    lines = [("embed", "Embedding -> unchanged")]
+    lines += [(f"layers.{i}.q", linear) for i in (0, 1, 10, 11, 2, 3, 5)]  # in name order, as planned
+    lines += [(f"layers.{i}.norm", norm) for i in range(3)] + [("layers.4.q", "Linear (module map) -> transpose")]
+    lines += [("head.0", linear), ("blocks.0.1.conv", linear), ("blocks.0.2.conv", linear), ("v.01", linear)]
+    assert collapse_by_index(lines) == [
+        "embed: Embedding -> unchanged",
+        f"layers.{{0..3,5,10,11}}.q: {linear}",  # runs of three or more as ranges
+        f"layers.{{0..2}}.norm: {norm}",
+        "layers.4.q: Linear (module map) -> transpose",  # decided otherwise: a line of its own
+        f"head.0: {linear}",  # alone in its group: as it was
+        f"blocks.0.1.conv: {linear}",  # two index segments: not collapsed
+        f"blocks.0.2.conv: {linear}",
+        f"v.01: {linear}",  # a leading zero: a name, not an index
+    ]
+    assert collapse_by_index([("a.0", "x"), ("a.1", "x")]) == ["a.{0,1}: x"]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class AdapterPlan:
     dropped: list[str]  # source tensors with no slot on the target side; the converter carries them in metadata
     source_layout: str  # "pytorch" | "burn" | "neutral" (nothing layout-dependent) | "keep"
     target_layout: str  # "pytorch" | "burn" | "keep"
-    decisions: list[str]  # human lines: the file's layout first, then one line per module
+    decisions: list[str]  # human lines: the file's layout first, then one per module (layers decided alike: one)
     kinds: dict[str, str] = field(default_factory=dict)  # module path -> kind ("" is the root module)
     packed: frozenset[str] = frozenset()  # source tensors of packed MHA/RNN modules (all Linears in Burn)
     # what a user must see even without -v (also among `decisions`): kinds taken on a naming convention alone,

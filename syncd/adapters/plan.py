@@ -120,11 +120,13 @@ def plan_conversion(
         decisions.append(table_note)
     if not converting:
         decisions.append(f"nothing to adapt: identity plan ({_why_identity(source, to_layout)})")
+    module_lines = []
     for module, kind in classified:
         module_steps, action = _module_steps(module, kind, to_layout) if converting else ({}, "unchanged")
         steps.update(module_steps)
         if module.params:
-            decisions.append(f"{module.label}: {_kind_label(kind)} ({kind.reason}) -> {action}")
+            module_lines.append((module.label, f"{_kind_label(kind)} ({kind.reason}) -> {action}"))
+    decisions += collapse_by_index(module_lines)
     by_convention = [kind for _, kind in classified if kind.by == BY_NAME and kind.kind != UNKNOWN]
     guessed = _convention_note(by_convention)
     joined = _packed_steps(packed, converting, decisions)
@@ -140,6 +142,50 @@ def plan_conversion(
         plan.notes.append(guessed)
         plan.guessed = {kind.path: f"{kind.kind}: {kind.reason}" for kind in by_convention}
     return plan
+
+
+def collapse_by_index(lines: list[tuple[str, str]]) -> list[str]:
+    """`path: decision` lines, one per module, except that modules whose paths differ in one index segment
+    only and whose decisions read the same share one line, `layers.{0..31}.mlp.up: ...`, where the first of
+    them stood: a 32-layer model's 300 lines are a dozen, in `-v` and in every sync log record."""
+    groups: dict[tuple[str, str, bool], list[int]] = {}
+    for label, text in lines:
+        template, index = _index_template(label)
+        groups.setdefault((template, text, index is not None), []).append(0 if index is None else index)
+    out = []
+    for (template, text, indexed), indices in groups.items():
+        if not indexed:
+            out += [f"{template}: {text}"] * len(indices)
+        elif len(indices) == 1:
+            out.append(f"{template.replace('{}', str(indices[0]))}: {text}")
+        else:
+            out.append(f"{template.replace('{}', _index_set(indices))}: {text}")
+    return out
+
+
+def _index_template(label: str) -> tuple[str, int | None]:
+    """(`label` with its one index segment as `{}`, that index), or (label, None) without exactly one (an
+    index is a segment of digits without a leading zero: `01` is a name, not the number 1)."""
+    parts = label.split(".")
+    where = [i for i, part in enumerate(parts) if part.isascii() and part.isdigit() and (part == "0" or part[0] != "0")]
+    if len(where) != 1 or "{" in label or "}" in label:
+        return label, None
+    index = int(parts[where[0]])
+    parts[where[0]] = "{}"
+    return ".".join(parts), index
+
+
+def _index_set(indices: list[int]) -> str:
+    """`{0..31}`, `{0,2,4}`, `{0..3,8..11}`: the indices in order, runs of three or more as ranges."""
+    ordered = sorted(set(indices))
+    runs: list[list[int]] = []
+    for index in ordered:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    text = [f"{run[0]}..{run[-1]}" if len(run) >= 3 else ",".join(map(str, run)) for run in runs]
+    return "{" + ",".join(text) + "}"
 
 
 def _vocab_size(config: dict[str, object] | None) -> int | None:
