@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -166,13 +167,14 @@ def collapse_by_index(lines: list[tuple[str, str]]) -> list[str]:
 def _index_template(label: str) -> tuple[str, int | None]:
     """(`label` with its one index segment as `{}`, that index), or (label, None) without exactly one (an
     index is a segment of digits without a leading zero: `01` is a name, not the number 1)."""
-    parts = label.split(".")
-    where = [i for i, part in enumerate(parts) if part.isascii() and part.isdigit() and (part == "0" or part[0] != "0")]
-    if len(where) != 1 or "{" in label or "}" in label:
+    found = _INDEX_SEGMENT.findall(label)
+    if len(found) != 1 or "{" in label or "}" in label:
         return label, None
-    index = int(parts[where[0]])
-    parts[where[0]] = "{}"
-    return ".".join(parts), index
+    return _INDEX_SEGMENT.sub("{}", label), int(found[0])
+
+
+# a whole dot-separated segment of ASCII digits without a leading zero
+_INDEX_SEGMENT = re.compile(r"(?<![^.])(0|[1-9][0-9]*)(?![^.])", re.ASCII)
 
 
 def _index_set(indices: list[int]) -> str:
