@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -180,6 +181,8 @@ def _saved_module_kinds(model: Any, torch: Any) -> dict[str, str]:
         owner = original.rpartition(".")[0]
         if owner in own:
             kinds.setdefault(saved.rpartition(".")[0], own[owner])
+    for path in _split_expert_linears(model, torch, own):
+        kinds.setdefault(path, LINEAR)
     prefix = getattr(model, "base_model_prefix", "") or ""
     if prefix and hasattr(model, prefix):  # the base model saved alone drops its prefix, and the reverse
         for path, kind in list(kinds.items()):
@@ -200,6 +203,51 @@ def _saved_names(model: Any) -> dict[str, str]:
         return {}
     by_identity = {id(value): name for name, value in state.items()}
     return {name: by_identity[id(value)] for name, value in saved.items() if id(value) in by_identity}
+
+
+def _split_expert_linears(model: Any, torch: Any, own: dict[str, str]) -> list[str]:
+    """The saved module paths of the experts' Linear layers that transformers 5 fuses on load and writes back on
+    save (Mixtral's `experts.N.w1`/`w2`/`w3`): no module of the tree holds them, so the definition's kinds do
+    not reach them. Its weight conversions say which: a converter that merges a ModuleList (`MergeModulelist`)
+    of per-expert `.weight`s into a 3-D parameter [experts, out, in] of an experts module, which its forward
+    applies with `F.linear`, so each expert's weight, as saved, is an nn.Linear's [out, in] (so in transformers
+    5.24 for Mixtral, PhiMoE, MiniMax, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 and GraniteMoE;
+    tests/test_models.py computes Mixtral's experts from the converted weights). The saved names are the
+    conversions reverted on a state dict of one-element tensors expanded to each parameter's shape."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = model.state_dict()
+        probe = {name: torch.zeros((1,) * t.dim()).expand(t.shape) for name, t in state.items()}
+        saved = list(revert_weight_conversion(model, dict(probe)))
+        converters = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # older or newer transformers without these: the other evidence decides
+        return []
+    merged: list[re.Pattern[str]] = []
+    for converter in converters:
+        operations = [type(op).__name__ for op in getattr(converter, "operations", None) or []]
+        sources, targets = getattr(converter, "source_patterns", []), getattr(converter, "target_patterns", [])
+        # a merge, and a concatenation of merges (w1 and w3 into gate_up_proj), moves no element within a
+        # weight: anything else (a transpose, a reshape) would make the saved weights other than [out, in]
+        if operations[:1] != ["MergeModulelist"] or not set(operations) <= _MERGES or not sources or not targets:
+            continue
+        fused = [n for n in state if any(isinstance(t, str) and n.endswith(t) for t in targets)]
+        if not fused or not all(state[n].dim() == 3 and own.get(n.rpartition(".")[0]) == OTHER for n in fused):
+            continue
+        merged += [_saved_pattern(pattern) for pattern in sources if isinstance(pattern, str)]
+    return sorted({name.rpartition(".")[0] for name in saved if any(p.search(name) for p in merged)})
+
+
+_MERGES = frozenset({"MergeModulelist", "Concatenate"})
+
+
+def _saved_pattern(pattern: str) -> re.Pattern[str]:
+    """A converter's source pattern (`.experts.*.w1.weight`, `*` an expert's index) as a regex over saved
+    names; only `.weight` patterns of literal segments are taken (a pattern it cannot read matches nothing)."""
+    if not pattern.endswith(".weight") or not re.fullmatch(r"[A-Za-z0-9_.*]+", pattern):
+        return re.compile(r"(?!)")
+    return re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
 
 
 def _written_names(model: Any) -> list[str]:
