@@ -347,21 +347,27 @@ def test_gamma_and_beta_of_a_norm_named_otherwise_still_show_burn_layout() -> No
         plan_conversion(bert_like("norm", "pytorch"), to_layout="burn")
 
 
-def test_modules_differing_in_one_index_and_decided_alike_share_one_decision_line() -> None:
+def test_modules_differing_in_their_indices_and_decided_alike_share_one_decision_line() -> None:
     linear, norm = "Linear (shapes) -> transpose", "RmsNorm (names) -> rename weight->gamma"
     lines = [("embed", "Embedding -> unchanged")]
     lines += [(f"layers.{i}.q", linear) for i in (0, 1, 10, 11, 2, 3, 5)]  # in name order, as planned
     lines += [(f"layers.{i}.norm", norm) for i in range(3)] + [("layers.4.q", "Linear (module map) -> transpose")]
     lines += [("head.0", linear), ("blocks.0.1.conv", linear), ("blocks.0.2.conv", linear), ("v.01", linear)]
+    lines += [(f"moe.{i}.experts.{j}.w1", linear) for i in range(2) for j in range(8)]
+    lines += [("odd.0.e.0", linear), ("odd.1.e.1", linear), ("a.{}.b", linear), ("c.{x}", linear)]
     assert collapse_by_index(lines) == [
         "embed: Embedding -> unchanged",
         f"layers.{{0..3,5,10,11}}.q: {linear}",  # runs of three or more as ranges
         f"layers.{{0..2}}.norm: {norm}",
         "layers.4.q: Linear (module map) -> transpose",  # decided otherwise: a line of its own
         f"head.0: {linear}",  # alone in its group: as it was
-        f"blocks.0.1.conv: {linear}",  # two index segments: not collapsed
-        f"blocks.0.2.conv: {linear}",
+        f"blocks.0.{{1,2}}.conv: {linear}",
         f"v.01: {linear}",  # a leading zero: a name, not an index
+        f"moe.{{0,1}}.experts.{{0..7}}.w1: {linear}",  # every combination is a module
+        f"odd.0.e.0: {linear}",  # {0,1} x {0,1} would claim two modules that are not there
+        f"odd.1.e.1: {linear}",
+        f"a.{{}}.b: {linear}",  # braces of its own: as it is
+        f"c.{{x}}: {linear}",
     ]
     assert collapse_by_index([("a.0", "x"), ("a.1", "x")]) == ["a.{0,1}: x"]
 

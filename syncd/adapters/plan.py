@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -146,31 +147,40 @@ def plan_conversion(
 
 
 def collapse_by_index(lines: list[tuple[str, str]]) -> list[str]:
-    """`path: decision` lines, one per module, except that modules whose paths differ in one index segment
-    only and whose decisions read the same share one line, `layers.{0..31}.mlp.up: ...`, where the first of
-    them stood: a 32-layer model's 300 lines are a dozen, in `-v` and in every sync log record."""
-    groups: dict[tuple[str, str, bool], list[int]] = {}
+    """`path: decision` lines, one per module, except that modules whose paths differ in their index segments
+    only and whose decisions read the same share one line where the first of them stood:
+    `layers.{0..31}.mlp.up: ...`, `layers.{0..31}.experts.{0..7}.w1: ...` (every combination of the indices
+    shown is one of the modules; where they do not all occur, each module keeps its line). A 32-layer model's
+    300 lines are a dozen, in `-v` and in every sync log record."""
+    groups: dict[tuple[str, str, bool], list[tuple[int, ...]]] = {}
     for label, text in lines:
-        template, index = _index_template(label)
-        groups.setdefault((template, text, index is not None), []).append(0 if index is None else index)
+        template, indices = _index_template(label)
+        groups.setdefault((template, text, bool(indices)), []).append(indices)
     out = []
-    for (template, text, indexed), indices in groups.items():
-        if not indexed:
-            out += [f"{template}: {text}"] * len(indices)
-        elif len(indices) == 1:
-            out.append(f"{template.replace('{}', str(indices[0]))}: {text}")
+    for (template, text, indexed), members in groups.items():
+        if not indexed:  # a label without indices (or with braces of its own) stands as it is
+            out += [f"{template}: {text}"] * len(members)
+            continue
+        sets = [sorted({member[k] for member in members}) for k in range(len(members[0]))]
+        if len(members) > 1 and math.prod(map(len, sets)) == len(members):
+            out.append(f"{_filled(template, [_index_set(values) for values in sets])}: {text}")
         else:
-            out.append(f"{template.replace('{}', _index_set(indices))}: {text}")
+            out += [f"{_filled(template, [str(i) for i in member])}: {text}" for member in members]
     return out
 
 
-def _index_template(label: str) -> tuple[str, int | None]:
-    """(`label` with its one index segment as `{}`, that index), or (label, None) without exactly one (an
-    index is a segment of digits without a leading zero: `01` is a name, not the number 1)."""
+def _index_template(label: str) -> tuple[str, tuple[int, ...]]:
+    """(`label` with each index segment as `{}`, the indices), or (label, ()) for a label holding braces of
+    its own (an index is a segment of digits without a leading zero: `01` is a name, not the number 1)."""
+    if "{" in label or "}" in label:
+        return label, ()
     found = _INDEX_SEGMENT.findall(label)
-    if len(found) != 1 or "{" in label or "}" in label:
-        return label, None
-    return _INDEX_SEGMENT.sub("{}", label), int(found[0])
+    return (_INDEX_SEGMENT.sub("{}", label), tuple(map(int, found))) if found else (label, ())
+
+
+def _filled(template: str, parts: list[str]) -> str:
+    pieces = template.split("{}")
+    return "".join(piece + part for piece, part in zip(pieces, [*parts, ""], strict=True))
 
 
 # a whole dot-separated segment of ASCII digits without a leading zero
@@ -178,8 +188,11 @@ _INDEX_SEGMENT = re.compile(r"(?<![^.])(0|[1-9][0-9]*)(?![^.])", re.ASCII)
 
 
 def _index_set(indices: list[int]) -> str:
-    """`{0..31}`, `{0,2,4}`, `{0..3,8..11}`: the indices in order, runs of three or more as ranges."""
+    """`{0..31}`, `{0,2,4}`, `{0..3,8..11}`, or `5` alone: the indices in order, runs of three or more as
+    ranges."""
     ordered = sorted(set(indices))
+    if len(ordered) == 1:
+        return str(ordered[0])
     runs: list[list[int]] = []
     for index in ordered:
         if runs and index == runs[-1][-1] + 1:
