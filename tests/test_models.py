@@ -21,6 +21,7 @@ import torch
 import transformers as hf
 import yaml
 from convcheck import Checkpoint, read_bpk, read_safetensors, run_cli, transposed
+from hfsweep import build
 from safetensors.torch import save_file
 from torch import nn
 
@@ -415,36 +416,38 @@ def test_a_config_describing_a_huge_model_is_not_built_past_what_the_checkpoint_
 LAYERS = 100_000
 
 
-def test_mixtrals_experts_written_back_on_save_convert_as_linears_by_its_definition(tmp_path: Path) -> None:
-    """transformers 5 holds Mixtral's experts fused ([experts, out, in], applied with F.linear) and writes them
-    back as each expert's w1/w2/w3 on save: no module of the tree holds those names. Its weight conversions say
-    they are the per-expert Linears it merged, so they convert with no flags; checked by computing each
-    expert with Burn's Linear (y = x @ weight, weight [in, out]) against the model's own experts module."""
-    torch.manual_seed(3)
-    config = hf.MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        max_position_embeddings=64,
-    )
-    model = hf.MixtralForCausalLM(config).eval()
+@pytest.mark.parametrize(
+    ("model_type", "saved_at"),
+    [("mixtral", "model.layers.0.block_sparse_moe.experts"), ("deepseek_v4", "model.layers.0.ffn.experts")],
+)
+def test_experts_written_back_on_save_convert_as_linears_by_the_models_definition(
+    model_type: str, saved_at: str, tmp_path: Path
+) -> None:
+    """transformers 5 holds these models' experts fused ([experts, out, in], applied with F.linear) and writes
+    them back as each expert's w1/w2/w3 on save: no module of the tree holds those names. Its weight
+    conversions say they are the per-expert Linears it merged, so they convert with no flags; checked by
+    computing experts with Burn's Linear (y = x @ weight, weight [in, out]) against the model's own module."""
+    model = build(model_type, 3)
     model.save_pretrained(tmp_path)
     convert(ConvertRequest(source=tmp_path / "model.safetensors"))
     burn = read_bpk(tmp_path / "model.bpk").tensors
-    experts, x = model.model.layers[0].mlp.experts, torch.randn(5, 32)
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    x = torch.randn(5, model.config.hidden_size)
 
     def weight(expert: int, name: str) -> torch.Tensor:
-        tensor = burn[f"model.layers.0.block_sparse_moe.experts.{expert}.{name}.weight"]
+        tensor = burn[f"{saved_at}.{expert}.{name}.weight"]
         return torch.frombuffer(bytearray(tensor.data), dtype=torch.float32).reshape(tensor.shape)
 
     for expert in range(4):
         with torch.no_grad():
             theirs = experts(x, torch.full((5, 1), expert), torch.ones(5, 1))
-        ours = (nn.functional.silu(x @ weight(expert, "w1")) * (x @ weight(expert, "w3"))) @ weight(expert, "w2")
+            gate_up = x @ torch.cat([weight(expert, "w1"), weight(expert, "w3")], dim=1)
+            if hasattr(experts, "_apply_gate"):  # DeepSeek-V4's clamped SwiGLU
+                hidden = experts._apply_gate(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                hidden = experts.act_fn(gate) * up
+            ours = hidden @ weight(expert, "w2")
         assert torch.allclose(theirs, ours, atol=1e-5), expert
 
 

@@ -211,9 +211,10 @@ def _split_expert_linears(model: Any, torch: Any, own: dict[str, str]) -> list[s
     not reach them. Its weight conversions say which: a converter that merges a ModuleList (`MergeModulelist`)
     of per-expert `.weight`s into a 3-D parameter [experts, out, in] of an experts module, which its forward
     applies with `F.linear`, so each expert's weight, as saved, is an nn.Linear's [out, in] (so in transformers
-    5.24 for Mixtral, PhiMoE, MiniMax, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 and GraniteMoE;
-    tests/test_models.py computes Mixtral's experts from the converted weights). The saved names are the
-    conversions reverted on a state dict of one-element tensors expanded to each parameter's shape."""
+    5.24 for Mixtral, DeepSeek-V3 and -V4, PhiMoE, MiniMax, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE;
+    tests/test_models.py computes Mixtral's and DeepSeek-V4's experts from the converted weights). The saved
+    names are the conversions reverted on a state dict of one-element tensors expanded to each parameter's
+    shape."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import revert_weight_conversion
@@ -243,8 +244,10 @@ _MERGES = frozenset({"MergeModulelist", "Concatenate"})
 
 
 def _saved_pattern(pattern: str) -> re.Pattern[str]:
-    """A converter's source pattern (`.experts.*.w1.weight`, `*` an expert's index) as a regex over saved
-    names; only `.weight` patterns of literal segments are taken (a pattern it cannot read matches nothing)."""
+    """A converter's source pattern (`.experts.*.w1.weight`, or `\\.experts.*.w1.weight` with its dots escaped;
+    `*` an expert's index) as a regex over saved names; only `.weight` patterns of literal segments are taken
+    (a pattern it cannot read matches nothing)."""
+    pattern = pattern.replace("\\.", ".")
     if not pattern.endswith(".weight") or not re.fullmatch(r"[A-Za-z0-9_.*]+", pattern):
         return re.compile(r"(?!)")
     return re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
