@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers as hf
 import yaml
-from convcheck import Checkpoint, read_bpk, read_safetensors, run_cli, transposed
+from convcheck import Checkpoint, Tensor, read_bpk, read_safetensors, run_cli, transposed
 from hfsweep import build
 from safetensors.torch import save_file
 from torch import nn
@@ -416,39 +416,69 @@ def test_a_config_describing_a_huge_model_is_not_built_past_what_the_checkpoint_
 LAYERS = 100_000
 
 
-@pytest.mark.parametrize(
-    ("model_type", "saved_at"),
-    [("mixtral", "model.layers.0.block_sparse_moe.experts"), ("deepseek_v4", "model.layers.0.ffn.experts")],
-)
+# Families whose experts transformers 5 holds fused ([experts, out, in], applied with F.linear) and writes back
+# per expert on save (Mixtral's experts.N.w1/w2/w3, Qwen's experts.N.gate_proj/up_proj/down_proj).
+EXPERTS_WRITTEN_BACK = [
+    "deepseek_v2",
+    "deepseek_v4",
+    "flex_olmo",
+    "hunyuan_v1_moe",
+    "minimax",
+    "minimax_m2",
+    "mixtral",
+    "olmoe",
+    "phimoe",
+    "qwen2_moe",
+    "qwen3_moe",
+    "solar_open",
+]
+
+
+@pytest.mark.parametrize("model_type", EXPERTS_WRITTEN_BACK)
 def test_experts_written_back_on_save_convert_as_linears_by_the_models_definition(
-    model_type: str, saved_at: str, tmp_path: Path
+    model_type: str, tmp_path: Path
 ) -> None:
-    """transformers 5 holds these models' experts fused ([experts, out, in], applied with F.linear) and writes
-    them back as each expert's w1/w2/w3 on save: no module of the tree holds those names. Its weight
-    conversions say they are the per-expert Linears it merged, so they convert with no flags; checked by
-    computing experts with Burn's Linear (y = x @ weight, weight [in, out]) against the model's own module."""
+    """No module of these models' trees holds the per-expert names their files hold; their weight
+    conversions say those are the Linears they merged, so they convert with no flags. Checked by computing
+    experts with Burn's Linear (y = x @ weight, weight [in, out]) from the converted tensors against the
+    model's own experts module. Which saved tensor is which expert's gate, up or down is found by its values
+    (each slice of the fused parameters is unique at random init), not by a naming rule."""
     model = build(model_type, 3)
+    model.set_experts_implementation("eager")  # the grouped kernels refuse some tiny shapes on the CPU
     model.save_pretrained(tmp_path)
     convert(ConvertRequest(source=tmp_path / "model.safetensors"))
+    saved = {name: _f32(t) for name, t in read_safetensors(tmp_path / "model.safetensors").tensors.items()}
     burn = read_bpk(tmp_path / "model.bpk").tensors
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
-    x = torch.randn(5, model.config.hidden_size)
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    inner = down.shape[2]
+    x = torch.randn(5, gate_up.shape[2])
 
-    def weight(expert: int, name: str) -> torch.Tensor:
-        tensor = burn[f"{saved_at}.{expert}.{name}.weight"]
-        return torch.frombuffer(bytearray(tensor.data), dtype=torch.float32).reshape(tensor.shape)
+    def burn_weight(value: torch.Tensor) -> torch.Tensor:
+        names = [name for name, t in saved.items() if t is not None and t.shape == value.shape and t.equal(value)]
+        assert len(names) == 1, (model_type, value.shape, names)
+        found = _f32(burn[names[0]])
+        assert found is not None
+        return found
 
-    for expert in range(4):
+    for expert in range(min(4, gate_up.shape[0])):
+        gate = burn_weight(gate_up[expert][:inner])
+        up = burn_weight(gate_up[expert][inner:])
         with torch.no_grad():
             theirs = experts(x, torch.full((5, 1), expert), torch.ones(5, 1))
-            gate_up = x @ torch.cat([weight(expert, "w1"), weight(expert, "w3")], dim=1)
+            both = x @ torch.cat([gate, up], dim=1)
             if hasattr(experts, "_apply_gate"):  # DeepSeek-V4's clamped SwiGLU
-                hidden = experts._apply_gate(gate_up)
+                hidden = experts._apply_gate(both)
             else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                hidden = experts.act_fn(gate) * up
-            ours = hidden @ weight(expert, "w2")
-        assert torch.allclose(theirs, ours, atol=1e-5), expert
+                hidden = experts.act_fn(both[:, :inner]) * both[:, inner:]
+            ours = hidden @ burn_weight(down[expert])
+        assert torch.allclose(theirs, ours, atol=1e-5), (model_type, expert)
+
+
+def _f32(tensor: Tensor) -> torch.Tensor | None:
+    if tensor.dtype != "F32":
+        return None
+    return torch.frombuffer(bytearray(tensor.data), dtype=torch.float32).reshape(tensor.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------
