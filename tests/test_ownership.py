@@ -239,3 +239,41 @@ def test_an_edit_made_while_syncd_converts_the_next_save_is_not_replaced(
     assert next_line_for(run, source, 1) == "conflict", run.log_text()
     assert output.read_bytes() == users
     stop_cleanly(run)
+
+
+# ------------------------------------------------------- a checkpoint made by `syncd convert` from its namesake
+
+
+def burnpack_naming_its_output(seed: int, work: Path) -> bytes:
+    """`syncd convert model.safetensors` run elsewhere: a model.bpk whose `syncd.source` names model.safetensors,
+    the very name the daemon converts it to."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "model.safetensors").write_bytes(checkpoint(seed))
+    convert(ConvertRequest(source=work / "model.safetensors"))
+    data = (work / "model.bpk").read_bytes()
+    shutil.rmtree(work)
+    return data
+
+
+def test_a_bpk_converted_elsewhere_from_its_namesake_is_converted_again_at_every_save(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """A .bpk that names model.safetensors is taken for syncd's output of it only while no record says
+    otherwise: once the daemon converted it into model.safetensors, its next save is converted again (it was
+    left stale, silently, as if it were the daemon's own output), and the daemon's output is not converted
+    back."""
+    run = make_daemon([{"path": "runs", "direction": "both"}])
+    runs = run.watch_dir()
+    source, output = runs / "model.bpk", runs / "model.safetensors"
+    write_file(source, burnpack_naming_its_output(1, tmp_path / "work"))
+    run.start()
+    run.wait_for("converted", [source])
+    first = output.read_bytes()
+    write_file(source, burnpack_naming_its_output(2, tmp_path / "work"))
+    assert next_line_for(run, source, 1) == "updated", run.log_text()
+    assert output.read_bytes() != first
+    with safe_open(os.fspath(output), "np") as f:
+        assert f.metadata()["syncd.source"] == "model.bpk"
+    run.quiet(1.0)
+    assert [r["status"] for r in run.records()] == ["started", "converted", "updated"], run.log_text()
+    stop_cleanly(run)

@@ -182,9 +182,17 @@ def someone_elses(watch: Watch, dest: Path) -> Decision:
     return Decision(Action.CREATE)  # on_exists: error; the publish reports the conflict
 
 
-def is_own_output_converted_back(watch: Watch, source: Path, dest: Path) -> bool:
+def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, dest: Path) -> bool:
     """An output of ours names its source in metadata; converting it back would chase our own tail. Only
-    while that source is there: an output copied alone into a tree is a checkpoint like any other."""
+    while that source is there: an output copied alone into a tree is a checkpoint like any other.
+
+    A `source` this daemon converted into `dest` before is a checkpoint saved again, whatever it names: a
+    .bpk that `syncd convert` made from model.safetensors, copied into the tree and converted into
+    model.safetensors, must be converted again at its next save. (The daemon's own outputs are known by its
+    state before this is asked.)"""
+    row = state.get(source)
+    if row is not None and row.dest is not None and os.fsencode(row.dest) == os.fsencode(dest):
+        return False
     try:
         with open_checkpoint(source, watch.path) as reader:
             source_name = reader.header.metadata.get(carry.SOURCE)

@@ -274,7 +274,7 @@ class Syncer:
         job = _Job(watch, path, version, dest, from_format, finished, time.monotonic())
         job.base = {"watch": str(watch.path), "source": str(path), "dest": str(dest), "direction": direction}
         try:
-            if ownership.is_own_output_converted_back(watch, path, dest):
+            if ownership.is_own_output_converted_back(self.state, watch, path, dest):
                 return SILENT
             claim = self._claim(job) if watch.path in self.shared else None
         except Exception as exc:
