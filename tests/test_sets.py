@@ -19,7 +19,7 @@ import yaml
 from convcheck import run_cli
 from daemonutil import REPO, DaemonRun, scratch_files
 from hfsets import LLAMA_MODULES, save_llama
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from syncd.adapters import ModuleMap
@@ -172,6 +172,26 @@ def test_shard_size_splits_anew_and_none_writes_one_file(saves: dict[str, Path],
     assert sorted(p.name for p in one.iterdir()) == ["model.safetensors"]
     assert (tmp_path / "none.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
     assert_state_reloads(one, saves["sharded"])
+
+
+def test_a_file_split_into_a_set_takes_its_stem(tmp_path: Path) -> None:
+    """model.safetensors split by --shard-size is model-0000N-of-0000M.safetensors and model.safetensors.index.json
+    (it was model.safetensors-00001-of-00003.safetensors)."""
+    rng = np.random.default_rng(0)
+    source = tmp_path / "model.safetensors"
+    save_file(
+        {f"layers.{i}.weight": torch.from_numpy(rng.standard_normal((8, 8), dtype=np.float32)) for i in range(3)},
+        source,
+    )
+    split = tmp_path / "split"
+    split.mkdir()
+    syncd("convert", source, "-o", split, "--to", "safetensors", "--layout", "keep", "--shard-size", "300")
+    assert sorted(p.name for p in split.iterdir()) == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
 
 
 def test_remap_to_a_burn_port_and_back(saves: dict[str, Path], tmp_path: Path) -> None:

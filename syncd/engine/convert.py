@@ -460,7 +460,8 @@ def _output_shards(
         return None
     sizes = [(spec.name, spec.nbytes) for spec in specs]
     if request.shard_size is not None:
-        stem = Path(source.path).name.removesuffix(INDEX_SUFFIX).removesuffix(".bpk")
+        # model.bpk, model.safetensors, ckpt.pt, a set's model.safetensors.index.json: model-00001-of-0000N...
+        stem = set_stem(source.path) if is_set_index(source.path) else Path(source.path).stem
         index_name = dest.name if is_index_name(dest) else f"{stem}{INDEX_SUFFIX}"
         return layout_by_size(sizes, request.shard_size, index_name)
     if carried.shards is None:
