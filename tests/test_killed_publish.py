@@ -24,6 +24,7 @@ from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.synclog import SyncLog
+from syncd.engine.convert import ConvertRequest, convert
 from syncd.engine.hashing import DEFAULT_HASH
 
 
@@ -157,3 +158,54 @@ def test_a_claims_record_of_placing_keeps_the_last_publish_and_the_publish_repla
         claim.record(now)  # shorter than what it replaces: padded, never truncated first
         assert (claim.published(), claim.placing()) == (now, None)
     assert claim_path(dest).stat().st_size > len(now.to_bytes())
+
+
+# ----------------------------------------------------------------------- a set: every file of it recorded
+
+
+def set_carrying_bpk(seed: int, work: Path) -> bytes:
+    """A .bpk made by `syncd convert` from a sharded set of `checkpoint(seed)` (its layout carried, so the
+    daemon turns it back into that set: model-0000N-of-0000M.safetensors and model.safetensors.index.json)."""
+    work.mkdir(parents=True)
+    whole, split = work / "model.safetensors", work / "split"
+    write_file(whole, checkpoint(seed, width=16))
+    split.mkdir()
+    convert(ConvertRequest(source=whole, dest=split, to_format="safetensors", shard_size=600))
+    convert(ConvertRequest(source=split / "model.safetensors.index.json", dest=work / "model.bpk"))
+    return (work / "model.bpk").read_bytes()
+
+
+def save_bpk(path: Path, seed: int, work: Path) -> None:
+    write_file(path.with_name("incoming.partial"), set_carrying_bpk(seed, work))
+    os.replace(path.with_name("incoming.partial"), path)
+
+
+def set_of(runs: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(runs.iterdir()) if p.name.startswith("model") and p.suffix != ".bpk"}
+
+
+def test_a_set_placed_by_a_daemon_killed_before_recording_it_is_adopted_then_updated(
+    tmp_path: Path, runs: Path
+) -> None:
+    """Each file of a set is recorded right before it is placed: after a kill at the record of the publish,
+    the set placed from the source as it still is is adopted (and said), and the next save replaces it."""
+    source = runs / "model.bpk"
+    node = Node(tmp_path / "node-a", runs, shared=False)
+    node.watch = Watch(path=runs, direction="bpk->safetensors")
+    save_bpk(source, 1, tmp_path / "v1")
+    node.killed_at_the_record_of_the_publish(source)
+    placed = set_of(runs)
+    assert len(placed) > 2 and "model.safetensors.index.json" in placed
+
+    after = Node(tmp_path / "node-a", runs, shared=False)
+    after.watch = Watch(path=runs, direction="bpk->safetensors")
+    assert after.process(source) is Status.IN_SYNC
+    assert [json.loads(line)["reason"] for line in after.lines()[-1:]] == [PLACED_UNRECORDED]
+    assert set_of(runs) == placed
+    save_bpk(source, 2, tmp_path / "v2")
+    assert after.process(source) is Status.UPDATED
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    save_bpk(expected / "model.bpk", 2, tmp_path / "v2-again")
+    convert(ConvertRequest(source=expected / "model.bpk", dest=expected))
+    assert set_of(runs) == set_of(expected) != placed

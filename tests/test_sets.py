@@ -641,3 +641,82 @@ def test_daemon_turns_a_sets_bpk_back_into_its_shards_and_index(saves: dict[str,
             assert (back / name).read_bytes() == (original.parent / name).read_bytes(), name
         run.quiet(1.0)  # the shards and index it wrote are its own outputs: nothing converts them back
         assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()
+
+
+def set_bpk(saves: dict[str, Path], work: Path, *extra: str, shard_size: str | None = None) -> Path:
+    """A .bpk carrying a sharded set's layout (`shard_size`: the set re-split at that size first), as
+    `syncd convert` makes it from the set; `extra`: more options for that conversion."""
+    work.mkdir(parents=True)
+    index = fresh_set(saves, work / "set")
+    if shard_size is not None:
+        split, whole = work / "split", work / "whole" / "model.bpk"
+        split.mkdir()
+        whole.parent.mkdir()
+        syncd("convert", index, "-o", whole, "--modules", saves["modules"])
+        syncd("convert", whole, "-o", split, "--shard-size", shard_size, "--modules", saves["modules"])
+        index = split / "model.safetensors.index.json"
+    bpk = work / "model.bpk"
+    syncd("convert", index, "-o", bpk, "--modules", saves["modules"], *extra)
+    return bpk
+
+
+def set_files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name != "model.bpk"}
+
+
+def converted_set(bpk: Path, work: Path) -> dict[str, bytes]:
+    """What `syncd convert` writes from `bpk`: the set its layout says."""
+    work.mkdir()
+    syncd("convert", bpk, "-o", work)
+    return set_files(work)
+
+
+def saved_as_a_trainer_saves(data: Path, dest: Path) -> None:
+    shutil.copy(data, dest.with_name(dest.name + ".part"))
+    os.rename(dest.with_name(dest.name + ".part"), dest)
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("shard_size", [None, "60KB"], ids=["same-layout", "fewer-shards"])
+def test_daemon_updates_the_set_it_wrote_at_the_bpks_next_save(
+    saves: dict[str, Path], tmp_path: Path, shard_size: str | None
+) -> None:
+    """The set a .bpk went back to is the daemon's own: the .bpk's next save replaces each of its files (the
+    index last), and shards the new layout no longer has are removed. (It was left stale: first silently,
+    then as someone else's files.)"""
+    first = set_bpk(saves, tmp_path / "first")
+    second = set_bpk(saves, tmp_path / "second", "--precision", "bf16", shard_size=shard_size)
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
+        run.start()
+        back = run.watch_dir("runs") / "back"
+        back.mkdir()
+        saved_as_a_trainer_saves(first, back / "model.bpk")
+        run.wait_for("converted", [back / "model.bpk"])
+        assert set_files(back) == converted_set(first, tmp_path / "expected-first")
+        saved_as_a_trainer_saves(second, back / "model.bpk")
+        run.wait_for("updated", [back / "model.bpk"])
+        expected = converted_set(second, tmp_path / "expected-second")
+        assert len(expected) == (3 if shard_size is None else 2) + 1
+        assert set_files(back) == expected
+        run.quiet(1.0)
+        assert [r["status"] for r in run.records()] == ["started", "converted", "updated"], run.log_text()
+
+
+@pytest.mark.daemon
+def test_daemon_leaves_its_set_alone_once_someone_changed_a_shard(saves: dict[str, Path], tmp_path: Path) -> None:
+    """One shard of the set rewritten by someone: the set is no longer provably syncd's, and nothing of it is
+    replaced at the .bpk's next save (on_exists: skip)."""
+    first = set_bpk(saves, tmp_path / "first")
+    second = set_bpk(saves, tmp_path / "second", "--precision", "bf16")
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
+        run.start()
+        back = run.watch_dir("runs") / "back"
+        back.mkdir()
+        saved_as_a_trainer_saves(first, back / "model.bpk")
+        run.wait_for("converted", [back / "model.bpk"])
+        shard = back / "model-00002-of-00003.safetensors"
+        shard.write_bytes(shard.read_bytes())  # the same bytes, written again: someone else's file now
+        before = set_files(back)
+        saved_as_a_trainer_saves(second, back / "model.bpk")
+        run.wait_for("skipped", [back / "model.bpk"])
+        assert set_files(back) == before

@@ -35,7 +35,7 @@ from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import set_stem
+from syncd.formats.shards import is_set_index, read_index, set_stem
 
 
 def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
@@ -70,6 +70,9 @@ class Action(StrEnum):
 class Decision:
     action: Action
     replace_if: FileStamp | None = None  # for REPLACE: the identity of our output being replaced
+    # a set: each file of syncd's own set and its identity (REPLACE: each replaced only while still so;
+    # IN_SYNC: recorded as the set's members)
+    set_files: dict[Path, FileStamp] | None = None
     said: str | None = None  # for IN_SYNC: why, when it is worth a line in the sync log
 
 
@@ -96,6 +99,8 @@ def decide(
     if not os.path.lexists(dest):
         return Decision(Action.CREATE)
     root = watch.mirror or watch.path
+    if is_set_index(dest):
+        return _decide_set(state, watch, source, version, dest, root)
     ours = own_earlier_output(state, source, dest, root)
     if ours is not None:
         return Decision(Action.REPLACE, ours)
@@ -119,6 +124,62 @@ def decide(
 
 # the line for an output a daemon put in place and was stopped before it could record (or log) the publish
 PLACED_UNRECORDED = "published by a syncd stopped before it could record the publish: recorded now"
+
+
+def _decide_set(state: StateDB, watch: Watch, source: Path, version: FileStamp, index: Path, root: Path) -> Decision:
+    """A sharded set at `index`: syncd's own set of this source is replaced, or adopted when this daemon placed
+    it from this very version and was stopped before recording it; anything else is someone else's. Only this
+    daemon's records prove a set (on a shared tree, a claim records the index alone: another node's set is
+    left as someone else's)."""
+    owned = own_earlier_set(state, source, index, root)
+    if owned is None:
+        return someone_elses(watch, index)
+    files, placed_from = owned
+    if placed_from is not None and not placed_from.changed(version):
+        return Decision(Action.IN_SYNC, said=PLACED_UNRECORDED, set_files=files)
+    return Decision(Action.REPLACE, set_files=files)
+
+
+def own_earlier_set(
+    state: StateDB, source: Path, index: Path, root: Path
+) -> tuple[dict[Path, FileStamp], FileStamp | None] | None:
+    """(every file of syncd's set of `source` at `index` with its identity now, and the version of `source`
+    they were all placed from when none was recorded as published since), or None unless each file there
+    -- the index, the shards it lists, the files recorded -- is exactly as the state recorded it: published
+    as a member of the set, or about to be placed from `source` (its ctime aside)."""
+    row = state.get(source)
+    ours = row is not None and row.dest is not None and os.fsencode(row.dest) == os.fsencode(index)
+    published = state.members(index) if ours else {}
+    placed = state.placed_from(source)
+    try:
+        listed = read_index(index, root).files
+    except SyncdError:
+        return None
+    candidates = {index, *(index.parent / name for name in listed), *map(Path, published), *map(Path, placed)}
+    files: dict[Path, FileStamp] = {}
+    versions: set[FileStamp] = set()
+    for path in candidates:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue  # a shard not written yet, or one removed: nothing there to replace
+        now = FileStamp.of(info)
+        recorded = published.get(str(path))
+        placing = placed.get(str(path))
+        if stat.S_ISREG(info.st_mode) and recorded is not None and not recorded.changed(now):
+            files[path] = now
+        elif stat.S_ISREG(info.st_mode) and placing is not None and _placed_as(placing.output, now):
+            files[path] = now
+            versions.add(placing.version)
+        else:
+            return None
+    all_placed = len(versions) == 1 and not any(path in files for path in map(Path, published))
+    return files, (next(iter(versions)) if all_placed else None)
+
+
+def _placed_as(recorded: FileStamp, now: FileStamp) -> bool:
+    """The file recorded right before it was put in place: placing it changed its ctime, nothing else."""
+    return (recorded.dev, recorded.ino, recorded.size, recorded.mtime_ns) == (now.dev, now.ino, now.size, now.mtime_ns)
 
 
 def source_stamp(version: FileStamp) -> Stamp:
@@ -154,13 +215,8 @@ def placed_by_this_daemon(state: StateDB, source: Path, dest: Path, root: Path) 
         info = os.lstat(dest)
     except FileNotFoundError:
         return None
-    now, recorded = FileStamp.of(info), placing.output
-    if not stat.S_ISREG(info.st_mode) or (now.dev, now.ino, now.size, now.mtime_ns) != (
-        recorded.dev,
-        recorded.ino,
-        recorded.size,
-        recorded.mtime_ns,
-    ):
+    now = FileStamp.of(info)
+    if not stat.S_ISREG(info.st_mode) or not _placed_as(placing.output, now):
         return None
     if _source_named_in(dest, root) != carry.file_label(source.name):
         return None
@@ -186,12 +242,16 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
     """An output of ours names its source in metadata; converting it back would chase our own tail. Only
     while that source is there: an output copied alone into a tree is a checkpoint like any other.
 
-    A `source` this daemon converted into `dest` before is a checkpoint saved again, whatever it names: a
+    A `source` this daemon converted (or was putting in place) into `dest` before is a checkpoint saved
+    again, whatever it names: a
     .bpk that `syncd convert` made from model.safetensors, copied into the tree and converted into
     model.safetensors, must be converted again at its next save. (The daemon's own outputs are known by its
     state before this is asked.)"""
     row = state.get(source)
     if row is not None and row.dest is not None and os.fsencode(row.dest) == os.fsencode(dest):
+        return False
+    placing = state.placing(dest)  # converted into it by a daemon killed before recording that
+    if placing is not None and os.fsencode(placing.source) == os.fsencode(source):
         return False
     try:
         with open_checkpoint(source, watch.path) as reader:

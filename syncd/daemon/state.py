@@ -18,7 +18,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,7 +31,7 @@ from syncd.formats.fileio import FileStamp
 log = logging.getLogger("syncd.state")
 
 DB_NAME = "state.sqlite3"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 LOCK_NAME = "lock"
 SUCCESS_STATUSES = ("converted", "in_sync")
 
@@ -87,6 +87,21 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             updated      TEXT NOT NULL
         )
         """,
+    ),
+    (
+        # every file of a sharded set published as one output (the index included), with its identity
+        """
+        CREATE TABLE members (
+            member   BLOB PRIMARY KEY,
+            dest     BLOB NOT NULL,
+            dev      INTEGER NOT NULL,
+            ino      INTEGER NOT NULL,
+            size     INTEGER NOT NULL,
+            mtime_ns INTEGER NOT NULL,
+            ctime_ns INTEGER NOT NULL
+        )
+        """,
+        "CREATE INDEX members_by_dest ON members (dest)",
     ),
 )
 assert len(MIGRATIONS) == SCHEMA_VERSION
@@ -178,11 +193,20 @@ class StateDB:
         """The output last recorded as about to be put in place at `dest` and not recorded as published since
         (the daemon was killed in between), if any."""
         row = self._run(lambda db: db.execute("SELECT * FROM placing WHERE dest = ?", (_key(dest),)).fetchone())
-        if row is None:
-            return None
-        version, output = _row_version(row, ""), _row_version(row, "out_")
-        assert version is not None and output is not None
-        return Placing(os.fsdecode(row["source"]), version, output)
+        return None if row is None else _placing(row)
+
+    def placed_from(self, source: PathArg) -> dict[str, Placing]:
+        """Every output recorded as about to be put in place from `source` and not recorded as published
+        since, by the path it was to take."""
+        rows = self._run(lambda db: db.execute("SELECT * FROM placing WHERE source = ?", (_key(source),)).fetchall())
+        return {os.fsdecode(row["dest"]): _placing(row) for row in rows}
+
+    def members(self, dest: PathArg) -> dict[str, FileStamp]:
+        """Every file of the set last recorded as published at `dest` (its index), with its identity then;
+        empty for a single-file output."""
+        rows = self._run(lambda db: db.execute("SELECT * FROM members WHERE dest = ?", (_key(dest),)).fetchall())
+        found = {os.fsdecode(row["member"]): _row_version(row, "") for row in rows}
+        return {member: version for member, version in found.items() if version is not None}
 
     # -------------------------------------------------------------------------------------- updates
 
@@ -210,9 +234,11 @@ class StateDB:
         *,
         dest_version: FileStamp | None = None,
         status: str = "converted",
+        members: Mapping[Path, FileStamp] | None = None,
     ) -> None:
         """Remember a success: `source` at `version` is published as `dest` (whose version is stat'ed now
-        unless given)."""
+        unless given); `members`: a set's files (its index included) as published, which replace those
+        recorded for `dest` before."""
         if status not in SUCCESS_STATUSES:
             raise ValueError(f"record() is for {', '.join(SUCCESS_STATUSES)}; use record_failure() for failures")
         if dest_version is None:
@@ -229,7 +255,7 @@ class StateDB:
             "attempts": 0,
             "updated": utc_timestamp(),
         }
-        self._upsert(values, placed=_key(dest))
+        self._upsert(values, placed=_key(dest), members={_key(m): stamp for m, stamp in (members or {}).items()})
 
     def record_failure(
         self, source: PathArg, version: FileStamp, error: str, *, transient: bool, kind: str | None = None
@@ -300,17 +326,29 @@ class StateDB:
 
     # -------------------------------------------------------------------------------------- plumbing
 
-    def _upsert(self, values: dict[str, object], placed: bytes | None = None) -> None:
-        """Write one source's row; `placed`: a destination now recorded as published, whose record of
-        placing is forgotten in the same transaction."""
+    def _upsert(
+        self, values: dict[str, object], placed: bytes | None = None, members: dict[bytes, FileStamp] | None = None
+    ) -> None:
+        """Write one source's row; `placed`: a destination now recorded as published, whose records of
+        placing (its set's files' too) are forgotten, and its set's `members` recorded, in the same
+        transaction."""
         columns = ", ".join(values)
         placeholders = ", ".join(f":{name}" for name in values)
         sql = f"INSERT OR REPLACE INTO sources ({columns}) VALUES ({placeholders})"
+        member_sql = (
+            "INSERT OR REPLACE INTO members (member, dest, dev, ino, size, mtime_ns, ctime_ns) "
+            "VALUES (:member, :dest, :dev, :ino, :size, :mtime_ns, :ctime_ns)"
+        )
 
         def write(db: sqlite3.Connection) -> None:
             db.execute(sql, values)
-            if placed is not None:
-                db.execute("DELETE FROM placing WHERE dest = ?", (placed,))
+            if placed is None:
+                return
+            db.execute("DELETE FROM placing WHERE dest = ?", (placed,))
+            db.execute("DELETE FROM members WHERE dest = ?", (placed,))
+            for member, stamp in (members or {}).items():
+                db.execute("DELETE FROM placing WHERE dest = ?", (member,))
+                db.execute(member_sql, {"member": member, "dest": placed, **_version_columns("", stamp)})
 
         self._run(write)
 
@@ -465,6 +503,12 @@ def _row_version(row: sqlite3.Row, prefix: str) -> FileStamp | None:
         mtime_ns=row[f"{prefix}mtime_ns"],
         ctime_ns=row[f"{prefix}ctime_ns"] or 0,
     )
+
+
+def _placing(row: sqlite3.Row) -> Placing:
+    version, output = _row_version(row, ""), _row_version(row, "out_")
+    assert version is not None and output is not None
+    return Placing(os.fsdecode(row["source"]), version, output)
 
 
 def _row_to_state(row: sqlite3.Row) -> SourceState:

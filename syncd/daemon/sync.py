@@ -296,7 +296,7 @@ class Syncer:
             if decision.action is Action.IN_SYNC:
                 # published by another node, or placed by this one before it was killed, as a record proves:
                 # adopted without reading the source, quietly
-                self.state.record(path, version, dest, status="in_sync")
+                self.state.record(path, version, dest, status="in_sync", members=decision.set_files)
                 if decision.said is not None:  # a publish whose publisher died before logging it: said now
                     self.synclog.log(Status.IN_SYNC, **base, reason=decision.said)
                 else:
@@ -395,21 +395,23 @@ class Syncer:
                 fail_early_if_exists=False,
                 within=watch.path,
                 replace_if=decision.replace_if,
+                replace_set=decision.set_files,
                 progress=self.progress_for(path),
                 store=_store_options(watch),
                 shard_size=watch.shard_size,
                 hash_name=self.hash_name,
                 top_level_key=watch.top_level_key,
-                before_placing=lambda output: self._record_placing(job, output, claim),
+                before_placing=lambda path, output: self._record_placing(job, path, output, claim),
             )
         )
 
-    def _record_placing(self, job: _Job, output: FileStamp, claim: claims.Claim | None) -> None:
-        """Record the output about to be put in place, in the state and in the claim (for the other nodes):
-        a daemon killed between placing it and recording the publish leaves a file no other record proves
-        syncd's, which every later save of the source would then leave alone as someone else's."""
-        self.state.record_placing(job.path, job.version, job.dest, output)
-        if claim is not None:
+    def _record_placing(self, job: _Job, path: Path, output: FileStamp, claim: claims.Claim | None) -> None:
+        """Record an output file about to be put in place (a set's: each of them), in the state and in the
+        claim (for the other nodes, the output's own file): a daemon killed between placing it and recording
+        the publish leaves a file no other record proves syncd's, which every later save of the source would
+        then leave alone as someone else's."""
+        self.state.record_placing(job.path, job.version, path, output)
+        if claim is not None and path == job.dest:
             placing = claims.Published(
                 carry.file_label(job.path.name),
                 ownership.source_stamp(job.version),
@@ -440,7 +442,9 @@ class Syncer:
         published = os.lstat(dest)  # the output as published: the record every later decision proves against
         dest_version = FileStamp.of(published)
         recorded = "in_sync" if status is Status.IN_SYNC else "converted"
-        self.state.record(path, version, dest, dest_version=dest_version, status=recorded)
+        # a set's files, each as published (its index included): what a later save may replace
+        members = {file: FileStamp.of(os.lstat(file)) for file in result.files} if is_set_index(dest) else None
+        self.state.record(path, version, dest, dest_version=dest_version, status=recorded, members=members)
         if claim is not None:
             stamps = ownership.source_stamp(version), claims.stamp_of(published)
             try:

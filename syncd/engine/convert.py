@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from pathlib import Path
@@ -94,6 +94,9 @@ class ConvertRequest:
     within: Path | None = None  # the daemon confines sources to their watched tree (no symlinks out of it)
     # replace the destination only if it is still exactly this file (syncd's own earlier output of this source)
     replace_if: FileStamp | None = None
+    # a set output: syncd's own earlier set (each file, its index included -> the identity it must still have
+    # to be replaced; those the new set does not have are removed)
+    replace_set: Mapping[Path, FileStamp] | None = None
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
@@ -101,10 +104,10 @@ class ConvertRequest:
     hash_name: str = hashing.DEFAULT_HASH  # the source hash recorded: xxh3_128 | sha256
     verify: str = "fast"  # fast: checks taken while writing, table re-read; full: also every tensor re-read
     top_level_key: str | None = None  # a PyTorch checkpoint's key holding the tensors (Burn's with_top_level_key)
-    # called with the finished output's identity right before a single-file output is put in place (after
-    # its fsync and the source's last check); may raise to stop it. The daemon records it there, so that an
+    # called with each output file's path and finished identity right before it is put in place (after its
+    # fsync and the source's last check); may raise to stop it. The daemon records it there, so that an
     # output placed by a daemon killed before it could record the publish is still provably its own.
-    before_placing: Callable[[FileStamp], None] | None = None
+    before_placing: Callable[[Path, FileStamp], None] | None = None
 
 
 @dataclass
@@ -558,6 +561,8 @@ def _write_set(c: Conversion) -> tuple[PublishResult, int]:
         write_shard=lambda scratch, header, size, placed: _write_shard(c, scratch, header, size, placed, progress),
         before_publish=c.source.check_unchanged,
         source=Path(c.source.path),
+        replace_if=c.request.replace_set,
+        before_placing=c.request.before_placing,
     )
     size = sum(os.stat(path).st_size for path in c.output_paths())
     statuses = {result.status for result in results}
@@ -658,7 +663,7 @@ def _publish(scratch: Scratch, c: Conversion) -> PublishResult:
     def before_placing() -> None:
         c.source.check_unchanged()
         if told is not None:
-            told(FileStamp.of_fd(scratch.fd))
+            told(scratch.dest, FileStamp.of_fd(scratch.fd))
 
     return publish(
         scratch,

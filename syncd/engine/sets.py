@@ -10,13 +10,14 @@ original files byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 from syncd.engine.publish import PublishResult, Scratch, ensure_destination_free, open_scratch, publish
-from syncd.errors import SyncdError
-from syncd.formats.fileio import pwrite_all
+from syncd.errors import ConflictError, SyncdError
+from syncd.formats.fileio import FileStamp, pwrite_all
 from syncd.formats.safetensors import plan_safetensors
 from syncd.formats.shards import ShardLayout
 from syncd.formats.table import TensorSpec
@@ -48,13 +49,26 @@ def write_set(
     write_shard: Callable[[Scratch, bytes, int, list[tuple[TensorSpec, int]]], None],
     before_publish: Callable[[], None] = lambda: None,
     source: Path | None = None,
+    replace_if: Mapping[Path, FileStamp] | None = None,
+    before_placing: Callable[[Path, FileStamp], None] | None = None,
 ) -> list[PublishResult]:
     """Lay out each shard, have it written and checked (`write_shard(scratch, header bytes, file size,
-    [(spec, absolute start)...])`), then publish the set; returns one result per file."""
+    [(spec, absolute start)...])`), then publish the set; returns one result per file.
+
+    `replace_if`: syncd's own earlier set (every file of it, its index included, with the identity each must
+    still have): those files are replaced, each only while still exactly that file, and those the new set
+    does not have are removed once its index is in place, unless changed. Anything else already at one of
+    the set's names is never replaced: refused before anything is written.
+    `before_placing(path, identity)` runs right before each file is put in place."""
     check_layout_covers(layout, specs, str(directory / layout.index_name))
+    owned = dict(replace_if or {})
+    paths = set_paths(layout, directory)
     if not replace:
-        for path in set_paths(layout, directory):
-            ensure_destination_free(path)
+        for path in paths:
+            if path in owned:
+                _check_still_ours(path, owned[path])
+            else:
+                ensure_destination_free(path)
     by_name = {spec.name: spec for spec in specs}
     with ExitStack() as stack:
         scratches: list[Scratch] = []
@@ -69,7 +83,50 @@ def write_set(
             _write(index, lambda fd: pwrite_all(fd, layout.index_bytes(), 0))
             scratches.append(index)
         before_publish()
-        return [publish(scratch, replace=replace, source=source) for scratch in scratches]
+        results = [
+            publish(
+                scratch,
+                replace=replace,
+                replace_if=owned.get(scratch.dest),
+                source=source,
+                before_placing=_placing_call(before_placing, scratch),
+            )
+            for scratch in scratches
+        ]
+    for path, identity in owned.items():
+        if path not in paths:
+            _remove_if_unchanged(path, identity)
+    return results
+
+
+def _check_still_ours(path: Path, identity: FileStamp) -> None:
+    try:
+        now = FileStamp.of(os.lstat(path))
+    except FileNotFoundError:
+        return
+    if identity.changed(now):
+        raise ConflictError(
+            "changed since syncd published it with its set (someone else's file now); nothing was replaced",
+            str(path),
+        )
+
+
+def _placing_call(
+    before_placing: Callable[[Path, FileStamp], None] | None, scratch: Scratch
+) -> Callable[[], None] | None:
+    if before_placing is None:
+        return None
+    return lambda: before_placing(scratch.dest, FileStamp.of_fd(scratch.fd))
+
+
+def _remove_if_unchanged(path: Path, identity: FileStamp) -> None:
+    """A file of syncd's earlier set that the new one does not have (fewer shards now): removed unless it
+    changed since (then it is someone else's, and stays)."""
+    try:
+        if not identity.changed(FileStamp.of(os.lstat(path))):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _write(scratch: Scratch, write: Callable[[int], object]) -> None:
