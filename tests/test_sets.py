@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from syncd.adapters import ModuleMap
-from syncd.daemon.service import SHARD_SIZE_UNAPPLIED
 from syncd.engine.convert import ConvertRequest, ConvertResult, convert, source_digest
 from syncd.engine.hashing import SOURCE_HASH_KEYS
 from syncd.errors import SyncdError
@@ -579,22 +578,36 @@ def test_daemon_applies_a_watchs_store_settings(saves: dict[str, Path], tmp_path
 
 
 @pytest.mark.daemon
-def test_a_watchs_shard_size_is_said_not_to_be_applied_and_one_file_is_written(
-    saves: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize(("shard_size", "shards"), [("40KB", 3), ("1GB", 1)])
+def test_a_watchs_shard_size_writes_a_set_and_keeps_it_up_to_date(
+    saves: dict[str, Path], tmp_path: Path, shard_size: str, shards: int
 ) -> None:
-    """The daemon cannot yet keep a set it published up to date across saves: it writes one file, and says
-    so at start (not silently)."""
+    """A watch's shard_size: a .bpk's conversion is a save_pretrained set, with an index even for one shard
+    (a destination whose name does not depend on the model's size), which transformers loads; the .bpk's
+    next save updates it."""
     bpk = single_bpk(saves, tmp_path)
-    watch = {"path": "runs", "direction": "bpk->safetensors", "shard_size": "1MB"}
+    (tmp_path / "again").mkdir()
+    again = single_bpk(saves, tmp_path / "again", "--precision", "bf16")
+    watch = {"path": "runs", "direction": "bpk->safetensors", "shard_size": shard_size}
     with DaemonRun(tmp_path / "d", watches=[watch]) as run:
         run.start()
         runs = run.watch_dir("runs")
-        shutil.copy(bpk, runs / "model.bpk.part")
-        os.rename(runs / "model.bpk.part", runs / "model.bpk")
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
         run.wait_for("converted", [runs / "model.bpk"])
-        warned = [r for r in run.records() if r["status"] == "warning"]
-        assert [(r["watch"], r["reason"]) for r in warned] == [(str(runs), SHARD_SIZE_UNAPPLIED)], run.log_text()
-        assert sorted(p.name for p in runs.iterdir()) == ["model.bpk", "model.safetensors"]
+        names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+        assert sorted(set_files(runs)) == [*names, "model.safetensors.index.json"], run.log_text()
+        if shards > 1:  # what `convert --shard-size` writes
+            assert set_files(runs) == converted_set_of(bpk, tmp_path / "expected", "--shard-size", shard_size)
+        assert_state_reloads(runs, saves["sharded"])
+        before = set_files(runs)
+        saved_as_a_trainer_saves(again, runs / "model.bpk")
+        run.wait_for("updated", [runs / "model.bpk"])
+        if shards > 1:  # half the bytes in BF16: fewer shards, the others removed
+            assert set_files(runs) == converted_set_of(again, tmp_path / "expected-again", "--shard-size", shard_size)
+        else:
+            assert sorted(set_files(runs)) == sorted(before)
+            assert set_files(runs)[names[0]] != before[names[0]]
+        assert [r["status"] for r in run.records()] == ["started", "converted", "updated"], run.log_text()
 
 
 def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
@@ -661,14 +674,22 @@ def set_bpk(saves: dict[str, Path], work: Path, *extra: str, shard_size: str | N
 
 
 def set_files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name != "model.bpk"}
+    """The set's files in `directory` (its index and shards), by name."""
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("model*")) if p.name != "model.bpk"}
 
 
 def converted_set(bpk: Path, work: Path) -> dict[str, bytes]:
     """What `syncd convert` writes from `bpk`: the set its layout says."""
-    work.mkdir()
-    syncd("convert", bpk, "-o", work)
-    return set_files(work)
+    return converted_set_of(bpk, work)
+
+
+def converted_set_of(bpk: Path, work: Path, *extra: str) -> dict[str, bytes]:
+    """The same, from the .bpk named model.bpk (the set takes its name)."""
+    (work / "in").mkdir(parents=True)
+    shutil.copy(bpk, work / "in" / "model.bpk")
+    (work / "out").mkdir()
+    syncd("convert", work / "in" / "model.bpk", "-o", work / "out", *extra)
+    return set_files(work / "out")
 
 
 def saved_as_a_trainer_saves(data: Path, dest: Path) -> None:

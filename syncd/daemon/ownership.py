@@ -35,13 +35,15 @@ from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import is_set_index, read_index, set_stem
+from syncd.formats.shards import INDEX_SUFFIX, is_set_index, read_index, set_stem
 
 
 def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
-    """Where the conversion of `source` (a single file) is published. A .bpk that carries a sharded set's
-    layout goes back to that set's index, unless the watch sets its own `shard_size`."""
+    """Where the conversion of `source` (a single file) is published. A .bpk goes to a set's index where the
+    watch sets a `shard_size` (a set of one shard too), or where it carries a sharded set's layout."""
     if from_format.name == BURNPACK:
+        if watch.shard_size is not None:
+            return watch.output_dir_for(source) / (source.stem + INDEX_SUFFIX)
         index = _set_destination(watch, source)
         if index is not None:
             return index

@@ -29,20 +29,11 @@ from syncd.daemon.status import SHOWN_WAITING, Activity
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
-from syncd.engine.directions import DIRECTIONS
 from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_if_stale, remove_stale_scratch
 from syncd.errors import SyncdError, one_line
-from syncd.formats import BURNPACK
 from syncd.formats.fileio import FileStamp
 
 log = logging.getLogger("syncd")
-
-# A set the daemon published could not yet be kept up to date across saves (which of its files are still
-# the ones it published is not recorded), so a watch's shard_size is not applied; `convert` applies it.
-SHARD_SIZE_UNAPPLIED = (
-    "shard_size is not applied by the daemon: it writes each .bpk's conversion as one .safetensors file "
-    "(`syncd convert --shard-size` splits one)"
-)
 
 STOP_GRACE_SECONDS = 3.0  # systemd's TimeoutStopSec is larger; tests expect an exit within 5 s
 TICK_SECONDS = 1.0
@@ -121,14 +112,7 @@ class Daemon:
             reason=f"watching {len(self.config.watches)} tree(s){self._how_watched()}; {queued} file(s) to check",
             config=str(self.config.path),
         )
-        self._warn_unapplied_settings()
         notify.ready(self._status())
-
-    def _warn_unapplied_settings(self) -> None:
-        """Settings a watch may hold that the daemon does not apply, said at every start and reload."""
-        for watch in self.config.watches:
-            if watch.shard_size is not None and BURNPACK in DIRECTIONS[watch.direction]:
-                self.synclog.log(Status.WARNING, watch=str(watch.path), reason=SHARD_SIZE_UNAPPLIED)
 
     def _start_watcher(self) -> None:
         """Watch every tree of the current configuration (at start-up and after a reload)."""
@@ -294,7 +278,6 @@ class Daemon:
         if pending:
             reason += f"; {', '.join(pending)} changed but take effect only after a restart"
         self.synclog.log(Status.RELOADED, reason=reason, config=str(new.path))
-        self._warn_unapplied_settings()
         notify.ready(self._status())
 
     def _apply(self, new: Config) -> None:

@@ -399,6 +399,7 @@ class Syncer:
                 progress=self.progress_for(path),
                 store=_store_options(watch),
                 shard_size=watch.shard_size,
+                always_index=watch.shard_size is not None,
                 hash_name=self.hash_name,
                 top_level_key=watch.top_level_key,
                 before_placing=lambda path, output: self._record_placing(job, path, output, claim),

@@ -101,6 +101,8 @@ class ConvertRequest:
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
     one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
+    # a --shard-size split keeps its index with one shard too (the daemon's destination is the index)
+    always_index: bool = False
     hash_name: str = hashing.DEFAULT_HASH  # the source hash recorded: xxh3_128 | sha256
     verify: str = "fast"  # fast: checks taken while writing, table re-read; full: also every tensor re-read
     top_level_key: str | None = None  # a PyTorch checkpoint's key holding the tensors (Burn's with_top_level_key)
@@ -466,7 +468,7 @@ def _output_shards(
         # model.bpk, model.safetensors, ckpt.pt, a set's model.safetensors.index.json: model-00001-of-0000N...
         stem = set_stem(source.path) if is_set_index(source.path) else Path(source.path).stem
         index_name = dest.name if is_index_name(dest) else f"{stem}{INDEX_SUFFIX}"
-        return layout_by_size(sizes, request.shard_size, index_name)
+        return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index)
     if carried.shards is None:
         return None
     layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))

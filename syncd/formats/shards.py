@@ -314,8 +314,11 @@ def shard_file_names(count: int, weights_name: str = "model.safetensors") -> lis
     """`model-00001-of-00003.safetensors`...; one shard keeps the plain name, as save_pretrained does."""
     if count == 1:
         return [weights_name]
-    stem = weights_name.removesuffix(".safetensors")
-    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    return [_numbered(weights_name, i + 1, count) for i in range(count)]
+
+
+def _numbered(weights_name: str, number: int, count: int) -> str:
+    return f"{weights_name.removesuffix('.safetensors')}-{number:05d}-of-{count:05d}.safetensors"
 
 
 def render_index(
@@ -458,15 +461,24 @@ def _is_text_map(value: Any) -> bool:
 
 
 def layout_by_size(
-    sizes: Sequence[tuple[str, int]], max_shard_size: int | None, index_name: str = DEFAULT_INDEX_NAME
+    sizes: Sequence[tuple[str, int]],
+    max_shard_size: int | None,
+    index_name: str = DEFAULT_INDEX_NAME,
+    *,
+    always_index: bool = False,
 ) -> ShardLayout:
     """A fresh layout (for `--shard-size`): HF's greedy split over the tensors in the order given, its
-    file names, and `metadata.total_size`; `max_shard_size` None puts everything in one file."""
+    file names, and `metadata.total_size`; `max_shard_size` None puts everything in one file. One shard is
+    one plain file without an index, as save_pretrained writes it, unless `always_index`: then it is
+    `model-00001-of-00001.safetensors` and its index (a set whose name does not depend on its size)."""
     groups = [[name for name, _ in sizes]] if max_shard_size is None else split_greedy(sizes, max_shard_size)
-    names = shard_file_names(len(groups), _weights_name(index_name))
+    weights = _weights_name(index_name)
+    names = (
+        shard_file_names(len(groups), weights) if len(groups) > 1 or not always_index else [_numbered(weights, 1, 1)]
+    )
     total = sum(size for _, size in sizes)
     files = list(zip(names, groups, strict=True))
-    return ShardLayout(index_name, files, {"total_size": total}, with_index=len(files) > 1)
+    return ShardLayout(index_name, files, {"total_size": total}, with_index=len(files) > 1 or always_index)
 
 
 def _weights_name(index_name: str) -> str:
