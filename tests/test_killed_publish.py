@@ -184,28 +184,56 @@ def set_of(runs: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(runs.iterdir()) if p.name.startswith("model") and p.suffix != ".bpk"}
 
 
-def test_a_set_placed_by_a_daemon_killed_before_recording_it_is_adopted_then_updated(
-    tmp_path: Path, runs: Path
-) -> None:
-    """Each file of a set is recorded right before it is placed: after a kill at the record of the publish,
-    the set placed from the source as it still is is adopted (and said), and the next save replaces it."""
-    source = runs / "model.bpk"
-    node = Node(tmp_path / "node-a", runs, shared=False)
+def set_node(tmp_path: Path, name: str, runs: Path, shared: bool) -> Node:
+    node = Node(tmp_path / name, runs, shared)
     node.watch = Watch(path=runs, direction="bpk->safetensors")
-    save_bpk(source, 1, tmp_path / "v1")
-    node.killed_at_the_record_of_the_publish(source)
-    placed = set_of(runs)
-    assert len(placed) > 2 and "model.safetensors.index.json" in placed
+    return node
 
-    after = Node(tmp_path / "node-a", runs, shared=False)
-    after.watch = Watch(path=runs, direction="bpk->safetensors")
+
+def expected_set(seed: int, tmp_path: Path) -> dict[str, bytes]:
+    expected = tmp_path / f"expected-{seed}"
+    expected.mkdir()
+    save_bpk(expected / "model.bpk", seed, tmp_path / f"made-{seed}")
+    convert(ConvertRequest(source=expected / "model.bpk", dest=expected))
+    return set_of(expected)
+
+
+@pytest.mark.parametrize(
+    ("shared", "node"), [(False, "node-a"), (True, "node-a"), (True, "node-b")], ids=["local", "shared", "another-node"]
+)
+def test_a_set_placed_by_a_daemon_killed_before_recording_it_is_adopted_then_updated(
+    tmp_path: Path, runs: Path, shared: bool, node: str
+) -> None:
+    """Each file of a set is recorded right before it is placed (in the state, and in the claim for the other
+    nodes): after a kill at the record of the publish, the set placed from the source as it still is is
+    adopted (and said), and the next save replaces it."""
+    source = runs / "model.bpk"
+    save_bpk(source, 1, tmp_path / "v1")
+    set_node(tmp_path, "node-a", runs, shared).killed_at_the_record_of_the_publish(source)
+    placed = set_of(runs)
+    assert placed == expected_set(1, tmp_path)
+
+    after = set_node(tmp_path, node, runs, shared)
     assert after.process(source) is Status.IN_SYNC
     assert [json.loads(line)["reason"] for line in after.lines()[-1:]] == [PLACED_UNRECORDED]
     assert set_of(runs) == placed
     save_bpk(source, 2, tmp_path / "v2")
     assert after.process(source) is Status.UPDATED
-    expected = tmp_path / "expected"
-    expected.mkdir()
-    save_bpk(expected / "model.bpk", 2, tmp_path / "v2-again")
-    convert(ConvertRequest(source=expected / "model.bpk", dest=expected))
-    assert set_of(runs) == set_of(expected) != placed
+    assert set_of(runs) == expected_set(2, tmp_path) != placed
+
+
+def test_another_node_updates_a_set_published_by_the_first(tmp_path: Path, runs: Path) -> None:
+    """On a shared tree the claim records every file of the set published: another node, without the first
+    one's state, proves the set by it and updates it at the next save (and adopts it quietly before)."""
+    source = runs / "model.bpk"
+    save_bpk(source, 1, tmp_path / "v1")
+    assert set_node(tmp_path, "node-a", runs, shared=True).process(source) is Status.CONVERTED
+    other = set_node(tmp_path, "node-b", runs, shared=True)
+    assert other.process(source) is Status.IN_SYNC
+    save_bpk(source, 2, tmp_path / "v2")
+    assert other.process(source) is Status.UPDATED
+    assert set_of(runs) == expected_set(2, tmp_path)
+    shard = next(path for path in runs.iterdir() if "-of-" in path.name)
+    write_file(shard, shard.read_bytes())  # someone else's file now: the set is no longer provably syncd's
+    save_bpk(source, 3, tmp_path / "v3")
+    assert set_node(tmp_path, "node-a", runs, shared=True).process(source) is Status.SKIPPED

@@ -41,7 +41,7 @@ from pathlib import Path
 
 CLAIM_SUFFIX = ".syncd-claim"
 _NAME_MAX = 255  # bytes in one path component on Linux filesystems
-_RECORD_MAX = 64 * 1024  # a record is a few hundred bytes; anything longer is not ours
+_RECORD_MAX = 1 << 20  # a record is a few hundred bytes, a set's ~100 more per file; anything longer is not ours
 _FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # errors of flock that mean the filesystem offers no lock across nodes (a Lustre mount without -o flock)
 NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
@@ -78,16 +78,23 @@ class Published:
 
     source: str  # the source's file name, as the output's syncd.source metadata names it
     source_stamp: Stamp
-    dest_stamp: Stamp
+    dest_stamp: Stamp  # NOT_PLACED: a set's index not put in place yet (its shards are placed first)
     node: str = ""  # the host that published, for people reading the file
+    members: tuple[tuple[str, Stamp], ...] = ()  # a set: its other files, by name beside the output
 
     def to_doc(self) -> dict[str, object]:
-        return {
+        doc: dict[str, object] = {
             "source": self.source,
             "source_stamp": list(self.source_stamp),
             "dest_stamp": list(self.dest_stamp),
             "node": self.node,
         }
+        if self.members:
+            doc["members"] = {name: list(stamp) for name, stamp in self.members}
+        return doc
+
+    def member_stamp(self, name: str) -> Stamp | None:
+        return dict(self.members).get(name)
 
     def to_bytes(self) -> bytes:
         return _encode(self.to_doc())
@@ -102,11 +109,18 @@ class Published:
                 doc = doc[key]
             source, node = doc["source"], doc.get("node", "")
             source_stamp, dest_stamp = _stamp(doc["source_stamp"]), _stamp(doc["dest_stamp"])
-        except (ValueError, KeyError, TypeError):
+            members = [(name, _stamp(stamp)) for name, stamp in doc.get("members", {}).items()]
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
         if not isinstance(source, str) or not isinstance(node, str) or source_stamp is None or dest_stamp is None:
             return None
-        return cls(source, source_stamp, dest_stamp, node)
+        checked = tuple((name, stamp) for name, stamp in members if isinstance(name, str) and stamp is not None)
+        if len(checked) != len(members):
+            return None
+        return cls(source, source_stamp, dest_stamp, node, checked)
+
+
+NOT_PLACED: Stamp = (0, 0, 0, 0)  # no file has inode 0
 
 
 def _encode(doc: dict[str, object]) -> bytes:
@@ -194,6 +208,21 @@ def try_claim(dest: Path) -> Claim | None:
             os.close(fd)
             raise
         os.close(fd)  # removed (or replaced) between our open and our lock: take the one there now
+
+
+def sources_recorded(dest: Path) -> set[str]:
+    """The sources the claim file of `dest` records as converted into it (published, or about to be placed),
+    read without the claim: a hint about what a file is, never proof of whose `dest` is."""
+    try:
+        fd = os.open(claim_path(dest), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return set()
+    try:
+        claim = Claim(claim_path(dest), fd)
+        records = [claim.published(), claim.placing()] if stat.S_ISREG(os.fstat(fd).st_mode) else []
+    finally:
+        os.close(fd)
+    return {record.source for record in records if record is not None}
 
 
 def is_held(dest: Path) -> bool:

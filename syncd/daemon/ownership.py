@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from syncd.daemon.claims import Published, Stamp, stamp_of
+from syncd.daemon.claims import Published, Stamp, sources_recorded, stamp_of
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
-from syncd.daemon.state import StateDB
+from syncd.daemon.state import Placing, StateDB
 from syncd.engine import carry
 from syncd.engine.directions import converts_to
 from syncd.errors import ConflictError, SyncdError
@@ -102,7 +102,8 @@ def decide(
         return Decision(Action.CREATE)
     root = watch.mirror or watch.path
     if is_set_index(dest):
-        return _decide_set(state, watch, source, version, dest, root)
+        claimed = [(record, placed_only) for record, placed_only in ((published, False), (placing, True)) if record]
+        return _decide_set(state, watch, source, version, dest, root, claimed)
     ours = own_earlier_output(state, source, dest, root)
     if ours is not None:
         return Decision(Action.REPLACE, ours)
@@ -128,55 +129,77 @@ def decide(
 PLACED_UNRECORDED = "published by a syncd stopped before it could record the publish: recorded now"
 
 
-def _decide_set(state: StateDB, watch: Watch, source: Path, version: FileStamp, index: Path, root: Path) -> Decision:
-    """A sharded set at `index`: syncd's own set of this source is replaced, or adopted when this daemon placed
-    it from this very version and was stopped before recording it; anything else is someone else's. Only this
-    daemon's records prove a set (on a shared tree, a claim records the index alone: another node's set is
-    left as someone else's)."""
-    owned = own_earlier_set(state, source, index, root)
-    if owned is None:
-        return someone_elses(watch, index)
-    files, placed_from = owned
-    if placed_from is not None and not placed_from.changed(version):
-        return Decision(Action.IN_SYNC, said=PLACED_UNRECORDED, set_files=files)
-    return Decision(Action.REPLACE, set_files=files)
-
-
-def own_earlier_set(
-    state: StateDB, source: Path, index: Path, root: Path
-) -> tuple[dict[Path, FileStamp], FileStamp | None] | None:
-    """(every file of syncd's set of `source` at `index` with its identity now, and the version of `source`
-    they were all placed from when none was recorded as published since), or None unless each file there
-    -- the index, the shards it lists, the files recorded -- is exactly as the state recorded it: published
-    as a member of the set, or about to be placed from `source` (its ctime aside)."""
-    row = state.get(source)
-    ours = row is not None and row.dest is not None and os.fsencode(row.dest) == os.fsencode(index)
-    published = state.members(index) if ours else {}
-    placed = state.placed_from(source)
+def _decide_set(
+    state: StateDB,
+    watch: Watch,
+    source: Path,
+    version: FileStamp,
+    index: Path,
+    root: Path,
+    claimed: list[tuple[Published, bool]],
+) -> Decision:
+    """A sharded set at `index`. Every file there -- the index, the shards it lists, the files any record
+    names -- must be syncd's output of `source` by a record: this daemon's state (published as a member of
+    the set, or about to be placed), or the claim's (another node's publish or placing: `claimed`, with
+    whether each is a record of placing). Then the set is adopted where every record is of the source's
+    current version, else replaced; one file that no record proves makes it someone else's."""
     try:
         listed = read_index(index, root).files
     except SyncdError:
-        return None
-    candidates = {index, *(index.parent / name for name in listed), *map(Path, published), *map(Path, placed)}
+        return someone_elses(watch, index)
+    row = state.get(source)
+    ours = row is not None and row.dest is not None and os.fsencode(row.dest) == os.fsencode(index)
+    recorded = {Path(path): stamp for path, stamp in state.members(index).items()} if ours else {}
+    placed = {Path(path): entry for path, entry in state.placed_from(source).items()}
+    label = carry.file_label(source.name)
+    claimed = [(record, placed_only) for record, placed_only in claimed if record.source == label]
+    named = {index.parent / name for record, _ in claimed for name, _ in record.members}
     files: dict[Path, FileStamp] = {}
-    versions: set[FileStamp] = set()
-    for path in candidates:
+    current, by_placing = True, False
+    for path in {index, *(index.parent / name for name in listed), *recorded, *placed, *named}:
         try:
             info = os.lstat(path)
         except FileNotFoundError:
             continue  # a shard not written yet, or one removed: nothing there to replace
         now = FileStamp.of(info)
-        recorded = published.get(str(path))
-        placing = placed.get(str(path))
-        if stat.S_ISREG(info.st_mode) and recorded is not None and not recorded.changed(now):
-            files[path] = now
-        elif stat.S_ISREG(info.st_mode) and placing is not None and _placed_as(placing.output, now):
-            files[path] = now
-            versions.add(placing.version)
-        else:
-            return None
-    all_placed = len(versions) == 1 and not any(path in files for path in map(Path, published))
-    return files, (next(iter(versions)) if all_placed else None)
+        proof = (
+            _set_file_proof(path, index, info, recorded, placed, claimed, version)
+            if stat.S_ISREG(info.st_mode)
+            else None
+        )
+        if proof is None:
+            return someone_elses(watch, index)
+        current, by_placing = current and proof[0], by_placing or proof[1]
+        files[path] = now
+    if current:
+        return Decision(Action.IN_SYNC, said=PLACED_UNRECORDED if by_placing else None, set_files=files)
+    return Decision(Action.REPLACE, set_files=files)
+
+
+def _set_file_proof(
+    path: Path,
+    index: Path,
+    info: os.stat_result,
+    recorded: dict[Path, FileStamp],
+    placed: dict[Path, Placing],
+    claimed: list[tuple[Published, bool]],
+    version: FileStamp,
+) -> tuple[bool, bool] | None:
+    """(whether the record proving `path` is of the source's current version, whether it is a record of
+    placing), or None where no record proves it. Placing a file changed its ctime, which is not compared."""
+    now = FileStamp.of(info)
+    mine = recorded.get(path)
+    if mine is not None and not mine.changed(now):
+        return False, False  # an earlier version's (the current one, published and unchanged, is done already)
+    entry = placed.get(path)
+    if entry is not None and _placed_as(entry.output, now):
+        return not entry.version.changed(version), True
+    for record, placed_only in claimed:
+        stamp = record.dest_stamp if path == index else record.member_stamp(path.name)
+        compared = 3 if placed_only else 4
+        if stamp is not None and stamp[:compared] == stamp_of(info)[:compared]:
+            return record.source_stamp == source_stamp(version), placed_only
+    return None
 
 
 def _placed_as(recorded: FileStamp, now: FileStamp) -> bool:
@@ -244,8 +267,8 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
     """An output of ours names its source in metadata; converting it back would chase our own tail. Only
     while that source is there: an output copied alone into a tree is a checkpoint like any other.
 
-    A `source` this daemon converted (or was putting in place) into `dest` before is a checkpoint saved
-    again, whatever it names: a
+    A `source` this daemon (or, by the claim's record, another node) converted into `dest` before, or was
+    putting in place there, is a checkpoint saved again, whatever it names: a
     .bpk that `syncd convert` made from model.safetensors, copied into the tree and converted into
     model.safetensors, must be converted again at its next save. (The daemon's own outputs are known by its
     state before this is asked.)"""
@@ -254,6 +277,8 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
         return False
     placing = state.placing(dest)  # converted into it by a daemon killed before recording that
     if placing is not None and os.fsencode(placing.source) == os.fsencode(source):
+        return False
+    if carry.file_label(source.name) in sources_recorded(dest):  # by another node, on a shared tree
         return False
     try:
         with open_checkpoint(source, watch.path) as reader:

@@ -91,6 +91,7 @@ class _Job:
     finished: bool
     started: float
     base: dict = field(default_factory=dict)  # the sync log fields every line about it carries
+    placed: dict[Path, claims.Stamp] = field(default_factory=dict)  # the output files put in place so far
 
 
 _HELD = object()  # the claim is someone else's
@@ -412,12 +413,15 @@ class Syncer:
         the publish leaves a file no other record proves syncd's, which every later save of the source would
         then leave alone as someone else's."""
         self.state.record_placing(job.path, job.version, path, output)
-        if claim is not None and path == job.dest:
+        job.placed[path] = (output.ino, output.size, output.mtime_ns, output.ctime_ns)
+        if claim is not None and (path == job.dest or is_set_index(job.dest)):
+            # a set's shards are placed before its index: each record names every file placed so far
             placing = claims.Published(
                 carry.file_label(job.path.name),
                 ownership.source_stamp(job.version),
-                (output.ino, output.size, output.mtime_ns, output.ctime_ns),
+                job.placed.get(job.dest, claims.NOT_PLACED),
                 node=claims.this_node(),
+                members=tuple((file.name, stamp) for file, stamp in job.placed.items() if file != job.dest),
             )
             try:
                 claim.record_placing(placing)
@@ -448,8 +452,10 @@ class Syncer:
         self.state.record(path, version, dest, dest_version=dest_version, status=recorded, members=members)
         if claim is not None:
             stamps = ownership.source_stamp(version), claims.stamp_of(published)
+            others = tuple((file.name, claims.stamp_of(os.lstat(file))) for file in (members or ()) if file != dest)
             try:
-                claim.record(claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node()))
+                record = claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node(), members=others)
+                claim.record(record)
             except OSError as exc:  # published all the same: the other nodes then verify it by converting
                 log.warning("%s: cannot record the publish of %s (%s)", claim.path, dest, exc.strerror)
         self.readiness.converted(path)
