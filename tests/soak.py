@@ -6,6 +6,7 @@ exactly one output, equal to its conversion, and no scratch file may be left any
     .venv/bin/python tests/soak.py --kills 200 --seed 7
     .venv/bin/python tests/soak.py --shared --lose-state   # claims as on a shared filesystem; each restart
                                                            # without the state, as another node would be
+    .venv/bin/python tests/soak.py --sets          # Burn checkpoints published as sharded sets (shard_size)
 
 Prints one line per kill and a verdict; exits 1 on the first broken property.
 """
@@ -27,17 +28,25 @@ sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 from daemonutil import DaemonRun, scratch_files, wait_until
 from test_training_loop import checkpoint, conversion_of, rewrite_in_place, write_file
 
+from syncd.engine.convert import ConvertRequest, convert
+
 NAMES = 12  # distinct source names; each is created, rewritten and re-saved many times over
 
 
-def stream(runs: Path, rng: random.Random, versions: dict[str, int], seconds: float) -> None:
+SHARD_SIZE = 400_000  # --sets: the small checkpoints are one shard, the larger ones two or three
+
+
+def stream(runs: Path, rng: random.Random, versions: dict[str, int], seconds: float, sets: bool) -> None:
     """For `seconds`, write checkpoints as a training loop would: a new file, a re-save (new inode, renamed
-    into place), or an in-place rewrite of an existing one (same size, same inode)."""
+    into place), or an in-place rewrite of an existing one (same size, same inode). `sets`: Burn checkpoints
+    (.bpk), which the daemon publishes as sharded sets."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        name = f"ckpt-{rng.randrange(NAMES)}.safetensors"
+        name = f"ckpt-{rng.randrange(NAMES)}.{'bpk' if sets else 'safetensors'}"
         version = rng.randrange(1 << 30)
         data = checkpoint(version, layers=3, width=rng.choice((64, 256, 512)))
+        if sets:
+            data = conversion_of(data, "trainer.safetensors", runs.parent / "making")
         path = runs / name
         how = rng.random()
         if path.exists() and how < 0.4 and path.stat().st_size == len(data):
@@ -49,6 +58,32 @@ def stream(runs: Path, rng: random.Random, versions: dict[str, int], seconds: fl
             write_file(path, data)
         versions[name] = version
         time.sleep(rng.uniform(0.0, 0.15))
+
+
+def check_sets(runs: Path, work: Path) -> list[str]:
+    """Every .bpk has exactly its set (index and shards, nothing stale), each file the conversion's."""
+    problems = []
+    found = {p.name for p in runs.iterdir() if p.suffix != ".bpk" and not p.name.startswith(".")}
+    expected_names: set[str] = set()
+    for source in sorted(runs.glob("*.bpk")):
+        out = work / source.stem
+        out.mkdir(parents=True)
+        index = out / f"{source.stem}.safetensors.index.json"
+        shutil.copy(source, out / source.name)
+        convert(ConvertRequest(source=out / source.name, dest=index, shard_size=SHARD_SIZE, always_index=True))
+        for file in sorted(out.iterdir()):
+            if file.suffix == ".bpk":
+                continue
+            expected_names.add(file.name)
+            if not (runs / file.name).exists() or (runs / file.name).read_bytes() != file.read_bytes():
+                problems.append(f"{file.name} is not the conversion of {source.name}")
+        shutil.rmtree(out)
+    if found != expected_names:
+        problems.append(f"files {sorted(found - expected_names)} left, {sorted(expected_names - found)} missing")
+    leftovers = scratch_files(runs)
+    if leftovers:
+        problems.append(f"scratch files left: {[p.name for p in leftovers]}")
+    return problems
 
 
 def check(run: DaemonRun, runs: Path, work: Path) -> list[str]:
@@ -73,18 +108,24 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--shared", action="store_true", help="the watch is shared: outputs are claimed")
     parser.add_argument("--lose-state", action="store_true", help="wipe the state directory at every restart")
+    parser.add_argument("--sets", action="store_true", help="Burn checkpoints, published as sharded sets")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="syncd-soak-"))
     versions: dict[str, int] = {}
     settings = {"cluster": {"shared": True, "poll_interval": 0.5}} if args.shared else {}
-    with DaemonRun(root / "d", [{"path": "runs", "direction": "safetensors->bpk"}], **settings) as run:
+    watch = (
+        {"path": "runs", "direction": "bpk->safetensors", "shard_size": SHARD_SIZE}
+        if args.sets
+        else {"path": "runs", "direction": "safetensors->bpk"}
+    )
+    with DaemonRun(root / "d", [watch], **settings) as run:
         runs = run.watch_dir()
         for kill in range(1, args.kills + 1):
             if args.lose_state:
                 shutil.rmtree(run.state_dir, ignore_errors=True)
             run.start()
-            stream(runs, rng, versions, rng.uniform(0.5, 2.5))
+            stream(runs, rng, versions, rng.uniform(0.5, 2.5), args.sets)
             run.send(signal.SIGKILL)
             assert run.proc is not None
             run.proc.wait(30)
@@ -92,7 +133,7 @@ def main() -> int:
         run.start()
         wait_until(lambda: not scratch_files(runs), 120, "start-up cleaning the scratch files")
         run.quiet(5.0)
-        problems = check(run, runs, root / "expected")
+        problems = check_sets(runs, root / "expected") if args.sets else check(run, runs, root / "expected")
         code, _ = run.stop()
         if code != 0:
             problems.append(f"the last daemon exited {code}")
