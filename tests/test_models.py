@@ -369,6 +369,25 @@ def test_save_pretrained_converts_with_no_flags_and_reloads_bit_exact(tmp_path: 
     assert_same_state(model, type(model).from_pretrained(back, dtype=next(model.parameters()).dtype))
 
 
+def test_a_round_trip_names_norms_gamma_beta_where_the_pytorch_file_did(tmp_path: Path) -> None:
+    """ESM's save_pretrained writes its LayerNorms' parameters as gamma/beta (transformers' loader takes both
+    spellings). The .bpk records which norms were so named, and the way back names them so again: the same
+    file, tensor for tensor (it came back with weight/bias)."""
+    model = build("esm", 5)
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    source = saved / "model.safetensors"
+    assert any(name.endswith("LayerNorm.gamma") for name in read_safetensors(source).tensors)
+    convert(ConvertRequest(source=source))
+    recorded = json.loads(read_bpk(saved / "model.bpk").metadata["syncd.gamma_beta"])
+    assert recorded and all(path.endswith("LayerNorm") for path in recorded)
+    back = tmp_path / "back"
+    back.mkdir()
+    returned = convert(ConvertRequest(source=saved / "model.bpk", dest=back / "model.safetensors"))
+    assert read_safetensors(back / "model.safetensors").tensors == read_safetensors(source).tensors
+    assert any("as its PyTorch source named them" in line for line in returned.decisions), returned.decisions
+
+
 def test_gpt2_conv1d_is_kept_and_the_decisions_name_their_sources(tmp_path: Path) -> None:
     torch.manual_seed(1)
     model = _gpt2()

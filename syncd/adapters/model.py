@@ -115,6 +115,7 @@ class FileContext:
     config: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()  # what the convert layer found while gathering (e.g. an unreadable config.json)
     definition: ModelDefinition | None = None  # the module types of the model config.json names, if built
+    gamma_beta: frozenset[str] = frozenset()  # norms a syncd-made file records as named gamma/beta in PyTorch
 
 
 class PlanEntry(NamedTuple):
@@ -163,6 +164,8 @@ class AdapterPlan:
     # index gaps a Burn Vec cannot load, rules that matched nothing
     notes: list[str] = field(default_factory=list)
     guessed: dict[str, str] = field(default_factory=dict)  # module path -> why, for kinds a convention alone decided
+    # norms whose PyTorch parameters are named gamma/beta (converting to Burn): recorded for the way back
+    gamma_beta: frozenset[str] = frozenset()
 
     @property
     def is_identity(self) -> bool:

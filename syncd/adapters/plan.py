@@ -74,6 +74,7 @@ class _Step(NamedTuple):
     transpose: bool = False
 
 
+_BURN_NORM_LEAVES = frozenset({"gamma", "beta"})
 _step = functools.partial(tuple.__new__, _Step)  # _step((target, transpose))
 _DROPPED = _Step(None)
 
@@ -123,8 +124,12 @@ def plan_conversion(
     if not converting:
         decisions.append(f"nothing to adapt: identity plan ({_why_identity(source, to_layout)})")
     module_lines = []
+    module_steps: dict[str, _Step]
     for module, kind in classified:
-        module_steps, action = _module_steps(module, kind, to_layout) if converting else ({}, "unchanged")
+        if converting and to_layout == PYTORCH and module.path in context.gamma_beta and kind.kind in NORM_KINDS:
+            module_steps, action = {}, "unchanged: gamma/beta, as its PyTorch source named them (syncd.gamma_beta)"
+        else:
+            module_steps, action = _module_steps(module, kind, to_layout) if converting else ({}, "unchanged")
         steps.update(module_steps)
         if module.params:
             module_lines.append((module.label, f"{_kind_label(kind)} ({kind.reason}) -> {action}"))
@@ -139,6 +144,12 @@ def plan_conversion(
     plan.kinds = {module.path: kind.kind for module, kind in classified}
     plan.kinds.update({module.path: module.kind for module in packed if module.kind is not None})
     plan.packed = frozenset(t.name for module in packed for t in module.tensors.values())
+    if converting and to_layout == BURN:
+        plan.gamma_beta = frozenset(
+            module.path
+            for module, kind in classified
+            if kind.kind in NORM_KINDS and _BURN_NORM_LEAVES & module.params.keys()
+        )
     if guessed and converting:
         plan.decisions.append(guessed)
         plan.notes.append(guessed)

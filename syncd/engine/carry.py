@@ -39,6 +39,7 @@ SAFETENSORS_METADATA = "syncd.safetensors_metadata"
 # module path -> kind and why, for the kinds a naming convention alone decided: a wrong guess can be found
 GUESSED = "syncd.guessed"
 KINDS = "syncd.kinds"  # module path -> the kind it was converted as (the way back needs no map)
+GAMMA_BETA = "syncd.gamma_beta"  # norms whose PyTorch source named their parameters gamma/beta (ESM's LayerNorm)
 # a sharded set's layout, the names remap rules changed (final -> before), and a precision cast
 SHARDS = "syncd.shards"
 RENAMES = "syncd.renames"
@@ -66,6 +67,7 @@ class Carried:
     shards: ShardLayout | None = None
     renames: dict[str, str] = field(default_factory=dict)  # output name -> name before remapping
     precision: dict[str, Any] | None = None  # {"dtype": "F16", "tensors": [names cast, as written]}
+    gamma_beta: frozenset[str] = frozenset()  # module paths: kept gamma/beta on the way back
 
 
 def file_label(name: str) -> str:
@@ -235,6 +237,7 @@ def _parse_into(c: Carried, md: dict[str, str]) -> None:
     c.scalars = {str(k): _scalar(v) for k, v in (_json(md, SCALARS) or {}).items()}
     c.dropped = {str(k): _dropped(v) for k, v in (_json(md, DROPPED) or {}).items()}
     c.kinds = _kinds(_json(md, KINDS))
+    c.gamma_beta = _paths(_json(md, GAMMA_BETA))
     shards = _json(md, SHARDS)
     c.shards = None if shards is None else ShardLayout.from_json(shards)
     c.renames = _text_map(_json(md, RENAMES), RENAMES) or {}
@@ -247,6 +250,21 @@ def record_kinds(metadata: dict[str, str], layout: str, kinds: dict[str, str]) -
     decided = {path: kind for path, kind in kinds.items() if kind != "Unknown"}
     if layout in CARRIED_LAYOUTS and decided:
         metadata[KINDS] = dumps(decided)
+
+
+def record_gamma_beta(metadata: dict[str, str], paths: frozenset[str]) -> None:
+    """The norms a PyTorch file named `gamma`/`beta` (not `weight`/`bias`): the way back names them so again,
+    and the round trip gives the same file."""
+    if paths:
+        metadata[GAMMA_BETA] = dumps(sorted(paths))
+
+
+def _paths(value: Any) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or not all(isinstance(path, str) for path in value):
+        raise ValueError(f"{GAMMA_BETA} is not a list of module paths")
+    return frozenset(value)
 
 
 def record_guesses(metadata: dict[str, str], guessed: dict[str, str]) -> None:

@@ -265,6 +265,7 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         hashing.placeholder(request.hash_name),
     )
     carry.record_kinds(metadata, adapted.target_layout, adapted.kinds)
+    carry.record_gamma_beta(metadata, adapted.gamma_beta)
     carry.record_guesses(metadata, adapted.guessed)
     shards = _output_shards(request, target, source, carried, store, dest, specs)
     directory = dest if dest.is_dir() else dest.parent
@@ -307,7 +308,13 @@ def _adapt(
         # our own record of what we wrote, the file's metadata and the config.json beside it
         mapped = states_every_module(request.module_map, (ref.name for ref in refs))
         context = gather_context(
-            source.path, source.header.metadata, carried.layout, carried.kinds, mapped, len(source.tensors)
+            source.path,
+            source.header.metadata,
+            carried.layout,
+            carried.kinds,
+            mapped,
+            len(source.tensors),
+            carried.gamma_beta,
         )
         adapted = plan_conversion(
             refs,
