@@ -607,7 +607,8 @@ def test_a_watchs_shard_size_writes_a_set_and_keeps_it_up_to_date(
         else:
             assert sorted(set_files(runs)) == sorted(before)
             assert set_files(runs)[names[0]] != before[names[0]]
-        assert [r["status"] for r in run.records()] == ["started", "converted", "updated"], run.log_text()
+        removed = [] if shards == 1 else ["removed"] * 3  # the old layout's three shards (BF16: two now)
+        assert [r["status"] for r in run.records()] == ["started", "converted", *removed, "updated"], run.log_text()
 
 
 def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
@@ -720,7 +721,8 @@ def test_daemon_updates_the_set_it_wrote_at_the_bpks_next_save(
         assert len(expected) == (3 if shard_size is None else 2) + 1
         assert set_files(back) == expected
         run.quiet(1.0)
-        assert [r["status"] for r in run.records()] == ["started", "converted", "updated"], run.log_text()
+        removed = [] if shard_size is None else ["removed"] * 3  # the three shards of the old layout
+        assert [r["status"] for r in run.records()] == ["started", "converted", *removed, "updated"], run.log_text()
 
 
 @pytest.mark.daemon

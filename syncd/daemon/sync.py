@@ -459,6 +459,9 @@ class Syncer:
             except OSError as exc:  # published all the same: the other nodes then verify it by converting
                 log.warning("%s: cannot record the publish of %s (%s)", claim.path, dest, exc.strerror)
         self.readiness.converted(path)
+        for gone in result.removed:
+            why = f"a shard of the set published from {path.name} that its new layout no longer has"
+            self.synclog.log(Status.REMOVED, watch=base["watch"], source=str(gone), reason=why)
         self.synclog.log(
             status,
             **base,

@@ -129,6 +129,7 @@ class ConvertResult:
     left_out: list[str] = field(default_factory=list)  # excluded by the tensor filter
     cast: list[str] = field(default_factory=list)  # tensors whose precision changed
     files: list[Path] = field(default_factory=list)  # every file written (a set: its shards, then its index)
+    removed: list[Path] = field(default_factory=list)  # files of syncd's earlier set the new one no longer has
     notes: list[str] = field(default_factory=list)  # shown without -v: guesses by convention, index gaps
     source_notes: list[str] = field(default_factory=list)  # what of the source was taken and what was left
 
@@ -184,6 +185,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
         left_out=conversion.store.left_out,
         cast=sorted(conversion.store.casts),
         files=conversion.output_paths(),
+        removed=list(outcome.removed),
         notes=conversion.plan.notes,
         source_notes=source_notes(conversion.source.header.facts),
     )
@@ -561,7 +563,7 @@ def _write_set(c: Conversion) -> tuple[PublishResult, int]:
     save_pretrained writes, so no syncd metadata and no hash."""
     assert c.shards is not None
     progress = _SetProgress(sum(spec.nbytes for spec in c.specs), c.request.progress)
-    results = write_set(
+    results, removed = write_set(
         c.specs,
         c.shards,
         c.directory,
@@ -576,7 +578,7 @@ def _write_set(c: Conversion) -> tuple[PublishResult, int]:
     size = sum(os.stat(path).st_size for path in c.output_paths())
     statuses = {result.status for result in results}
     status: Published = "in_sync" if statuses == {"in_sync"} else "replaced" if "replaced" in statuses else "published"
-    return PublishResult(status, c.dest), size
+    return PublishResult(status, c.dest, tuple(removed)), size
 
 
 def _write_shard(

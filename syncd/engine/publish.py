@@ -117,6 +117,7 @@ class PublishResult:
 
     status: Published
     path: Path
+    removed: tuple[Path, ...] = ()  # a set: files of syncd's earlier set that the new one no longer has
 
 
 class Scratch:

@@ -51,7 +51,7 @@ def write_set(
     source: Path | None = None,
     replace_if: Mapping[Path, FileStamp] | None = None,
     before_placing: Callable[[Path, FileStamp], None] | None = None,
-) -> list[PublishResult]:
+) -> tuple[list[PublishResult], list[Path]]:
     """Lay out each shard, have it written and checked (`write_shard(scratch, header bytes, file size,
     [(spec, absolute start)...])`), then publish the set; returns one result per file.
 
@@ -59,7 +59,8 @@ def write_set(
     still have): those files are replaced, each only while still exactly that file, and those the new set
     does not have are removed once its index is in place, unless changed. Anything else already at one of
     the set's names is never replaced: refused before anything is written.
-    `before_placing(path, identity)` runs right before each file is put in place."""
+    `before_placing(path, identity)` runs right before each file is put in place. Returns the results, and
+    the files of the earlier set removed."""
     check_layout_covers(layout, specs, str(directory / layout.index_name))
     owned = dict(replace_if or {})
     paths = set_paths(layout, directory)
@@ -93,10 +94,8 @@ def write_set(
             )
             for scratch in scratches
         ]
-    for path, identity in owned.items():
-        if path not in paths:
-            _remove_if_unchanged(path, identity)
-    return results
+    removed = [path for path, identity in owned.items() if path not in paths and _remove_if_unchanged(path, identity)]
+    return results, removed
 
 
 def _check_still_ours(path: Path, identity: FileStamp) -> None:
@@ -119,14 +118,16 @@ def _placing_call(
     return lambda: before_placing(scratch.dest, FileStamp.of_fd(scratch.fd))
 
 
-def _remove_if_unchanged(path: Path, identity: FileStamp) -> None:
+def _remove_if_unchanged(path: Path, identity: FileStamp) -> bool:
     """A file of syncd's earlier set that the new one does not have (fewer shards now): removed unless it
-    changed since (then it is someone else's, and stays)."""
+    changed since (then it is someone else's, and stays). True if removed."""
     try:
-        if not identity.changed(FileStamp.of(os.lstat(path))):
-            os.unlink(path)
+        if identity.changed(FileStamp.of(os.lstat(path))):
+            return False
+        os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def _write(scratch: Scratch, write: Callable[[int], object]) -> None:
