@@ -33,7 +33,7 @@ from syncd.engine.convert import ConvertRequest, convert
 NAMES = 12  # distinct source names; each is created, rewritten and re-saved many times over
 
 
-SHARD_SIZE = 400_000  # --sets: the small checkpoints are one shard, the larger ones two or three
+SHARD_SIZE = 400_000  # --sets: the small checkpoints are one shard, the larger ones two or four
 
 
 def stream(runs: Path, rng: random.Random, versions: dict[str, int], seconds: float, sets: bool) -> None:

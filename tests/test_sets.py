@@ -3,13 +3,14 @@ the real CLI and the real daemon, from_pretrained on what comes back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -698,6 +699,18 @@ def saved_as_a_trainer_saves(data: Path, dest: Path) -> None:
     os.rename(dest.with_name(dest.name + ".part"), dest)
 
 
+@contextlib.contextmanager
+def set_published_by_a_daemon(bpk: Path, tmp_path: Path) -> Iterator[tuple[DaemonRun, Path]]:
+    """A running daemon that has turned `bpk`, saved into runs/back, back into its set: (the daemon, back)."""
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
+        run.start()
+        back = run.watch_dir("runs") / "back"
+        back.mkdir()
+        saved_as_a_trainer_saves(bpk, back / "model.bpk")
+        run.wait_for("converted", [back / "model.bpk"])
+        yield run, back
+
+
 @pytest.mark.daemon
 @pytest.mark.parametrize("shard_size", [None, "60KB"], ids=["same-layout", "fewer-shards"])
 def test_daemon_updates_the_set_it_wrote_at_the_bpks_next_save(
@@ -708,12 +721,7 @@ def test_daemon_updates_the_set_it_wrote_at_the_bpks_next_save(
     then as someone else's files.)"""
     first = set_bpk(saves, tmp_path / "first")
     second = set_bpk(saves, tmp_path / "second", "--precision", "bf16", shard_size=shard_size)
-    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
-        run.start()
-        back = run.watch_dir("runs") / "back"
-        back.mkdir()
-        saved_as_a_trainer_saves(first, back / "model.bpk")
-        run.wait_for("converted", [back / "model.bpk"])
+    with set_published_by_a_daemon(first, tmp_path) as (run, back):
         assert set_files(back) == converted_set(first, tmp_path / "expected-first")
         saved_as_a_trainer_saves(second, back / "model.bpk")
         run.wait_for("updated", [back / "model.bpk"])
@@ -731,12 +739,7 @@ def test_daemon_leaves_its_set_alone_once_someone_changed_a_shard(saves: dict[st
     replaced at the .bpk's next save (on_exists: skip)."""
     first = set_bpk(saves, tmp_path / "first")
     second = set_bpk(saves, tmp_path / "second", "--precision", "bf16")
-    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
-        run.start()
-        back = run.watch_dir("runs") / "back"
-        back.mkdir()
-        saved_as_a_trainer_saves(first, back / "model.bpk")
-        run.wait_for("converted", [back / "model.bpk"])
+    with set_published_by_a_daemon(first, tmp_path) as (run, back):
         shard = back / "model-00002-of-00003.safetensors"
         shard.write_bytes(shard.read_bytes())  # the same bytes, written again: someone else's file now
         before = set_files(back)
