@@ -237,3 +237,22 @@ def test_another_node_updates_a_set_published_by_the_first(tmp_path: Path, runs:
     write_file(shard, shard.read_bytes())  # someone else's file now: the set is no longer provably syncd's
     save_bpk(source, 3, tmp_path / "v3")
     assert set_node(tmp_path, "node-a", runs, shared=True).process(source) is Status.SKIPPED
+
+
+def test_a_stale_claim_record_does_not_make_an_output_a_source_on_another_node(tmp_path: Path, runs: Path) -> None:
+    """model.bpk's claim still records its conversion from a model.safetensors since replaced by the daemon's
+    own output of a new model.bpk: that record no longer describes model.bpk, so the other node takes the
+    output for what it is, the daemon's (nothing logged), not for a source whose destination is someone
+    else's (it logged `skipped`)."""
+    pytorch, burn = runs / "model.safetensors", runs / "model.bpk"
+    node = Node(tmp_path / "node-a", runs, shared=True)
+    node.watch = Watch(path=runs, direction="both")
+    write_file(pytorch, checkpoint(1, width=16))
+    assert node.process(pytorch) is Status.CONVERTED  # the claim of model.bpk records model.safetensors
+    pytorch.unlink()
+    write_file(burn, conversion_of(checkpoint(2, width=16), "trainer.safetensors", tmp_path / "trainer"))
+    assert node.process(burn) is Status.CONVERTED  # a Burn job's save: model.safetensors is its conversion
+    other = Node(tmp_path / "node-b", runs, shared=True)
+    other.watch = Watch(path=runs, direction="both")
+    assert other.process(pytorch) is None
+    assert other.lines() == []

@@ -210,19 +210,20 @@ def try_claim(dest: Path) -> Claim | None:
         os.close(fd)  # removed (or replaced) between our open and our lock: take the one there now
 
 
-def sources_recorded(dest: Path) -> set[str]:
-    """The sources the claim file of `dest` records as converted into it (published, or about to be placed),
-    read without the claim: a hint about what a file is, never proof of whose `dest` is."""
+def records_of(dest: Path) -> tuple[Published | None, Published | None]:
+    """The claim file's records of `dest` (the last publish, an output about to be placed), read without
+    taking the claim: what a holder may be rewriting, so a hint, never proof of whose `dest` is."""
     try:
         fd = os.open(claim_path(dest), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return set()
+        return None, None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, None
         claim = Claim(claim_path(dest), fd)
-        records = [claim.published(), claim.placing()] if stat.S_ISREG(os.fstat(fd).st_mode) else []
+        return claim.published(), claim.placing()
     finally:
         os.close(fd)
-    return {record.source for record in records if record is not None}
 
 
 def is_held(dest: Path) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from syncd.daemon.claims import Published, Stamp, sources_recorded, stamp_of
+from syncd.daemon.claims import Published, Stamp, records_of, stamp_of
 from syncd.daemon.config import Watch
 from syncd.daemon.names import is_candidate
 from syncd.daemon.state import Placing, StateDB
@@ -278,8 +278,10 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
     placing = state.placing(dest)  # converted into it by a daemon killed before recording that
     if placing is not None and os.fsencode(placing.source) == os.fsencode(source):
         return False
-    if carry.file_label(source.name) in sources_recorded(dest):  # by another node, on a shared tree
-        return False
+    published, placing_there = records_of(dest)  # by another node, on a shared tree: while `dest` is still that
+    for record, placed_only in ((published, False), (placing_there, True)):
+        if record is not None and published_by_syncd(record, source, dest, placed_only=placed_only) is not None:
+            return False
     try:
         with open_checkpoint(source, watch.path) as reader:
             source_name = reader.header.metadata.get(carry.SOURCE)
