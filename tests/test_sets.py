@@ -612,6 +612,33 @@ def test_a_watchs_shard_size_writes_a_set_and_keeps_it_up_to_date(
         assert [r["status"] for r in run.records()] == ["started", "converted", *removed, "updated"], run.log_text()
 
 
+@pytest.mark.daemon
+def test_a_set_is_found_in_sync_without_the_state_and_stays_the_daemons_to_update(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A set carries no syncd.source: with the state lost, the daemon converts the .bpk and compares, file by
+    file. The same bytes: in sync, and its own from then on, so the next save updates it. (It was skipped as
+    someone else's, for good.)"""
+    bpk = single_bpk(saves, tmp_path)
+    (tmp_path / "again").mkdir()
+    again = single_bpk(saves, tmp_path / "again", "--precision", "bf16")
+    watch = {"path": "runs", "direction": "bpk->safetensors", "shard_size": "40KB"}
+    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        run.wait_for("converted", [runs / "model.bpk"])
+        published = set_files(runs)
+        run.stop()
+        shutil.rmtree(run.state_dir)
+        run.start()
+        run.wait_for("in_sync", [runs / "model.bpk"])
+        assert set_files(runs) == published
+        saved_as_a_trainer_saves(again, runs / "model.bpk")
+        run.wait_for("updated", [runs / "model.bpk"])
+        assert set_files(runs) == converted_set_of(again, tmp_path / "expected", "--shard-size", "40KB")
+
+
 def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

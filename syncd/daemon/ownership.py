@@ -142,7 +142,9 @@ def _decide_set(
     names -- must be syncd's output of `source` by a record: this daemon's state (published as a member of
     the set, or about to be placed), or the claim's (another node's publish or placing: `claimed`, with
     whether each is a record of placing). Then the set is adopted where every record is of the source's
-    current version, else replaced; one file that no record proves makes it someone else's."""
+    current version, else replaced. Where a file has no record (the state was lost, or the set is someone
+    else's) the set is verified: converted, and in sync only if every file holds exactly those bytes, for a
+    set carries no `syncd.source` that would say whether it is worth comparing."""
     try:
         listed = read_index(index, root).files
     except SyncdError:
@@ -168,7 +170,7 @@ def _decide_set(
             else None
         )
         if proof is None:
-            return someone_elses(watch, index)
+            return Decision(Action.VERIFY)
         current, by_placing = current and proof[0], by_placing or proof[1]
         files[path] = now
     if current:

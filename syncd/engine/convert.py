@@ -574,6 +574,7 @@ def _write_set(c: Conversion) -> tuple[PublishResult, int]:
         source=Path(c.source.path),
         replace_if=c.request.replace_set,
         before_placing=c.request.before_placing,
+        compare_existing=not c.request.fail_early_if_exists,
     )
     size = sum(os.stat(path).st_size for path in c.output_paths())
     statuses = {result.status for result in results}

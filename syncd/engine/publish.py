@@ -448,6 +448,17 @@ def _renameat2(src: Path, dst: Path, flags: int, *, via_syscall: bool = False) -
         raise OSError(code, os.strerror(code), str(src), None, str(dst))
 
 
+def refuse_if_different(scratch: Scratch, source: Path | None) -> None:
+    """Before anything of a set is placed: a file already at this part's destination must hold exactly its
+    bytes (then publishing it finds it in sync), else ConflictError, as publishing it would raise."""
+    if os.path.lexists(scratch.dest) and _compare_with_destination(scratch) != "same":
+        what = f"the output of {source}" if source is not None else "the new output"
+        raise ConflictError(
+            f"file already exists with content different from {what}; nothing was replaced. " + _OVERWRITE_HINT,
+            str(scratch.dest),
+        )
+
+
 def _compare_with_destination(scratch: Scratch) -> Literal["same", "different", "not_a_file"]:
     """Compare our bytes with the destination's without following a symlink or blocking on a FIFO."""
     try:

@@ -15,7 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from syncd.engine.publish import PublishResult, Scratch, ensure_destination_free, open_scratch, publish
+from syncd.engine.publish import (
+    PublishResult,
+    Scratch,
+    ensure_destination_free,
+    open_scratch,
+    publish,
+    refuse_if_different,
+)
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats.fileio import FileStamp, pwrite_all
 from syncd.formats.safetensors import plan_safetensors
@@ -51,6 +58,7 @@ def write_set(
     source: Path | None = None,
     replace_if: Mapping[Path, FileStamp] | None = None,
     before_placing: Callable[[Path, FileStamp], None] | None = None,
+    compare_existing: bool = False,
 ) -> tuple[list[PublishResult], list[Path]]:
     """Lay out each shard, have it written and checked (`write_shard(scratch, header bytes, file size,
     [(spec, absolute start)...])`), then publish the set; returns one result per file.
@@ -58,7 +66,9 @@ def write_set(
     `replace_if`: syncd's own earlier set (every file of it, its index included, with the identity each must
     still have): those files are replaced, each only while still exactly that file, and those the new set
     does not have are removed once its index is in place, unless changed. Anything else already at one of
-    the set's names is never replaced: refused before anything is written.
+    the set's names is never replaced: refused before anything is written, or with `compare_existing`, once
+    the set is written, before anything is placed, unless it holds exactly the bytes written (then that file
+    is in sync: a set already there is found to be this conversion, as a single output is).
     `before_placing(path, identity)` runs right before each file is put in place. Returns the results, and
     the files of the earlier set removed."""
     check_layout_covers(layout, specs, str(directory / layout.index_name))
@@ -68,7 +78,7 @@ def write_set(
         for path in paths:
             if path in owned:
                 _check_still_ours(path, owned[path])
-            else:
+            elif not compare_existing:
                 ensure_destination_free(path)
     by_name = {spec.name: spec for spec in specs}
     with ExitStack() as stack:
@@ -84,6 +94,10 @@ def write_set(
             _write(index, lambda fd: pwrite_all(fd, layout.index_bytes(), 0))
             scratches.append(index)
         before_publish()
+        if compare_existing and not replace:
+            for scratch in scratches:
+                if scratch.dest not in owned:
+                    refuse_if_different(scratch, source)
         results = [
             publish(
                 scratch,
