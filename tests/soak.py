@@ -107,9 +107,17 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--shared", action="store_true", help="the watch is shared: outputs are claimed")
-    parser.add_argument("--lose-state", action="store_true", help="wipe the state directory at every restart")
+    parser.add_argument(
+        "--lose-state",
+        action="store_true",
+        help="wipe the state directory at every restart (with --shared: the claims' records then prove the outputs)",
+    )
     parser.add_argument("--sets", action="store_true", help="Burn checkpoints, published as sharded sets")
     args = parser.parse_args()
+    if args.lose_state and not args.shared:
+        # without the state and without claims nothing proves an output of an older version of its source
+        # syncd's (docs/daemon.md): every source saved while no record was kept would fail the check
+        parser.error("--lose-state needs --shared")
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="syncd-soak-"))
     versions: dict[str, int] = {}
