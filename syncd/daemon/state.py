@@ -8,7 +8,8 @@ first schema were never filled; they stay so that existing databases need no mig
 Paths are stored as bytes (os.fsencode), so names that are not valid UTF-8 round-trip exactly. One
 connection serves all threads behind a lock: the statements are tiny and the daemon's work is elsewhere.
 The database is a cache: if it is corrupt (or from a newer syncd) it is moved aside and a fresh one started,
-with a warning; the worst outcome is that outputs are re-checked against their sources.
+with a warning. Outputs are then re-checked against their sources: one that is no longer the conversion of its
+source as it is now is no longer provably syncd's, unless a claim's record proves it (docs/daemon.md).
 """
 
 from __future__ import annotations
