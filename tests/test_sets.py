@@ -761,6 +761,19 @@ def test_daemon_updates_the_set_it_wrote_at_the_bpks_next_save(
 
 
 @pytest.mark.daemon
+def test_a_shard_removed_from_its_set_is_written_again_at_the_next_save(saves: dict[str, Path], tmp_path: Path) -> None:
+    """Someone deleted one shard of the daemon's set: what is left is still its own, and the next save writes
+    the whole set again."""
+    first = set_bpk(saves, tmp_path / "first")
+    second = set_bpk(saves, tmp_path / "second", "--precision", "bf16")
+    with set_published_by_a_daemon(first, tmp_path) as (run, back):
+        (back / "model-00002-of-00003.safetensors").unlink()
+        saved_as_a_trainer_saves(second, back / "model.bpk")
+        run.wait_for("updated", [back / "model.bpk"])
+        assert set_files(back) == converted_set(second, tmp_path / "expected-second")
+
+
+@pytest.mark.daemon
 def test_daemon_leaves_its_set_alone_once_someone_changed_a_shard(saves: dict[str, Path], tmp_path: Path) -> None:
     """One shard of the set rewritten by someone: the set is no longer provably syncd's, and nothing of it is
     replaced at the .bpk's next save (on_exists: skip)."""
