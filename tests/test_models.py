@@ -494,6 +494,34 @@ def test_experts_written_back_on_save_convert_as_linears_by_the_models_definitio
         assert torch.allclose(theirs, ours, atol=1e-5), (model_type, expert)
 
 
+@pytest.mark.parametrize("model_type", EXPERTS_WRITTEN_BACK)
+def test_experts_convert_without_transformers_as_with_it_once_the_router_is_mapped(
+    model_type: str, tmp_path: Path
+) -> None:
+    """Without transformers (the daemon's own install) the names decide: Mixtral's experts.N.w1/w2/w3 (Meta's own
+    w1/w2/w3), Qwen's gate_proj/up_proj/down_proj are Linears. Each router (`gate`, a module of its own in
+    transformers 5) is left to a map, and the refusal prints it; with that map, as printed, every other tensor
+    is what the model's definition gives (whose experts the test above computes)."""
+    model = build(model_type, 3)
+    model.save_pretrained(tmp_path)
+    source = tmp_path / "model.safetensors"
+    convert(ConvertRequest(source=source, dest=tmp_path / "defined.bpk"))
+    refused = run_cli("convert", source, "-o", tmp_path / "named.bpk", hide=("transformers",))
+    assert refused.returncode != 0 and "gate" in refused.stderr.splitlines()[0], refused.stderr
+    printed = refused.stderr.split("\n", 1)[1]  # after the error line: the map that settles it
+    (tmp_path / "map.yaml").write_text(printed)
+    mapped = yaml.safe_load(printed)["modules"]
+    done = run_cli(
+        "convert", source, "-o", tmp_path / "named.bpk", "--modules", tmp_path / "map.yaml", hide=("transformers",)
+    )
+    assert done.returncode == 0, done.stderr
+    rules = ModuleMap.from_dict({"modules": mapped})
+    named, defined = read_bpk(tmp_path / "named.bpk").tensors, read_bpk(tmp_path / "defined.bpk").tensors
+    unmapped = [name for name in defined if rules.lookup(name.rpartition(".")[0]) is None]
+    assert len(unmapped) > len(defined) // 2
+    assert {name: named[name] for name in unmapped} == {name: defined[name] for name in unmapped}
+
+
 def _f32(tensor: Tensor) -> torch.Tensor | None:
     if tensor.dtype != "F32":
         return None
@@ -509,12 +537,10 @@ BARE_REFUSALS: dict[str, dict[str, str] | None] = {
     "gpt2": {"**.c_proj": "LinearInOut"},  # attn.c_proj is square: Linear and Conv1D look alike
     "llama-untied": None,
     "llama-tied-bf16": None,
-    # T5 names its projections q, k, v, o, wi, wo: no convention says Linear
+    # T5 names its attention's projections q, k, v, o: no convention says Linear (its wi, wo do)
     "t5": {
         "**.[koqv]": "Linear",
         "**.relative_attention_bias": "Embedding",
-        "**.wi": "Linear",
-        "**.wo": "Linear",
     },
     "whisper": None,
     "vit": None,
