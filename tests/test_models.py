@@ -492,34 +492,54 @@ def test_experts_written_back_on_save_convert_as_linears_by_the_models_definitio
                 hidden = experts.act_fn(both[:, :inner]) * both[:, inner:]
             ours = hidden @ burn_weight(down[expert])
         assert torch.allclose(theirs, ours, atol=1e-5), (model_type, expert)
+    # the router (transformers 5: a module of its own applying F.linear to its weight; HunYuan's: an
+    # nn.Linear `wg` in it): Burn's Linear too
+    router = next(
+        m
+        for n, m in model.named_modules()
+        if n.endswith(("mlp.gate", "mlp.router", "gate.wg")) and hasattr(m, "weight")
+    )
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x, router.weight)
+    assert torch.allclose(logits, x @ burn_weight(router.weight.detach()), atol=1e-6), model_type
+
+
+# refused without transformers, and a module of each that no convention names
+NAMES_DO_NOT_DECIDE = {
+    "deepseek_v2": "kv_a_proj_with_mqa",
+    "deepseek_v4": "wgate",
+    "hunyuan_v1_moe": "gate.wg",
+}
 
 
 @pytest.mark.parametrize("model_type", EXPERTS_WRITTEN_BACK)
-def test_experts_convert_without_transformers_as_with_it_once_the_router_is_mapped(
-    model_type: str, tmp_path: Path
-) -> None:
+def test_experts_convert_without_transformers_as_with_it(model_type: str, tmp_path: Path) -> None:
     """Without transformers (the daemon's own install) the names decide: Mixtral's experts.N.w1/w2/w3 (Meta's own
-    w1/w2/w3), Qwen's gate_proj/up_proj/down_proj are Linears. Each router (`gate`, a module of its own in
-    transformers 5) is left to a map, and the refusal prints it; with that map, as printed, every other tensor
-    is what the model's definition gives (whose experts the test above computes)."""
+    w1/w2/w3), Qwen's gate_proj/up_proj/down_proj, each router `gate`: Linears. The file is then the very file
+    the model's definition gives (whose experts and router the test above computes). Where a name decides
+    nothing the conversion is refused, and with the map it prints every other tensor is that file's."""
     model = build(model_type, 3)
     model.save_pretrained(tmp_path)
     source = tmp_path / "model.safetensors"
     convert(ConvertRequest(source=source, dest=tmp_path / "defined.bpk"))
-    refused = run_cli("convert", source, "-o", tmp_path / "named.bpk", hide=("transformers",))
-    assert refused.returncode != 0 and "gate" in refused.stderr.splitlines()[0], refused.stderr
-    printed = refused.stderr.split("\n", 1)[1]  # after the error line: the map that settles it
+    named = run_cli("convert", source, "-o", tmp_path / "named.bpk", hide=("transformers",))
+    defined = read_bpk(tmp_path / "defined.bpk").tensors
+    if model_type not in NAMES_DO_NOT_DECIDE:
+        assert named.returncode == 0, named.stderr
+        assert read_bpk(tmp_path / "named.bpk").tensors == defined
+        return
+    assert named.returncode != 0 and NAMES_DO_NOT_DECIDE[model_type] in named.stderr.splitlines()[0], named.stderr
+    printed = named.stderr.split("\n", 1)[1]  # after the error line: the map that settles it
     (tmp_path / "map.yaml").write_text(printed)
-    mapped = yaml.safe_load(printed)["modules"]
+    mapped = ModuleMap.from_dict({"modules": yaml.safe_load(printed)["modules"]})
     done = run_cli(
         "convert", source, "-o", tmp_path / "named.bpk", "--modules", tmp_path / "map.yaml", hide=("transformers",)
     )
     assert done.returncode == 0, done.stderr
-    rules = ModuleMap.from_dict({"modules": mapped})
-    named, defined = read_bpk(tmp_path / "named.bpk").tensors, read_bpk(tmp_path / "defined.bpk").tensors
-    unmapped = [name for name in defined if rules.lookup(name.rpartition(".")[0]) is None]
+    converted = read_bpk(tmp_path / "named.bpk").tensors
+    unmapped = [name for name in defined if mapped.lookup(name.rpartition(".")[0]) is None]
     assert len(unmapped) > len(defined) // 2
-    assert {name: named[name] for name in unmapped} == {name: defined[name] for name in unmapped}
+    assert {name: converted[name] for name in unmapped} == {name: defined[name] for name in unmapped}
 
 
 def _f32(tensor: Tensor) -> torch.Tensor | None:

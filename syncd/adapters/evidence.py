@@ -22,9 +22,8 @@ TABLE_FILE = "architectures.yaml"
 # path segment. They settle only what the tensors leave open (a bias-free 2-D weight, a lone 1-D weight or
 # gamma); a module whose tensors contradict its name keeps what its tensors say.
 # Also Meta's own Llama and Mistral names (attention.wq/wk/wv/wo, feed_forward.w1/w2/w3, kept by Mixtral's
-# experts.N.w1/w2/w3) and T5's feed-forward wi/wo: each an nn.Linear, or a weight its model applies with
-# F.linear. (Not a mixture of experts' router, `gate`: transformers 5 holds it in a module of its own, which
-# the model's definition keeps as it is; a name must not decide otherwise.)
+# experts.N.w1/w2/w3), T5's feed-forward wi/wo, and a mixture of experts' router (`mlp.gate`, `router`,
+# `shared_expert_gate`): each an nn.Linear, or a weight its model applies with F.linear.
 LINEAR_NAMES = (
     "*_proj",
     "proj",
@@ -44,6 +43,9 @@ LINEAR_NAMES = (
     "w1",
     "w2",
     "w3",
+    "gate",
+    "*_gate",
+    "router",
 )
 EMBEDDING_NAMES = ("emb", "embed*", "*_emb", "*embedding*", "wte", "wpe", "shared")
 NORM_NAMES = ("ln", "ln_*", "*_ln", "*norm*", "*rms*")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import re
@@ -289,7 +290,41 @@ def module_kind(module: Any, torch: Any) -> str | None:
         return type_name_of_conv(module, nn)
     if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
         return LINEAR_IN_OUT  # GPT-2's Conv1D: a Linear whose weight is stored [in, out]
+    if _applies_its_weight_as_a_linear(module):
+        return LINEAR
     return _named_norm(module)
+
+
+def _applies_its_weight_as_a_linear(module: Any) -> bool:
+    """A model's own class that is an nn.Linear in all but its type: a 2-D `weight` (and a bias of its rows)
+    that its forward passes whole to `linear` (transformers 5's mixture-of-experts routers, MixtralTopKRouter:
+    `F.linear(hidden_states, self.weight)`, an nn.Linear in transformers 4 and in a Burn port), cast to
+    another dtype at most. A weight transposed, scaled or sliced on the way is not passed whole, and the
+    module stays Other."""
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None or weight.dim() != 2 or set(params) - {"weight", "bias"}:
+        return False
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        return False
+    return _forward_passes_its_weight_to_linear(module.__class__)
+
+
+# `linear(<first argument, one level of parentheses>, self.weight` then `,` or `)`: the weight as it is, or
+# cast (`.type(torch.float32)`, `.float()`, `.to(dtype)`: its elements converted, its layout the same)
+_LINEAR_OF_OWN_WEIGHT = re.compile(
+    r"\blinear\((?:[^()]|\([^()]*\))*?,\s*self\.weight"
+    r"(?:\.(?:type|to)\([^()]*\)|\.(?:float|half|bfloat16|double)\(\))?\s*[,)]"
+)
+
+
+@functools.cache
+def _forward_passes_its_weight_to_linear(cls: Any) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return _LINEAR_OF_OWN_WEIGHT.search(source) is not None
 
 
 def type_name_of_conv(module: Any, nn: Any) -> str | None:
