@@ -43,20 +43,21 @@ import math
 import mmap
 import os
 import queue
-import random
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from syncd.engine.hashing import DEFAULT_HASH, Hasher, block_digest, new_hasher
 from syncd.engine.write.checks import Entry, Run, WriteLedger
 from syncd.errors import FormatError, VerificationError
 from syncd.formats.fileio import FileStamp, pwrite_all, source_changed
 from syncd.formats.table import Buffer
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 BLOCK_BYTES = 2 << 20  # copy pieces: well under L2+L3, measured to keep pread/pwrite cheap
 SLOT_BYTES = 16 << 20  # largest transpose read in one piece; larger ones go in strips of the strip buffer
@@ -67,9 +68,12 @@ INLINE_BYTES = 16 << 20  # sources up to this size are converted on the calling 
 MIN_COLUMN_PIECE = 512  # shortest row piece a tensor taken by columns reads (below it: strips)
 SUMS_BYTES = 16 << 20  # the checksums binding the two reads of one tensor taken by columns, at most
 RING_BYTES = 112 << 20  # all slots together; with the strip buffer, the buffer memory whatever the model
-# seeds of the sample positions of the in-cache checks: a private generator, seeded from the OS, so that
-# neither a caller's random.seed() nor its use of the module's generator makes the positions predictable
-_SEEDS = random.Random()
+
+
+def _seed() -> int:
+    """A seed of the sample positions of the in-cache checks, from the OS: nothing a caller does with
+    `random` makes the positions predictable (and that module's import is left to whoever needs it)."""
+    return int.from_bytes(os.urandom(8), "little")
 
 
 def _preadv(fd: int, buf: memoryview, offset: int) -> int:
@@ -240,7 +244,7 @@ class _Bound:
 
     def __init__(self, rows: int, groups: int, piece: int, contributors: int) -> None:
         self.groups, self.piece = groups, piece  # piece: the bytes of a row's piece of a group (the last: less)
-        self.seed = _SEEDS.getrandbits(64)
+        self.seed = _seed()
         self.hashed = bytearray(rows * groups * 8)
         self.converted = bytearray(rows * groups * 8)
         self.left = contributors
@@ -413,6 +417,8 @@ class OnePass:
             for job in self._all_jobs():
                 job[0](*job[1:])
             return self._hasher.hexdigest()
+        from concurrent.futures import ThreadPoolExecutor  # here: a pass run inline starts no threads
+
         futures: list[Future[None]] = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="syncd-pass") as pool:
             try:
@@ -823,7 +829,7 @@ class OnePass:
             count = min(band, c1 - first)
             out = slot.out(count * n * item)
             transpose(src, out, n, width, item, first, count)
-            if not kernels.band_matches(src, out, n, width, item, first, count, _SEEDS.getrandbits(64)):
+            if not kernels.band_matches(src, out, n, width, item, first, count, _seed()):
                 raise VerificationError(
                     f"tensor '{move.name}': a transposed block does not match its source", self.out_path
                 )
