@@ -358,3 +358,40 @@ def test_a_large_legitimate_tensor_table_is_still_decoded(tmp_path: Path) -> Non
     }
     raw = cbor2.dumps({"tensors": tensors})
     assert len(raw) > DECODE_SCAN_ABOVE and decoded_cost(raw) < DECODE_BUDGET
+
+
+def test_read_metadata_takes_the_metadata_alone_and_refuses_what_comes_before_the_table(tmp_path: Path) -> None:
+    """The daemon asks a file what it says of itself (`syncd.source`) before converting it: the metadata, read
+    without going through a table its reader refuses here, but with every check that comes before the table."""
+    from syncd.formats import read_metadata
+
+    said = {"syncd.source": "model.safetensors", "epoch": "3"}
+    past_the_end = {
+        "a.bpk": bpk_bytes({"w": descriptor("F32", [16], 0, 64)}, metadata=said),
+        "a.safetensors": st_bytes({"__metadata__": said, "w": st_entry("F32", [16], 0, 64)}),
+    }
+    for name, blob in past_the_end.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(FormatError):
+            open_checkpoint(tmp_path / name)
+        assert read_metadata(tmp_path / name) == said
+    good = tmp_path / "good.safetensors"
+    good.write_bytes(st_bytes({"__metadata__": said, "w": st_entry("F32", [1], 0, 4)}, F32_ONE))
+    with open_checkpoint(good) as reader:
+        assert read_metadata(good) == reader.header.metadata == said
+    refused = {
+        "short.bpk": bpk_bytes({}, metadata=said)[:12],
+        "lying.bpk": bpk_bytes({}, metadata=said, meta_size=1 << 20),
+        "tagged.bpk": with_tag(b"\xc2\x41\x01"),  # a bignum: CBOR tags are refused while decoding
+        "no-tensors.bpk": bpk_bytes(meta_raw=cbor2.dumps({"metadata": said})),
+        "long.safetensors": st_bytes({"__metadata__": said}, header_len=1 << 20),
+        "not-text.safetensors": st_bytes({"__metadata__": {"epoch": 3}}),
+        "not-json.safetensors": st_bytes(b"{not json"),
+    }
+    for name, blob in refused.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(FormatError):
+            read_metadata(tmp_path / name)
+    pickled = tmp_path / "model.pt"
+    pickled.write_bytes(b"PK\x03\x04" + bytes(60))  # a zip under a PyTorch name: no metadata, never unpickled
+    assert read_metadata(pickled) == {}

@@ -277,3 +277,24 @@ def test_a_bpk_converted_elsewhere_from_its_namesake_is_converted_again_at_every
     run.quiet(1.0)
     assert [r["status"] for r in run.records()] == ["started", "converted", "updated"], run.log_text()
     stop_cleanly(run)
+
+
+def test_a_broken_bpk_naming_its_namesake_is_not_taken_for_an_output(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """What a .bpk says of itself is read without its table; a .bpk naming model.safetensors, which is there,
+    would then be taken for an output converted back and left alone, with no line in the log. Its table is
+    broken: the file is opened in full before that, and it is a file like any other, whose destination is
+    someone else's file (skipped: on_exists's default)."""
+    from formatgen import bpk_bytes, descriptor
+
+    run = make_daemon([{"path": "runs", "direction": "bpk->safetensors"}])
+    runs = run.watch_dir()
+    write_file(runs / "model.safetensors", checkpoint(1))
+    said = {"syncd.source": "model.safetensors", "syncd.layout": "burn"}
+    source = runs / "model.bpk"
+    write_file(source, bpk_bytes({"w": descriptor("F32", [16], 0, 64)}, metadata=said))
+    run.start()
+    run.wait_for("skipped", [source])
+    assert [r["status"] for r in run.records() if r.get("source") == str(source)] == ["skipped"], run.log_text()
+    stop_cleanly(run)

@@ -32,7 +32,7 @@ from syncd.daemon.state import Placing, StateDB
 from syncd.engine import carry
 from syncd.engine.directions import converts_to
 from syncd.errors import ConflictError, SyncdError
-from syncd.formats import BURNPACK, Format, open_checkpoint
+from syncd.formats import BURNPACK, Format, open_checkpoint, read_metadata
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import INDEX_SUFFIX, is_set_index, read_index, set_stem
@@ -285,11 +285,14 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
         if record is not None and published_by_syncd(record, source, dest, placed_only=placed_only) is not None:
             return False
     try:
-        with open_checkpoint(source, watch.path) as reader:
-            source_name = reader.header.metadata.get(carry.SOURCE)
+        if read_metadata(source, watch.path).get(carry.SOURCE) != carry.file_label(dest.name):
+            return False
+        if not os.path.lexists(dest):
+            return False
+        with open_checkpoint(source, watch.path):  # (the rare case: a broken table is for the conversion to report)
+            return True
     except SyncdError:
         return False  # a broken file is reported by the conversion itself
-    return source_name is not None and source_name == carry.file_label(dest.name) and os.path.lexists(dest)
 
 
 def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileStamp | None:
@@ -323,8 +326,7 @@ def names_source(dest: Path, source: Path, root: Path) -> bool:
 def _source_named_in(dest: Path, root: Path) -> str | None:
     """The `syncd.source` metadata of `dest`."""
     try:
-        with open_checkpoint(dest, root) as reader:
-            return reader.header.metadata.get(carry.SOURCE)
+        return read_metadata(dest, root).get(carry.SOURCE)
     except SyncdError:
         return None
 
@@ -332,8 +334,7 @@ def _source_named_in(dest: Path, root: Path) -> str | None:
 def _set_destination(watch: Watch, path: Path) -> Path | None:
     """Where a .bpk that carries a sharded set's layout goes back to: that set's index (None otherwise)."""
     try:
-        with open_checkpoint(path, watch.path) as reader:
-            shards = carry.parse(reader.header.metadata, str(path)).shards
+        shards = carry.parse(read_metadata(path, watch.path), str(path)).shards
     except SyncdError:
         return None  # the conversion reports what is wrong with the file
     if shards is None or not shards.with_index or watch.shard_size is not None:

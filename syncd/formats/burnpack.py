@@ -82,24 +82,7 @@ class BurnpackReader(TensorFileReader):
         return IncompleteFileError(message, self.path, tensor)
 
     def _parse(self) -> None:
-        if self.file_size > MAX_FILE_SIZE:
-            raise self._fail(f"File size {self.file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes")
-        if self.file_size < HEADER_SIZE:
-            raise self._short(f"Invalid header: insufficient bytes ({self.file_size} of {HEADER_SIZE})")
-        magic, version, meta_size = struct.unpack("<IHI", pread_exact(self.fd, HEADER_SIZE, 0, self.path, "header"))
-        if magic != MAGIC:
-            raise self._fail(f"Invalid magic number 0x{magic:08x}: not a burnpack file")
-        if version > FORMAT_VERSION:
-            raise self._fail(f"Unsupported version {version} (this reader knows version {FORMAT_VERSION})")
-        if meta_size > MAX_METADATA_SIZE:
-            raise self._fail(f"Metadata size {meta_size} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes")
-        if self.file_size < HEADER_SIZE + meta_size:
-            raise self._short(
-                f"Invalid header: metadata needs {meta_size} bytes but the file has "
-                f"{self.file_size - HEADER_SIZE} after the header (truncated)"
-            )
-        raw = pread_exact(self.fd, meta_size, HEADER_SIZE, self.path, "metadata")
-        document = decode_cbor(raw, self.path)
+        document, version, meta_size = read_document(self.fd, self.file_size, self.path)
         tensors_doc, metadata, scalars, extra_keys = split_document(document, self.path)
         if len(tensors_doc) > MAX_TENSOR_COUNT:
             raise self._fail(f"File contains {len(tensors_doc)} tensors, exceeding maximum of {MAX_TENSOR_COUNT}")
@@ -148,6 +131,36 @@ class BurnpackReader(TensorFileReader):
         raise self._short(
             f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes", last
         )
+
+
+def read_document(fd: int, file_size: int, path: str) -> tuple[Any, int, int]:
+    """(the decoded CBOR document, format version, metadata size) of a burnpack file: its fixed header and
+    sizes checked, the document decoded with Burn's limits; what is in it is not checked yet."""
+    if file_size > MAX_FILE_SIZE:
+        raise FormatError(f"File size {file_size} bytes exceeds maximum allowed size of {MAX_FILE_SIZE} bytes", path)
+    if file_size < HEADER_SIZE:
+        raise IncompleteFileError(f"Invalid header: insufficient bytes ({file_size} of {HEADER_SIZE})", path)
+    magic, version, meta_size = struct.unpack("<IHI", pread_exact(fd, HEADER_SIZE, 0, path, "header"))
+    if magic != MAGIC:
+        raise FormatError(f"Invalid magic number 0x{magic:08x}: not a burnpack file", path)
+    if version > FORMAT_VERSION:
+        raise FormatError(f"Unsupported version {version} (this reader knows version {FORMAT_VERSION})", path)
+    if meta_size > MAX_METADATA_SIZE:
+        raise FormatError(f"Metadata size {meta_size} exceeds maximum allowed size of {MAX_METADATA_SIZE} bytes", path)
+    if file_size < HEADER_SIZE + meta_size:
+        raise IncompleteFileError(
+            f"Invalid header: metadata needs {meta_size} bytes but the file has "
+            f"{file_size - HEADER_SIZE} after the header (truncated)",
+            path,
+        )
+    raw = pread_exact(fd, meta_size, HEADER_SIZE, path, "metadata")
+    return decode_cbor(raw, path), version, meta_size
+
+
+def read_metadata(fd: int, file_size: int, path: str) -> dict[str, str]:
+    """The file's metadata (text to text), its tensor table left unchecked (see formats.read_metadata)."""
+    document, _, _ = read_document(fd, file_size, path)
+    return split_document(document, path)[1]
 
 
 class _Descriptor(NamedTuple):

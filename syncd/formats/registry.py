@@ -17,6 +17,8 @@ from syncd.formats.dtypes import BURNPACK_DTYPES, DTYPE_TO_SAFETENSORS
 from syncd.formats.fileio import TensorFileReader
 
 OpenReader = Callable[..., TensorFileReader]
+# (fd, file size, path) -> the file's metadata, its tensor table left unchecked
+ReadMetadata = Callable[[int, int, str], dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Format:
     dtypes: frozenset[str]  # our dtype names this format can store
     magic: bytes | None  # leading bytes that identify a file; None: the format tried when no magic matches
     aliases: tuple[str, ...] = ()  # other extensions of the same format
+    metadata: ReadMetadata | None = None  # None: the format has no metadata (PyTorch's pickles)
 
     @property
     def short(self) -> str:
@@ -41,6 +44,7 @@ FORMATS: tuple[Format, ...] = (
         reader=burnpack.BurnpackReader,
         dtypes=BURNPACK_DTYPES,
         magic=burnpack.MAGIC.to_bytes(4, "little"),
+        metadata=burnpack.read_metadata,
     ),
     Format(
         name=safetensors.NAME,
@@ -48,6 +52,7 @@ FORMATS: tuple[Format, ...] = (
         reader=safetensors.SafetensorsReader,
         dtypes=frozenset(DTYPE_TO_SAFETENSORS),
         magic=None,
+        metadata=safetensors.read_metadata,
     ),
 )
 

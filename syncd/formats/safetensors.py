@@ -41,18 +41,7 @@ class SafetensorsReader(TensorFileReader):
     """Parses and validates a safetensors header; tensor bytes are read only when asked for."""
 
     def _parse(self) -> None:
-        if self.file_size < 8:
-            raise IncompleteFileError(
-                f"header too small (truncated): file has {self.file_size} bytes, needs at least 8", self.path
-            )
-        (size,) = struct.unpack("<Q", pread_exact(self.fd, 8, 0, self.path, "header length"))
-        if size > MAX_HEADER_SIZE:
-            raise FormatError(f"header length {size} exceeds the limit of {MAX_HEADER_SIZE} bytes", self.path)
-        if 8 + size > self.file_size:
-            raise IncompleteFileError(
-                f"header length {size} runs past the end of the file ({self.file_size} bytes): truncated?", self.path
-            )
-        document = parse_header_json(pread_exact(self.fd, size, 8, self.path, "header"), self.path)
+        document, size = read_document(self.fd, self.file_size, self.path)
         metadata = parse_metadata(document.pop("__metadata__", None), self.path)
         data_start = 8 + size
         tensors = parse_entries(document, data_start, self.path)
@@ -65,6 +54,27 @@ class SafetensorsReader(TensorFileReader):
             metadata=metadata,
             facts={"header_size": size, "data_start": data_start, "key_order": list(document)},
         )
+
+
+def read_document(fd: int, file_size: int, path: str) -> tuple[dict[str, Any], int]:
+    """(the decoded JSON header, its length) of a safetensors file: the length checked against the file and
+    the library's limit, the text decoded as the library does; its entries are not checked yet."""
+    if file_size < 8:
+        raise IncompleteFileError(f"header too small (truncated): file has {file_size} bytes, needs at least 8", path)
+    (size,) = struct.unpack("<Q", pread_exact(fd, 8, 0, path, "header length"))
+    if size > MAX_HEADER_SIZE:
+        raise FormatError(f"header length {size} exceeds the limit of {MAX_HEADER_SIZE} bytes", path)
+    if 8 + size > file_size:
+        raise IncompleteFileError(
+            f"header length {size} runs past the end of the file ({file_size} bytes): truncated?", path
+        )
+    return parse_header_json(pread_exact(fd, size, 8, path, "header"), path), size
+
+
+def read_metadata(fd: int, file_size: int, path: str) -> dict[str, str]:
+    """The file's `__metadata__`, its tensor entries left unchecked (see formats.read_metadata)."""
+    document, _ = read_document(fd, file_size, path)
+    return parse_metadata(document.get("__metadata__"), path)
 
 
 def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
