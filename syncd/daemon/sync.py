@@ -27,6 +27,7 @@ from pathlib import Path
 
 from syncd.adapters.keys import TensorFilter, compile_rule
 from syncd.daemon import claims, ownership
+from syncd.daemon.collector import CollectorPause
 from syncd.daemon.config import Watch
 from syncd.daemon.config.schema import DEFAULT_CLUSTER_POLL_INTERVAL
 from syncd.daemon.names import is_candidate
@@ -134,6 +135,7 @@ class Syncer:
         self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
         self._claim_waits: dict[Path, int] = {}  # output -> times its claim was found held in a row
         self._no_locks_said: set[Path] = set()
+        self._collector = CollectorPause()  # off while converting, as `syncd convert` has it (collector.py)
 
     @property
     def settle_seconds(self) -> float:
@@ -385,27 +387,27 @@ class Syncer:
         if watch.mirror is not None:
             _make_mirror_dirs(watch, dest.parent)
         _check_inside(dest.parent, watch.mirror or watch.path)
-        return convert(
-            ConvertRequest(
-                source=path,
-                dest=dest,
-                to_format=converts_to(job.from_format).name,
-                layout=watch.layout,
-                module_map=watch.module_map,
-                overwrite=decision.action is Action.OVERWRITE,
-                fail_early_if_exists=False,
-                within=watch.path,
-                replace_if=decision.replace_if,
-                replace_set=decision.set_files,
-                progress=self.progress_for(path),
-                store=_store_options(watch),
-                shard_size=watch.shard_size,
-                always_index=watch.shard_size is not None,
-                hash_name=self.hash_name,
-                top_level_key=watch.top_level_key,
-                before_placing=lambda path, output: self._record_placing(job, path, output, claim),
-            )
+        request = ConvertRequest(
+            source=path,
+            dest=dest,
+            to_format=converts_to(job.from_format).name,
+            layout=watch.layout,
+            module_map=watch.module_map,
+            overwrite=decision.action is Action.OVERWRITE,
+            fail_early_if_exists=False,
+            within=watch.path,
+            replace_if=decision.replace_if,
+            replace_set=decision.set_files,
+            progress=self.progress_for(path),
+            store=_store_options(watch),
+            shard_size=watch.shard_size,
+            always_index=watch.shard_size is not None,
+            hash_name=self.hash_name,
+            top_level_key=watch.top_level_key,
+            before_placing=lambda path, output: self._record_placing(job, path, output, claim),
         )
+        with self._collector.converting():
+            return convert(request)
 
     def _record_placing(self, job: _Job, path: Path, output: FileStamp, claim: claims.Claim | None) -> None:
         """Record an output file about to be put in place (a set's: each of them), in the state and in the
