@@ -317,7 +317,8 @@ def _stop_cycle_collection() -> None:
     hundreds of thousands); the cyclic collector's passes over them free nothing and took a fifth to a quarter
     of the CPU. It leaves about 15 objects in reference cycles whatever its size (measured on 10k-tensor
     safetensors and burnpack sources and a torch.save file), so this one-shot command converts with the
-    collector off and the objects of the imports frozen out of its sight (the daemon keeps it on)."""
+    collector off and the objects of the imports frozen out of its sight (the daemon pauses it while it
+    converts: daemon/collector.py)."""
     gc.freeze()
     gc.disable()
 
