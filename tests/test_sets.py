@@ -612,6 +612,67 @@ def test_a_watchs_shard_size_writes_a_set_and_keeps_it_up_to_date(
         assert [r["status"] for r in run.records()] == ["started", "converted", *removed, "updated"], run.log_text()
 
 
+def restarted_with(run: DaemonRun, watch: dict) -> None:
+    run.stop()
+    run.write_config([watch])
+    run.start()
+
+
+@pytest.mark.daemon
+def test_shard_size_turned_on_then_off_removes_the_earlier_output_it_replaces(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A watch's output changes name when its shard_size is turned on (model.safetensors -> a set) or off. The
+    earlier output left beside the new one would be stale, and from_pretrained takes model.safetensors before
+    the index: the daemon's own earlier output is removed (`removed`) once the new one is published, each way
+    (at the start-up scan: the .bpk's output is not at its new name yet). It was left, and loaded instead."""
+    bpk = single_bpk(saves, tmp_path)
+    watch = {"path": "runs", "direction": "bpk->safetensors"}
+    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        run.wait_for("converted", [runs / "model.bpk"])
+        single = set_files(runs)
+        assert list(single) == ["model.safetensors"]
+        restarted_with(run, {**watch, "shard_size": "40KB"})
+        run.wait_for("removed", [runs / "model.safetensors"])
+        sharded = converted_set_of(bpk, tmp_path / "expected", "--shard-size", "40KB")
+        assert set_files(runs) == sharded and len(sharded) == 4
+        assert_state_reloads(runs, saves["sharded"])
+        restarted_with(run, watch)
+        run.wait_for("removed", [runs / "model.safetensors.index.json"])
+        assert set_files(runs) == single
+        removed = [Path(r["source"]).name for r in run.records() if r["status"] == "removed"]
+        assert removed[:2] == ["model.safetensors", "model.safetensors.index.json"], run.log_text()
+        assert sorted(removed[2:]) == sorted(sharded)[:-1], run.log_text()  # the index goes first: no set is left
+        assert not [r for r in run.records() if r["status"] in ("skipped", "warning", "error")], run.log_text()
+
+
+@pytest.mark.daemon
+def test_an_earlier_output_someone_changed_is_left_with_a_warning(saves: dict[str, Path], tmp_path: Path) -> None:
+    """The single file the watch wrote before its shard_size was turned on, changed since: someone else's,
+    left where it is, and said once."""
+    bpk = single_bpk(saves, tmp_path)
+    watch = {"path": "runs", "direction": "bpk->safetensors"}
+    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        run.wait_for("converted", [runs / "model.bpk"])
+        with open(runs / "model.safetensors", "r+b") as edited:  # a user's edit in place
+            edited.seek(-4, os.SEEK_END)
+            edited.write(b"\x00\x00\x80\x3f")
+        edit = (runs / "model.safetensors").read_bytes()
+        restarted_with(run, {**watch, "shard_size": "40KB"})
+        run.wait_for("warning", [runs / "model.bpk"])
+        assert (runs / "model.safetensors").read_bytes() == edit
+        assert "model.safetensors.index.json" in set_files(runs)
+        warnings = [r for r in run.records() if r["status"] == "warning"]
+        assert len(warnings) == 1 and "left model.safetensors" in warnings[0]["reason"], run.log_text()
+        assert not [r for r in run.records() if r["status"] == "removed"], run.log_text()
+
+
 @pytest.mark.daemon
 def test_a_set_is_found_in_sync_without_the_state_and_stays_the_daemons_to_update(
     saves: dict[str, Path], tmp_path: Path

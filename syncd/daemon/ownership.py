@@ -317,6 +317,48 @@ def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> 
     return FileStamp.of(info)
 
 
+@dataclass(frozen=True)
+class EarlierOutput:
+    """syncd's earlier output of a source at another name in the directory its output now goes to."""
+
+    unchanged: dict[Path, FileStamp]  # its files, all still exactly as published (a set: the index first)
+    left: list[Path]  # its files where one of them changed since: someone else's now, left alone
+
+
+def earlier_output_elsewhere(state: StateDB, source: Path, dest: Path, root: Path) -> EarlierOutput | None:
+    """The output this daemon last published from `source` when it was not `dest` but another name in the same
+    directory: the single file where a set now goes or the set where a single file now goes (a watch's
+    `shard_size` turned on or off, a .bpk that gained or lost a set's layout). Left there, the earlier output
+    goes stale beside the new one, and a loader may well take it: transformers' from_pretrained reads
+    model.safetensors before model.safetensors.index.json. Each file is proven syncd's as a replaced output is
+    (the state's record of exactly that file; a single file names `source`). Asked before the state records
+    `dest` as the output; None where there is no such output."""
+    row = state.get(source)
+    if row is None or row.dest is None or row.dest_version is None:
+        return None
+    earlier = Path(os.fsdecode(os.fsencode(row.dest)))
+    if os.fsencode(earlier) == os.fsencode(dest) or earlier.parent != dest.parent or not os.path.lexists(earlier):
+        return None
+    if not is_set_index(earlier):
+        proven = own_earlier_output(state, source, earlier, root)
+        return EarlierOutput({earlier: proven}, []) if proven is not None else EarlierOutput({}, [earlier])
+    unchanged: dict[Path, FileStamp] = {}
+    changed: list[Path] = []
+    members = {Path(path): stamp for path, stamp in state.members(earlier).items()}
+    for path in sorted(members, key=lambda member: member != earlier):  # the index first: no set without a shard
+        try:
+            now = FileStamp.of(os.lstat(path))
+        except FileNotFoundError:
+            continue
+        if members[path].changed(now) or not members[path].ctime_ns:
+            changed.append(path)
+        else:
+            unchanged[path] = now
+    if changed:  # one file changed makes the whole set someone else's, as when it is replaced
+        return EarlierOutput({}, [*unchanged, *changed])
+    return EarlierOutput(unchanged, [])
+
+
 def names_source(dest: Path, source: Path, root: Path) -> bool:
     """A hint, never proof: `dest`'s `syncd.source` metadata names `source` (a user's edit that kept the
     metadata names it too, so this only says the file is worth comparing with the conversion)."""

@@ -23,7 +23,7 @@ class Status(StrEnum):
     REFUSED = "refused"  # the source cannot be converted safely (unsupported, ambiguous layout, ...)
     ERROR = "error"  # the conversion (or the daemon's own work) failed
     WARNING = "warning"  # something odd that did not stop the work (a modification time in the future)
-    REMOVED = "removed"  # a stale scratch file of a syncd that died, or a shard of its set no longer used, was deleted
+    REMOVED = "removed"  # deleted: a dead syncd's scratch, a shard no longer in its set, its output at an old name
     STARTED = "started"
     STOPPED = "stopped"
     RELOADED = "reloaded"

@@ -48,7 +48,7 @@ from syncd.engine.convert import ConvertRequest, ConvertResult, convert
 from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import remove_if_stale, scratch_target
+from syncd.engine.publish import remove_if_stale, remove_if_unchanged, scratch_target
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
@@ -299,7 +299,9 @@ class Syncer:
             if decision.action is Action.IN_SYNC:
                 # published by another node, or placed by this one before it was killed, as a record proves:
                 # adopted without reading the source, quietly
+                earlier = ownership.earlier_output_elsewhere(self.state, path, dest, watch.mirror or watch.path)
                 self.state.record(path, version, dest, status="in_sync", members=decision.set_files)
+                self._remove_earlier_output(earlier, path, base)
                 if decision.said is not None:  # a publish whose publisher died before logging it: said now
                     self.synclog.log(Status.IN_SYNC, **base, reason=decision.said)
                 else:
@@ -317,7 +319,8 @@ class Syncer:
         except Exception as exc:
             return self._failed_or_later(path, version, exc, base, job.started, job.finished)
         updated = decision.action is Action.REPLACE
-        return self._converted(path, version, dest, result, base, job.started, updated=updated, claim=claim)
+        root = watch.mirror or watch.path
+        return self._converted(path, version, dest, result, base, job.started, updated=updated, claim=claim, root=root)
 
     def _claim(self, job: _Job) -> claims.Claim | object | None:
         """The output's claim, _HELD while someone else has it, or None where the filesystem has no locks
@@ -441,6 +444,7 @@ class Syncer:
         *,
         updated: bool,
         claim: claims.Claim | None = None,
+        root: Path,
     ) -> Outcome:
         if result.status == "in_sync":
             status = Status.IN_SYNC
@@ -451,6 +455,7 @@ class Syncer:
         recorded = "in_sync" if status is Status.IN_SYNC else "converted"
         # a set's files, each as published (its index included): what a later save may replace
         members = {file: FileStamp.of(os.lstat(file)) for file in result.files} if is_set_index(dest) else None
+        earlier = ownership.earlier_output_elsewhere(self.state, path, dest, root)  # (before the record moves on)
         self.state.record(path, version, dest, dest_version=dest_version, status=recorded, members=members)
         if claim is not None:
             stamps = ownership.source_stamp(version), claims.stamp_of(published)
@@ -464,6 +469,7 @@ class Syncer:
         for gone in result.removed:
             why = f"a shard of the set published from {path.name} that its new layout no longer has"
             self.synclog.log(Status.REMOVED, watch=base["watch"], source=str(gone), reason=why)
+        self._remove_earlier_output(earlier, path, base)
         self.synclog.log(
             status,
             **base,
@@ -474,6 +480,25 @@ class Syncer:
             reason=_dropped_reason(result.dropped, result.restored),
         )
         return Outcome(status)
+
+    def _remove_earlier_output(self, earlier: ownership.EarlierOutput | None, path: Path, base: dict) -> None:
+        """syncd's earlier output of `path` at another name, now that the new one is in place: removed, each
+        file logged `removed`; or, where someone changed it, left with one warning (ownership.py)."""
+        if earlier is None:
+            return
+        now = Path(base["dest"]).name
+        why = f"syncd's earlier output of {path.name}, now published as {now} instead"
+        for file, identity in earlier.unchanged.items():
+            if remove_if_unchanged(file, identity):
+                self.synclog.log(Status.REMOVED, watch=base["watch"], source=str(file), reason=why)
+        if earlier.left:
+            names = ", ".join(file.name for file in earlier.left)
+            self.synclog.log(
+                Status.WARNING,
+                **base,
+                reason=f"left {names}, syncd's earlier output of this source, now stale beside {now}: changed "
+                "since syncd published it (someone else's now); remove it if nothing needs it",
+            )
 
     def _failed_or_later(
         self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float, finished: bool

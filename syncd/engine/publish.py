@@ -65,6 +65,7 @@ __all__ = [
     "publish",
     "remove_stale_scratch",
     "remove_if_stale",
+    "remove_if_unchanged",
     "scratch_target",
     "abandon_open_scratches",
 ]
@@ -278,6 +279,19 @@ def scratch_target(name: str) -> str | None:
     a name shortened to fit NAME_MAX gives its shortened form)."""
     match = _SCRATCH_RE.fullmatch(name)
     return None if match is None else match.group("name")
+
+
+def remove_if_unchanged(path: Path, identity: FileStamp) -> bool:
+    """Delete `path`, an output syncd published and no longer needs (a shard its set's new layout does not
+    have, an earlier output at another name), unless it changed since it was published as `identity` (then
+    it is someone else's, and stays). True if removed."""
+    try:
+        if identity.changed(FileStamp.of(os.lstat(path))):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def remove_if_stale(path: Path, min_age: float = 0.0) -> bool:

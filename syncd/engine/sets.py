@@ -22,6 +22,7 @@ from syncd.engine.publish import (
     open_scratch,
     publish,
     refuse_if_different,
+    remove_if_unchanged,
 )
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats.fileio import FileStamp, pwrite_all
@@ -108,7 +109,7 @@ def write_set(
             )
             for scratch in scratches
         ]
-    removed = [path for path, identity in owned.items() if path not in paths and _remove_if_unchanged(path, identity)]
+    removed = [path for path, identity in owned.items() if path not in paths and remove_if_unchanged(path, identity)]
     return results, removed
 
 
@@ -130,18 +131,6 @@ def _placing_call(
     if before_placing is None:
         return None
     return lambda: before_placing(scratch.dest, FileStamp.of_fd(scratch.fd))
-
-
-def _remove_if_unchanged(path: Path, identity: FileStamp) -> bool:
-    """A file of syncd's earlier set that the new one does not have (fewer shards now): removed unless it
-    changed since (then it is someone else's, and stays). True if removed."""
-    try:
-        if identity.changed(FileStamp.of(os.lstat(path))):
-            return False
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _write(scratch: Scratch, write: Callable[[int], object]) -> None:
