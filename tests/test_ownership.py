@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from clusterutil import stop_while_converting
+from convcheck import run_cli
 from daemonutil import DaemonRun, stop_cleanly, wait_until
 from safetensors.numpy import safe_open, save, save_file
 
@@ -155,6 +156,42 @@ def test_an_edit_while_stopped_then_a_new_save_then_a_start_without_state_replac
     write_file(source, burnpack(3, tmp_path / "work"))
     assert next_line_for(run, source, seen) == "skipped", run.log_text()
     assert output.read_bytes() == users
+    stop_cleanly(run)
+
+
+def test_after_a_lost_state_retry_adopt_makes_the_outputs_naming_their_sources_the_daemons_again(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """Saved while no record was kept, syncd's own output of an older version of its source cannot be told from
+    an edit (the test above): skipped at every save. `syncd retry --adopt` is the operator vouching for it: an
+    output that names its source is the daemon's again, converted anew at once; one that names nothing is
+    someone else's still."""
+    run, source, output = converted_once(make_daemon, tmp_path / "work")
+    stranger, theirs = source.with_name("other.bpk"), output.with_name("other.safetensors")
+    theirs.write_bytes(checkpoint(7))  # someone's own file where other.bpk's output would go
+    write_file(stranger, burnpack(8, tmp_path / "work"))
+    run.wait_for("skipped", [stranger])
+    stop_cleanly(run)
+    write_file(source, burnpack(2, tmp_path / "work"))
+    shutil.rmtree(run.state_dir)
+    seen = len(lines_for(run, source))
+    run.start()
+    assert next_line_for(run, source, seen) == "skipped", run.log_text()
+    adopted = run_cli("retry", "-c", run.config_path, "--adopt")
+    assert adopted.returncode == 0, adopted.stderr
+    assert adopted.stdout.splitlines() == [
+        f"{output}: adopted as the output of model.bpk",
+        f"1 output(s) adopted; the daemon (pid {run.proc.pid if run.proc else None}) is scanning",
+        f"{stranger}: its output {theirs} does not name it in syncd.source: someone else's file, left alone",
+    ]
+    assert next_line_for(run, source, seen + 1) == "updated", run.log_text()
+    (tmp_path / "expected").mkdir()
+    shutil.copy(source, tmp_path / "expected" / "model.bpk")
+    convert(ConvertRequest(source=tmp_path / "expected" / "model.bpk"))
+    assert output.read_bytes() == (tmp_path / "expected" / "model.safetensors").read_bytes()
+    assert theirs.read_bytes() == checkpoint(7)
+    refused = run_cli("retry", "-c", run.config_path, "--adopt", stranger)
+    assert refused.returncode == 1 and "someone else's file, left alone" in refused.stdout, refused.stdout
     stop_cleanly(run)
 
 

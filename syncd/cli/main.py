@@ -76,6 +76,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     retry.add_argument("-c", "--config", type=Path, required=True, help="the running daemon's configuration file")
     retry.add_argument("paths", nargs="*", type=Path, metavar="PATH", help="source files to look at again")
     retry.add_argument("--all-failed", action="store_true", help="every file that failed")
+    retry.add_argument(
+        "--adopt",
+        action="store_true",
+        help="after a lost state directory: take the outputs skipped as someone else's file that name their "
+        "source (syncd.source) for the daemon's own, so it updates them (the PATHs' or, without PATHs, all)",
+    )
 
     check = _add_command(commands, "check-config", help="validate a configuration file")
     check.add_argument("config", type=Path)
@@ -258,7 +264,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "retry":
         from syncd.cli.retry import run_retry
 
-        return run_retry(args.config, args.paths, all_failed=args.all_failed)
+        return run_retry(args.config, args.paths, all_failed=args.all_failed, adopt=args.adopt)
     if args.command == "check-config":
         from syncd.cli.check_config import run_check_config
 

@@ -1,17 +1,22 @@
-"""`syncd retry -c FILE PATH... | --all-failed`: look again at files that failed, once their cause is fixed."""
+"""`syncd retry -c FILE PATH... | --all-failed | --adopt [PATH...]`: look again at files that failed, once their
+cause is fixed; after a lost state, adopt the outputs that name their sources."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from syncd.daemon.retry import request_retry
+from syncd.daemon.retry import request_adoption, request_retry
 from syncd.errors import SyncdError, UsageError
 
 
-def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
+def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool, adopt: bool = False) -> int:
     """A line saying how many failures were marked and who looks at them; 1 when a PATH is not a file the
     daemon knows (a typo, or not under a watch), with a line naming it."""
+    if adopt:
+        if all_failed:
+            raise UsageError("retry: --adopt takes PATHs or nothing, not --all-failed (see syncd retry --help)")
+        return _run_adoption(config_path, paths)
     if bool(paths) == all_failed:
         raise UsageError("retry: give the PATHs to look at again, or --all-failed (see syncd retry --help)")
     request = request_retry(config_path, paths or None)
@@ -28,3 +33,16 @@ def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool) -> int:
         where = ", ".join(request.unknown)
         raise SyncdError(f"not known to the daemon (never seen: a typo, or not under a watch of {config_path})", where)
     return 0
+
+
+def _run_adoption(config_path: Path, paths: list[Path]) -> int:
+    """One line per output adopted and per source whose output is not; 1 when a PATH's output is not."""
+    adoption = request_adoption(config_path, paths or None)
+    for source, output in adoption.adopted:
+        print(f"{output}: adopted as the output of {Path(source).name}")
+    who = f"the daemon (pid {adoption.daemon_pid}) is scanning" if adoption.daemon_pid else "its next start looks"
+    print(f"{len(adoption.adopted)} output(s) adopted; {who}" if adoption.adopted else "no output adopted")
+    for source, why in adoption.refused:
+        print(f"{source}: {why}")
+    sys.stdout.flush()
+    return 1 if paths and adoption.refused else 0

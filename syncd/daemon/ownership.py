@@ -37,6 +37,9 @@ from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import INDEX_SUFFIX, is_set_index, read_index, set_stem
 
+# the failure recorded for a source whose destination holds a file not proven syncd's (`syncd retry --adopt`)
+DESTINATION_EXISTS = "destination exists"
+
 
 def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
     """Where the conversion of `source` (a single file) is published. A .bpk goes to a set's index where the

@@ -1,5 +1,6 @@
 """Another look at files that failed: their failures are marked in the state database, and the running daemon
-(if any) is asked with SIGUSR1 to scan; without a daemon, its next start looks at them.
+(if any) is asked with SIGUSR1 to scan; without a daemon, its next start looks at them. After a lost state,
+outputs naming their sources can be adopted as the daemon's own (`request_adoption`).
 
 Both need the daemon's own rights: writing its state database and signalling its process. Anyone else (a
 member of the service's group, who may read the status and the log) is told what to run instead.
@@ -14,9 +15,15 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from syncd.daemon.config import load_config
+from syncd.daemon import ownership
+from syncd.daemon.config import Watch, load_config
+from syncd.daemon.names import is_candidate
 from syncd.daemon.state import DB_NAME, StateDB, lock_holder
-from syncd.errors import SyncdError
+from syncd.errors import SyncdError, one_line
+from syncd.formats import sniff_format
+from syncd.formats.fileio import FileStamp
+from syncd.formats.registry import BY_NAME
+from syncd.formats.shards import is_set_index
 
 
 @dataclass(frozen=True)
@@ -68,3 +75,60 @@ def _needs_owner(state_dir: Path, config_path: Path, what: str) -> str:
         f"retry needs to {what}, which only {owner} (the daemon's user) or root may{mode}; "
         f"run: sudo -u {owner} syncd retry -c {config_path} ..."
     )
+
+
+@dataclass(frozen=True)
+class Adoption:
+    adopted: list[tuple[str, str]]  # (source, its output) now recorded as the daemon's own
+    refused: list[tuple[str, str]]  # (source, why its output is not taken)
+    daemon_pid: int | None  # the daemon asked to scan; None when none runs
+
+
+def request_adoption(config_path: Path, paths: list[Path] | None) -> Adoption:
+    """After a lost state directory, the daemon cannot tell its own outputs of older versions of their
+    sources from files someone edited keeping their metadata, and skips them as someone else's at every save
+    (docs/daemon.md). The operator vouches for them: each source of `paths` (None: every one skipped so)
+    whose output names it in `syncd.source` gets that output recorded as the daemon's, as it is now, and is
+    looked at again: its conversion replaces the output, unless it changes meanwhile."""
+    config = load_config(config_path, check_filesystem=False)
+    _check_may_write(config.state_dir, config_path)
+    adopted, refused = [], []
+    with StateDB(config.state_dir) as state:
+        sources = [os.path.abspath(p) for p in paths] if paths else state.failed_with(ownership.DESTINATION_EXISTS)
+        for source in sources:
+            found = _adoptable_output(state, config.watches, Path(source))
+            if isinstance(found, str):
+                refused.append((source, found))
+            elif state.adopt_output(source, found, FileStamp.of(os.lstat(found))):
+                adopted.append((source, str(found)))
+            else:
+                refused.append((source, "no longer skipped (the daemon looked at it meanwhile)"))
+    holder = lock_holder(config.state_dir)
+    if holder is not None and adopted:
+        try:
+            os.kill(holder, signal.SIGUSR1)
+        except PermissionError:
+            raise SyncdError(_needs_owner(config.state_dir, config_path, "signal the daemon")) from None
+    return Adoption(adopted, refused, holder)
+
+
+def _adoptable_output(state: StateDB, watches: tuple[Watch, ...], source: Path) -> Path | str:
+    """The output of `source` to adopt, or why there is none."""
+    row = state.get(source)
+    if row is None:
+        return "not known to the daemon (never seen: a typo, or not under a watch)"
+    if row.status != "failed" or row.error != ownership.DESTINATION_EXISTS:
+        return "its output was not skipped as someone else's file: nothing to adopt"
+    covering = [watch for watch in watches if source.is_relative_to(watch.path) and is_candidate(watch, source)]
+    if not covering:
+        return "no watch of the configuration converts it"
+    watch = max(covering, key=lambda w: len(w.path.parts))  # a nested watch's own settings win
+    try:
+        dest = ownership.destination_for(watch, source, BY_NAME[sniff_format(source, watch.path)])
+    except SyncdError as exc:
+        return one_line(exc)
+    if is_set_index(dest):
+        return f"its output {dest} is a set, whose files name no source: remove them to have them written again"
+    if not ownership.names_source(dest, source, watch.mirror or watch.path):
+        return f"its output {dest} does not name it in syncd.source: someone else's file, left alone"
+    return dest

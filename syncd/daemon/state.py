@@ -315,6 +315,24 @@ class StateDB:
 
         return self._run(mark)
 
+    def failed_with(self, error: str) -> list[str]:
+        """The sources whose last look failed with exactly `error`."""
+        sql = "SELECT source FROM sources WHERE status = 'failed' AND error = ?"
+        return self._run(lambda db: [os.fsdecode(row[0]) for row in db.execute(sql, (error,)).fetchall()])
+
+    def adopt_output(self, source: PathArg, dest: PathArg, dest_version: FileStamp) -> bool:
+        """Record `dest`, as it is now (`dest_version`), as the output this daemon published from `source`,
+        whose failure is made retryable; True if `source` had failed. For `syncd retry --adopt`: after a lost
+        state, the operator vouches for outputs that name their sources (daemon/retry.py)."""
+        values = {**_version_columns("dest_", dest_version), "dest": _key(dest), "source": _key(source)}
+        assignments = ", ".join(f"{name} = :{name}" for name in values if name != "source")
+        sql = f"UPDATE sources SET {assignments}, status = 'retry', attempts = 0 WHERE source = :source"
+
+        def adopt(db: sqlite3.Connection) -> bool:
+            return db.execute(sql + " AND status = 'failed'", values).rowcount == 1
+
+        return self._run(adopt)
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()

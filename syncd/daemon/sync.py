@@ -365,7 +365,7 @@ class Syncer:
                 self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
 
     def _skipped(self, path: Path, version: FileStamp, base: dict, reason: str) -> Outcome:
-        if self.state.record_failure(path, version, "destination exists", transient=False, kind="config"):
+        if self.state.record_failure(path, version, ownership.DESTINATION_EXISTS, transient=False, kind="config"):
             self.synclog.log(Status.SKIPPED, **base, reason=reason)
         return Outcome(Status.SKIPPED)
 
