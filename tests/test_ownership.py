@@ -177,6 +177,8 @@ def test_after_a_lost_state_retry_adopt_makes_the_outputs_naming_their_sources_t
     seen = len(lines_for(run, source))
     run.start()
     assert next_line_for(run, source, seen) == "skipped", run.log_text()
+    said = [r for r in run.records() if r.get("source") == str(source)][-1].get("reason", "")
+    assert said.endswith(f"`syncd retry -c {run.config_path} --adopt` makes it the daemon's again"), run.log_text()
     adopted = run_cli("retry", "-c", run.config_path, "--adopt")
     assert adopted.returncode == 0, adopted.stderr
     assert adopted.stdout.splitlines() == [

@@ -313,7 +313,7 @@ class Syncer:
                 result, decision = self._verify(job, claim)
                 if result is None:
                     reason = "destination exists and is not this source's conversion (on_exists: skip)"
-                    return self._skipped(path, version, base, reason)
+                    return self._skipped(path, version, base, reason + self._adopt_hint(dest))
             else:
                 result = self._run_engine(job, decision, claim)
         except Exception as exc:
@@ -363,6 +363,17 @@ class Syncer:
         for entry in entries:
             if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path)):
                 self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
+
+    def _adopt_hint(self, dest: Path) -> str:
+        """Said of a destination that names its source but holds other bytes: a user's edit, or syncd's output
+        of an earlier version of the source saved while no record was kept (docs/daemon.md)."""
+        if is_set_index(dest):
+            return ""  # a set names no source: `retry --adopt` does not take it
+        config = f" -c {self.config_path}" if self.config_path else ""
+        return (
+            "; it names this source: if it is syncd's output of an earlier version (a lost state directory), "
+            f"`syncd retry{config} --adopt` makes it the daemon's again"
+        )
 
     def _skipped(self, path: Path, version: FileStamp, base: dict, reason: str) -> Outcome:
         if self.state.record_failure(path, version, ownership.DESTINATION_EXISTS, transient=False, kind="config"):
