@@ -612,6 +612,22 @@ def test_a_watchs_shard_size_writes_a_set_and_keeps_it_up_to_date(
         assert [r["status"] for r in run.records()] == ["started", "converted", *removed, "updated"], run.log_text()
 
 
+ONE_DIRECTION = {"path": "runs", "direction": "bpk->safetensors"}
+
+
+@contextlib.contextmanager
+def single_output_published(saves: dict[str, Path], tmp_path: Path) -> Iterator[tuple[DaemonRun, Path]]:
+    """A running daemon whose watch (no shard_size) has converted a .bpk into runs/model.safetensors: (the
+    daemon, the .bpk's bytes as a file outside the tree)."""
+    bpk = single_bpk(saves, tmp_path)
+    with DaemonRun(tmp_path / "d", watches=[ONE_DIRECTION]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        run.wait_for("converted", [runs / "model.bpk"])
+        yield run, bpk
+
+
 def restarted_with(run: DaemonRun, watch: dict) -> None:
     run.stop()
     run.write_config([watch])
@@ -626,13 +642,8 @@ def test_shard_size_turned_on_then_off_removes_the_earlier_output_it_replaces(
     earlier output left beside the new one would be stale, and from_pretrained takes model.safetensors before
     the index: the daemon's own earlier output is removed (`removed`) once the new one is published, each way
     (at the start-up scan: the .bpk's output is not at its new name yet). It was left, and loaded instead."""
-    bpk = single_bpk(saves, tmp_path)
-    watch = {"path": "runs", "direction": "bpk->safetensors"}
-    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
-        run.start()
-        runs = run.watch_dir("runs")
-        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
-        run.wait_for("converted", [runs / "model.bpk"])
+    with single_output_published(saves, tmp_path) as (run, bpk):
+        runs, watch = run.watch_dir("runs"), ONE_DIRECTION
         single = set_files(runs)
         assert list(single) == ["model.safetensors"]
         restarted_with(run, {**watch, "shard_size": "40KB"})
@@ -653,13 +664,8 @@ def test_shard_size_turned_on_then_off_removes_the_earlier_output_it_replaces(
 def test_an_earlier_output_someone_changed_is_left_with_a_warning(saves: dict[str, Path], tmp_path: Path) -> None:
     """The single file the watch wrote before its shard_size was turned on, changed since: someone else's,
     left where it is, and said once."""
-    bpk = single_bpk(saves, tmp_path)
-    watch = {"path": "runs", "direction": "bpk->safetensors"}
-    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
-        run.start()
-        runs = run.watch_dir("runs")
-        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
-        run.wait_for("converted", [runs / "model.bpk"])
+    with single_output_published(saves, tmp_path) as (run, _):
+        runs, watch = run.watch_dir("runs"), ONE_DIRECTION
         with open(runs / "model.safetensors", "r+b") as edited:  # a user's edit in place
             edited.seek(-4, os.SEEK_END)
             edited.write(b"\x00\x00\x80\x3f")
