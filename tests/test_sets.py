@@ -652,7 +652,7 @@ def test_shard_size_turned_on_then_off_removes_the_earlier_output_it_replaces(
         assert set_files(runs) == sharded and len(sharded) == 4
         assert_state_reloads(runs, saves["sharded"])
         restarted_with(run, watch)
-        run.wait_for("removed", [runs / "model.safetensors.index.json"])
+        run.wait_for("removed", [runs / name for name in sharded])
         assert set_files(runs) == single
         removed = [Path(r["source"]).name for r in run.records() if r["status"] == "removed"]
         assert removed[:2] == ["model.safetensors", "model.safetensors.index.json"], run.log_text()
