@@ -7,6 +7,7 @@ exactly one output, equal to its conversion, and no scratch file may be left any
     .venv/bin/python tests/soak.py --shared --lose-state   # claims as on a shared filesystem; each restart
                                                            # without the state, as another node would be
     .venv/bin/python tests/soak.py --sets          # Burn checkpoints published as sharded sets (shard_size)
+    .venv/bin/python tests/soak.py --lose-state --adopt   # a tree not shared: `syncd retry --adopt` at the end
 
 Prints one line per kill and a verdict; exits 1 on the first broken property.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
+from convcheck import run_cli
 from daemonutil import DaemonRun, scratch_files, wait_until
 from test_training_loop import checkpoint, conversion_of, rewrite_in_place, write_file
 
@@ -113,11 +115,19 @@ def main() -> int:
         help="wipe the state directory at every restart (with --shared: the claims' records then prove the outputs)",
     )
     parser.add_argument("--sets", action="store_true", help="Burn checkpoints, published as sharded sets")
+    parser.add_argument(
+        "--adopt",
+        action="store_true",
+        help="with --lose-state on a tree not shared: at the end, `syncd retry --adopt` vouches for the outputs",
+    )
     args = parser.parse_args()
-    if args.lose_state and not args.shared:
+    if args.lose_state and not (args.shared or args.adopt):
         # without the state and without claims nothing proves an output of an older version of its source
-        # syncd's (docs/daemon.md): every source saved while no record was kept would fail the check
-        parser.error("--lose-state needs --shared")
+        # syncd's (docs/daemon.md): every source saved while no record was kept would fail the check, unless
+        # the operator vouches for them
+        parser.error("--lose-state needs --shared or --adopt")
+    if args.adopt and (args.shared or args.sets or not args.lose_state):
+        parser.error("--adopt is for --lose-state on a tree not shared, of single files (a set names no source)")
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="syncd-soak-"))
     versions: dict[str, int] = {}
@@ -141,6 +151,11 @@ def main() -> int:
         run.start()
         wait_until(lambda: not scratch_files(runs), 120, "start-up cleaning the scratch files")
         run.quiet(5.0)
+        if args.adopt:
+            adopted = run_cli("retry", "-c", run.config_path, "--adopt")
+            said = [line for line in adopted.stdout.splitlines() if "adopted;" in line or "no output adopted" in line]
+            print(said[0] if said else adopted.stdout + adopted.stderr, flush=True)
+            run.quiet(5.0)
         problems = check_sets(runs, root / "expected") if args.sets else check(run, runs, root / "expected")
         code, _ = run.stop()
         if code != 0:
