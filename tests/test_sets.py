@@ -706,6 +706,42 @@ def test_a_set_is_found_in_sync_without_the_state_and_stays_the_daemons_to_updat
         assert set_files(runs) == converted_set_of(again, tmp_path / "expected", "--shard-size", "40KB")
 
 
+@pytest.mark.daemon
+def test_a_set_of_an_earlier_version_is_adopted_after_a_lost_state_and_updated(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """The .bpk saved again while the state was lost: its set, of the earlier version, is not this conversion,
+    and with no record it is someone else's (skipped, at every save). `syncd retry --adopt` takes the files its
+    index lists for the daemon's: the set is updated."""
+    bpk = single_bpk(saves, tmp_path)
+    (tmp_path / "again").mkdir()
+    again = single_bpk(saves, tmp_path / "again", "--precision", "bf16")
+    watch = {"path": "runs", "direction": "bpk->safetensors", "shard_size": "40KB"}
+    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        run.wait_for("converted", [runs / "model.bpk"])
+        published = set_files(runs)
+        run.stop()
+        shutil.rmtree(run.state_dir)
+        saved_as_a_trainer_saves(again, runs / "model.bpk")
+        run.start()
+        run.wait_for("skipped", [runs / "model.bpk"])
+        assert set_files(runs) == published
+        (skipped,) = run.statuses("skipped", runs / "model.bpk")
+        assert "it is a set: if it is syncd's output of an earlier version" in skipped["reason"], run.log_text()
+        adopted = run_cli("retry", "-c", run.config_path, "--adopt")
+        assert (
+            adopted.stdout.splitlines()[0]
+            == f"{runs / 'model.safetensors.index.json'}: adopted as the output of model.bpk"
+        )
+        run.wait_for("updated", [runs / "model.bpk"])
+        assert set_files(runs) == converted_set_of(again, tmp_path / "expected", "--shard-size", "40KB")
+        removed = sorted(Path(r["source"]).name for r in run.statuses("removed"))
+        assert removed == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)], run.log_text()  # BF16: 2 now
+
+
 def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

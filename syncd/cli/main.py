@@ -80,7 +80,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--adopt",
         action="store_true",
         help="after a lost state directory: take the outputs skipped as someone else's file that name their "
-        "source (syncd.source) for the daemon's own, so it updates them (the PATHs' or, without PATHs, all)",
+        "source (syncd.source; a set: the files its index lists) for the daemon's own, so it updates them (the "
+        "PATHs' or, without PATHs, all)",
     )
 
     check = _add_command(commands, "check-config", help="validate a configuration file")

@@ -23,7 +23,7 @@ from syncd.errors import SyncdError, one_line
 from syncd.formats import sniff_format
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import is_set_index
+from syncd.formats.shards import is_set_index, read_index
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ def request_adoption(config_path: Path, paths: list[Path] | None) -> Adoption:
     """After a lost state directory, the daemon cannot tell its own outputs of older versions of their
     sources from files someone edited keeping their metadata, and skips them as someone else's at every save
     (docs/daemon.md). The operator vouches for them: each source of `paths` (None: every one skipped so)
-    whose output names it in `syncd.source` gets that output recorded as the daemon's, as it is now, and is
-    looked at again: its conversion replaces the output, unless it changes meanwhile."""
+    whose output names it in `syncd.source` (a set, which names no source: the files its index lists) gets
+    that output recorded as the daemon's, as it is now, and is looked at again: its conversion replaces the
+    output, unless it changes meanwhile."""
     config = load_config(config_path, check_filesystem=False)
     _check_may_write(config.state_dir, config_path)
     adopted, refused = [], []
@@ -99,8 +100,10 @@ def request_adoption(config_path: Path, paths: list[Path] | None) -> Adoption:
             found = _adoptable_output(state, config.watches, Path(source))
             if isinstance(found, str):
                 refused.append((source, found))
-            elif state.adopt_output(source, found, FileStamp.of(os.lstat(found))):
-                adopted.append((source, str(found)))
+                continue
+            dest, members = found
+            if state.adopt_output(source, dest, members[dest], members if is_set_index(dest) else None):
+                adopted.append((source, str(dest)))
             else:
                 refused.append((source, "no longer skipped (the daemon looked at it meanwhile)"))
     holder = lock_holder(config.state_dir)
@@ -112,8 +115,11 @@ def request_adoption(config_path: Path, paths: list[Path] | None) -> Adoption:
     return Adoption(adopted, refused, holder)
 
 
-def _adoptable_output(state: StateDB, watches: tuple[Watch, ...], source: Path) -> Path | str:
-    """The output of `source` to adopt, or why there is none."""
+def _adoptable_output(
+    state: StateDB, watches: tuple[Watch, ...], source: Path
+) -> tuple[Path, dict[Path, FileStamp]] | str:
+    """The output of `source` to adopt with each of its files as it is now (a set: its index and the shards it
+    lists), or why there is none."""
     row = state.get(source)
     if row is None:
         return "not known to the daemon (never seen: a typo, or not under a watch)"
@@ -123,12 +129,16 @@ def _adoptable_output(state: StateDB, watches: tuple[Watch, ...], source: Path) 
     if not covering:
         return "no watch of the configuration converts it"
     watch = max(covering, key=lambda w: len(w.path.parts))  # a nested watch's own settings win
+    root = watch.mirror or watch.path
     try:
         dest = ownership.destination_for(watch, source, BY_NAME[sniff_format(source, watch.path)])
+        # a set names no source: its files are those its index lists, which the daemon would write
+        files = [dest, *(dest.parent / name for name in read_index(dest, root).files)] if is_set_index(dest) else [dest]
+        members = {file: FileStamp.of(os.lstat(file)) for file in files if os.path.lexists(file)}
     except SyncdError as exc:
         return one_line(exc)
-    if is_set_index(dest):
-        return f"its output {dest} is a set, whose files name no source: remove them to have them written again"
-    if not ownership.names_source(dest, source, watch.mirror or watch.path):
+    if not is_set_index(dest) and not ownership.names_source(dest, source, root):
         return f"its output {dest} does not name it in syncd.source: someone else's file, left alone"
-    return dest
+    if dest not in members:
+        return f"its output {dest} is not there: nothing to adopt"
+    return dest, members

@@ -150,6 +150,12 @@ class Placing:
     output: FileStamp
 
 
+_MEMBER_SQL = (
+    "INSERT OR REPLACE INTO members (member, dest, dev, ino, size, mtime_ns, ctime_ns) "
+    "VALUES (:member, :dest, :dev, :ino, :size, :mtime_ns, :ctime_ns)"
+)
+
+
 class StateDB:
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(state_dir)
@@ -320,16 +326,30 @@ class StateDB:
         sql = "SELECT source FROM sources WHERE status = 'failed' AND error = ?"
         return self._run(lambda db: [os.fsdecode(row[0]) for row in db.execute(sql, (error,)).fetchall()])
 
-    def adopt_output(self, source: PathArg, dest: PathArg, dest_version: FileStamp) -> bool:
-        """Record `dest`, as it is now (`dest_version`), as the output this daemon published from `source`,
-        whose failure is made retryable; True if `source` had failed. For `syncd retry --adopt`: after a lost
-        state, the operator vouches for outputs that name their sources (daemon/retry.py)."""
+    def adopt_output(
+        self,
+        source: PathArg,
+        dest: PathArg,
+        dest_version: FileStamp,
+        members: Mapping[Path, FileStamp] | None = None,
+    ) -> bool:
+        """Record `dest`, as it is now (`dest_version`; a set: its index, and `members`, every file of it), as
+        the output this daemon published from `source`, whose failure is made retryable; True if `source` had
+        failed. For `syncd retry --adopt`: after a lost state, the operator vouches for them (daemon/retry.py)."""
         values = {**_version_columns("dest_", dest_version), "dest": _key(dest), "source": _key(source)}
         assignments = ", ".join(f"{name} = :{name}" for name in values if name != "source")
         sql = f"UPDATE sources SET {assignments}, status = 'retry', attempts = 0 WHERE source = :source"
 
         def adopt(db: sqlite3.Connection) -> bool:
-            return db.execute(sql + " AND status = 'failed'", values).rowcount == 1
+            if db.execute(sql + " AND status = 'failed'", values).rowcount != 1:
+                return False
+            if members is not None:
+                db.execute("DELETE FROM members WHERE dest = ?", (values["dest"],))
+                for member, stamp in members.items():
+                    db.execute(
+                        _MEMBER_SQL, {"member": _key(member), "dest": values["dest"], **_version_columns("", stamp)}
+                    )
+            return True
 
         return self._run(adopt)
 
@@ -354,10 +374,6 @@ class StateDB:
         columns = ", ".join(values)
         placeholders = ", ".join(f":{name}" for name in values)
         sql = f"INSERT OR REPLACE INTO sources ({columns}) VALUES ({placeholders})"
-        member_sql = (
-            "INSERT OR REPLACE INTO members (member, dest, dev, ino, size, mtime_ns, ctime_ns) "
-            "VALUES (:member, :dest, :dev, :ino, :size, :mtime_ns, :ctime_ns)"
-        )
 
         def write(db: sqlite3.Connection) -> None:
             db.execute(sql, values)
@@ -367,7 +383,7 @@ class StateDB:
             db.execute("DELETE FROM members WHERE dest = ?", (placed,))
             for member, stamp in (members or {}).items():
                 db.execute("DELETE FROM placing WHERE dest = ?", (member,))
-                db.execute(member_sql, {"member": member, "dest": placed, **_version_columns("", stamp)})
+                db.execute(_MEMBER_SQL, {"member": member, "dest": placed, **_version_columns("", stamp)})
 
         self._run(write)
 

@@ -365,13 +365,13 @@ class Syncer:
                 self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
 
     def _adopt_hint(self, dest: Path) -> str:
-        """Said of a destination that names its source but holds other bytes: a user's edit, or syncd's output
-        of an earlier version of the source saved while no record was kept (docs/daemon.md)."""
-        if is_set_index(dest):
-            return ""  # a set names no source: `retry --adopt` does not take it
+        """Said of a destination that names its source (a set: that lists the files the daemon writes) but
+        holds other bytes: a user's edit, or syncd's output of an earlier version of the source saved while no
+        record was kept (docs/daemon.md)."""
         config = f" -c {self.config_path}" if self.config_path else ""
+        what = "it is a set" if is_set_index(dest) else "it names this source"
         return (
-            "; it names this source: if it is syncd's output of an earlier version (a lost state directory), "
+            f"; {what}: if it is syncd's output of an earlier version (a lost state directory), "
             f"`syncd retry{config} --adopt` makes it the daemon's again"
         )
 
