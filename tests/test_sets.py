@@ -679,13 +679,10 @@ def test_an_earlier_output_someone_changed_is_left_with_a_warning(saves: dict[st
         assert not [r for r in run.records() if r["status"] == "removed"], run.log_text()
 
 
-@pytest.mark.daemon
-def test_a_set_is_found_in_sync_without_the_state_and_stays_the_daemons_to_update(
-    saves: dict[str, Path], tmp_path: Path
-) -> None:
-    """A set carries no syncd.source: with the state lost, the daemon converts the .bpk and compares, file by
-    file. The same bytes: in sync, and its own from then on, so the next save updates it. (It was skipped as
-    someone else's, for good.)"""
+@contextlib.contextmanager
+def set_published_then_state_lost(saves: dict[str, Path], tmp_path: Path) -> Iterator[tuple[DaemonRun, dict, Path]]:
+    """A daemon (stopped) whose watch published a .bpk as a set of three shards, its state directory then
+    wiped: (the daemon, the set's files, the .bpk's next save, in BF16, as a file outside the tree)."""
     bpk = single_bpk(saves, tmp_path)
     (tmp_path / "again").mkdir()
     again = single_bpk(saves, tmp_path / "again", "--precision", "bf16")
@@ -698,6 +695,18 @@ def test_a_set_is_found_in_sync_without_the_state_and_stays_the_daemons_to_updat
         published = set_files(runs)
         run.stop()
         shutil.rmtree(run.state_dir)
+        yield run, published, again
+
+
+@pytest.mark.daemon
+def test_a_set_is_found_in_sync_without_the_state_and_stays_the_daemons_to_update(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A set carries no syncd.source: with the state lost, the daemon converts the .bpk and compares, file by
+    file. The same bytes: in sync, and its own from then on, so the next save updates it. (It was skipped as
+    someone else's, for good.)"""
+    with set_published_then_state_lost(saves, tmp_path) as (run, published, again):
+        runs = run.watch_dir("runs")
         run.start()
         run.wait_for("in_sync", [runs / "model.bpk"])
         assert set_files(runs) == published
@@ -713,18 +722,8 @@ def test_a_set_of_an_earlier_version_is_adopted_after_a_lost_state_and_updated(
     """The .bpk saved again while the state was lost: its set, of the earlier version, is not this conversion,
     and with no record it is someone else's (skipped, at every save). `syncd retry --adopt` takes the files its
     index lists for the daemon's: the set is updated."""
-    bpk = single_bpk(saves, tmp_path)
-    (tmp_path / "again").mkdir()
-    again = single_bpk(saves, tmp_path / "again", "--precision", "bf16")
-    watch = {"path": "runs", "direction": "bpk->safetensors", "shard_size": "40KB"}
-    with DaemonRun(tmp_path / "d", watches=[watch]) as run:
-        run.start()
+    with set_published_then_state_lost(saves, tmp_path) as (run, published, again):
         runs = run.watch_dir("runs")
-        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
-        run.wait_for("converted", [runs / "model.bpk"])
-        published = set_files(runs)
-        run.stop()
-        shutil.rmtree(run.state_dir)
         saved_as_a_trainer_saves(again, runs / "model.bpk")
         run.start()
         run.wait_for("skipped", [runs / "model.bpk"])
