@@ -126,8 +126,8 @@ def main() -> int:
         # syncd's (docs/daemon.md): every source saved while no record was kept would fail the check, unless
         # the operator vouches for them
         parser.error("--lose-state needs --shared or --adopt")
-    if args.adopt and (args.shared or args.sets or not args.lose_state):
-        parser.error("--adopt is for --lose-state on a tree not shared, of single files (a set names no source)")
+    if args.adopt and (args.shared or not args.lose_state):
+        parser.error("--adopt is for --lose-state on a tree not shared")
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="syncd-soak-"))
     versions: dict[str, int] = {}

@@ -721,9 +721,13 @@ def test_a_set_of_an_earlier_version_is_adopted_after_a_lost_state_and_updated(
 ) -> None:
     """The .bpk saved again while the state was lost: its set, of the earlier version, is not this conversion,
     and with no record it is someone else's (skipped, at every save). `syncd retry --adopt` takes the files its
-    index lists for the daemon's: the set is updated."""
+    index lists for the daemon's, and the shards named after it of an earlier layout: the set is updated, and
+    no shard of an earlier layout is left."""
     with set_published_then_state_lost(saves, tmp_path) as (run, published, again):
         runs = run.watch_dir("runs")
+        # a shard of an earlier layout, which a daemon killed between placing the index and removing it left
+        shutil.copy(runs / "model-00001-of-00003.safetensors", runs / "model-00004-of-00004.safetensors")
+        published = set_files(runs)
         saved_as_a_trainer_saves(again, runs / "model.bpk")
         run.start()
         run.wait_for("skipped", [runs / "model.bpk"])
@@ -738,7 +742,8 @@ def test_a_set_of_an_earlier_version_is_adopted_after_a_lost_state_and_updated(
         run.wait_for("updated", [runs / "model.bpk"])
         assert set_files(runs) == converted_set_of(again, tmp_path / "expected", "--shard-size", "40KB")
         removed = sorted(Path(r["source"]).name for r in run.statuses("removed"))
-        assert removed == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)], run.log_text()  # BF16: 2 now
+        earlier = [*(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)), "model-00004-of-00004.safetensors"]
+        assert removed == earlier, run.log_text()  # BF16: two shards now
 
 
 def test_output_directory_for_one_file(saves: dict[str, Path], tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from syncd.errors import SyncdError, one_line
 from syncd.formats import sniff_format
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME
-from syncd.formats.shards import is_set_index, read_index
+from syncd.formats.shards import is_set_index, read_index, shards_named_after
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,11 @@ def _adoptable_output(
     root = watch.mirror or watch.path
     try:
         dest = ownership.destination_for(watch, source, BY_NAME[sniff_format(source, watch.path)])
-        # a set names no source: its files are those its index lists, which the daemon would write
-        files = [dest, *(dest.parent / name for name in read_index(dest, root).files)] if is_set_index(dest) else [dest]
+        # a set names no source: its files are those its index lists, and the shards of an earlier layout a
+        # daemon killed before removing them left beside it (named after the set: what the daemon writes there)
+        files = [dest]
+        if is_set_index(dest):
+            files += [dest.parent / name for name in read_index(dest, root).files] + shards_named_after(dest)
         members = {file: FileStamp.of(os.lstat(file)) for file in files if os.path.lexists(file)}
     except SyncdError as exc:
         return one_line(exc)

@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from syncd.errors import FormatError
@@ -494,6 +494,17 @@ _SHARD_NAME = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.(safetensors|bin)")
 
 def looks_like_shard(name: str) -> bool:
     return _SHARD_NAME.fullmatch(name) is not None
+
+
+def shards_named_after(index: Path) -> list[Path]:
+    """The files beside `index` named as save_pretrained names its set's shards (`model-00002-of-00004.safetensors`
+    for model.safetensors.index.json), whichever layout they are of."""
+    pattern = re.compile(re.escape(set_stem(index)) + r"-[0-9]{5}-of-[0-9]{5}\.safetensors")
+    try:
+        names = os.listdir(index.parent)
+    except OSError:
+        return []
+    return [index.parent / name for name in sorted(names) if pattern.fullmatch(name)]
 
 
 class IndexFiles:
