@@ -88,7 +88,8 @@ def request_adoption(config_path: Path, paths: list[Path] | None) -> Adoption:
     """After a lost state directory, the daemon cannot tell its own outputs of older versions of their
     sources from files someone edited keeping their metadata, and skips them as someone else's at every save
     (docs/daemon.md). The operator vouches for them: each source of `paths` (None: every one skipped so)
-    whose output names it in `syncd.source` (a set, which names no source: the files its index lists) gets
+    whose output names it in `syncd.source` (a set, which names no source: the files its index lists and the
+    shards named after it) gets
     that output recorded as the daemon's, as it is now, and is looked at again: its conversion replaces the
     output, unless it changes meanwhile."""
     config = load_config(config_path, check_filesystem=False)
@@ -118,8 +119,8 @@ def request_adoption(config_path: Path, paths: list[Path] | None) -> Adoption:
 def _adoptable_output(
     state: StateDB, watches: tuple[Watch, ...], source: Path
 ) -> tuple[Path, dict[Path, FileStamp]] | str:
-    """The output of `source` to adopt with each of its files as it is now (a set: its index and the shards it
-    lists), or why there is none."""
+    """The output of `source` to adopt with each of its files as it is now (a set: its index, the shards it
+    lists and those named after it), or why there is none."""
     row = state.get(source)
     if row is None:
         return "not known to the daemon (never seen: a typo, or not under a watch)"
@@ -140,6 +141,8 @@ def _adoptable_output(
         members = {file: FileStamp.of(os.lstat(file)) for file in files if os.path.lexists(file)}
     except SyncdError as exc:
         return one_line(exc)
+    except OSError as exc:  # a file of it gone or unreadable meanwhile
+        return f"cannot look at its output: {exc.strerror or exc} ({exc.filename})"
     if not is_set_index(dest) and not ownership.names_source(dest, source, root):
         return f"its output {dest} does not name it in syncd.source: someone else's file, left alone"
     if dest not in members:
