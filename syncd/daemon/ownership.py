@@ -339,7 +339,7 @@ def earlier_output_elsewhere(state: StateDB, source: Path, dest: Path, root: Pat
     row = state.get(source)
     if row is None or row.dest is None or row.dest_version is None:
         return None
-    earlier = Path(os.fsdecode(os.fsencode(row.dest)))
+    earlier = Path(row.dest)
     if os.fsencode(earlier) == os.fsencode(dest) or earlier.parent != dest.parent or not os.path.lexists(earlier):
         return None
     if not is_set_index(earlier):
