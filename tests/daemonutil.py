@@ -33,6 +33,7 @@ START_TIMEOUT = 20.0
 POLL = 0.02
 PR_CAPBSET_DROP = 24
 CAP_LEASE = 28  # linux/capability.h
+NOBODY = 65534  # a user that is not the daemon's (nor the test's)
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:

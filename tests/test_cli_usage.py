@@ -17,7 +17,7 @@ import torch
 import yaml
 from conftest import MNIST_BPK
 from convcheck import assert_one_line_error, cli_env, run_cli
-from daemonutil import runnable_by_others
+from daemonutil import NOBODY, runnable_by_others
 from safetensors.torch import save_file
 
 from syncd.daemon.state import StateDB
@@ -25,8 +25,6 @@ from syncd.daemon.statuses import STATUSES
 from syncd.formats.fileio import FileStamp
 
 pytestmark = pytest.mark.torch
-
-NOBODY = 65534  # a user that is not the daemon's: as a member of its group, it may read but not write
 
 
 def _config(root: Path) -> Path:

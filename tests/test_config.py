@@ -47,7 +47,7 @@ def error_of(path: Path) -> str:
 def test_minimal_config_gets_documented_defaults(tmp_path: Path, runs: Path) -> None:
     config = load_config(write_config(tmp_path, "watches:\n  - path: runs\n"))
     assert config.workers == 2
-    assert config.settle_seconds == 1.0
+    assert config.settle_seconds == 1.0 and config.unleased_settle_seconds == 10.0
     assert config.poll_interval is None
     assert config.state_dir == tmp_path.resolve() / "state"
     assert config.log.path == tmp_path.resolve() / "syncd.log.jsonl"
@@ -71,6 +71,7 @@ def test_full_config_is_read_and_relative_paths_resolve_against_the_config_dir(
         """
         workers: 4
         settle_seconds: 0.5
+        unleased_settle_seconds: 3
         state_dir: ./var/state
         log: {path: logs/sync.jsonl, max_bytes: 1000, backups: 2, level: debug}
         poll_interval: 3
@@ -91,6 +92,7 @@ def test_full_config_is_read_and_relative_paths_resolve_against_the_config_dir(
     monkeypatch.chdir("/")  # the working directory must not matter
     config = load_config(path)
     assert config.workers == 4 and config.settle_seconds == 0.5 and config.poll_interval == 3.0
+    assert config.unleased_settle_seconds == 3.0
     assert config.hash_name == "sha256"
     assert config.state_dir == tmp_path.resolve() / "var" / "state"
     assert config.log.path == tmp_path.resolve() / "logs" / "sync.jsonl"
@@ -134,6 +136,7 @@ def test_bad_enum_names_file_line_key_and_choices(tmp_path: Path, runs: Path) ->
         ("workers: '2'", "workers: expected an integer >= 1, got '2'"),
         ("settle_seconds: -1", "settle_seconds: expected a number >= 0, got -1"),
         ("settle_seconds: .nan", "settle_seconds: expected a number >= 0, got nan"),
+        ("unleased_settle_seconds: -2", "unleased_settle_seconds: expected a number >= 0, got -2"),
         ("poll_interval: 0", "poll_interval: expected a number > 0 or null, got 0"),
         ("state_dir: 5", "state_dir: expected a path (a non-empty string), got 5"),
         ("log: {level: loud}", "log.level: expected one of debug, info, warning, error, got 'loud'"),

@@ -18,7 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FIXTURES
-from daemonutil import CAP_LEASE, REPO, DaemonRun, mentioning, scratch_files, stop_cleanly, wait_until, write_file
+from daemonutil import (
+    CAP_LEASE,
+    NOBODY,
+    REPO,
+    DaemonRun,
+    mentioning,
+    scratch_files,
+    stop_cleanly,
+    wait_until,
+    write_file,
+)
 from safetensors.torch import load_file, save
 
 from syncd.formats import BURNPACK, SAFETENSORS, open_checkpoint
@@ -27,7 +37,6 @@ pytestmark = [pytest.mark.daemon, pytest.mark.torch]
 
 # SIGTERM must not wait for an in-flight conversion to finish; generous, so a loaded machine does not fail it.
 STOP_BOUND = 30.0
-NOBODY = 65534
 SHM = "/dev/shm"
 MNIST_BPK = FIXTURES / "burn" / "mnist_web.bpk"
 MNIST_BPK_TENSORS = {

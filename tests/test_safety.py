@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-from daemonutil import DaemonRun, runnable_by_others, scratch_files, stop_cleanly, wait_until
+from daemonutil import NOBODY, DaemonRun, runnable_by_others, scratch_files, stop_cleanly, wait_until
 
 from syncd.formats import open_checkpoint
 
@@ -177,9 +177,6 @@ def _peak_rss_kib(pid: int) -> int:
     raise AssertionError("no VmHWM in /proc status")
 
 
-NOBODY = 65534
-
-
 @pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.parametrize("poll", [False, True], ids=["inotify", "polled"])
@@ -189,7 +186,8 @@ def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tm
     root = Path(tempfile.mkdtemp(prefix="syncd-nobody-", dir="/tmp"))
     try:
         os.chmod(root, 0o777)
-        with DaemonRun(root / "d", [{"path": "runs", "poll": poll}]) as run:
+        # the daemon, as nobody, can lease none of these files: each is taken once unchanged this long
+        with DaemonRun(root / "d", [{"path": "runs", "poll": poll}], unleased_settle_seconds=1) as run:
             os.chmod(run.root, 0o777)
             runs = run.watch_dir()
             os.chmod(runs, 0o777)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import MNIST_BPK
 from convcheck import run_cli
-from daemonutil import DaemonRun, wait_until
+from daemonutil import CAP_LEASE, NOBODY, DaemonRun, wait_until
 from safetensors.torch import save_file
 
 from syncd.cli.status import render_status
@@ -145,6 +145,26 @@ def test_status_names_the_files_waiting_in_the_queue(tmp_path: Path) -> None:
         shown = run_cli("status", "-c", run.config_path).stdout.splitlines()
         at = shown.index("queued: 1")
         assert re.fullmatch(rf"  {re.escape(str(waiting))}  due in (9|10):\d\d", shown[at + 1]), shown
+
+
+@pytest.mark.root
+def test_a_file_no_lease_vouches_for_waits_unleased_settle_seconds(tmp_path: Path) -> None:
+    """A file found at start (no close seen), owned by another user, the daemon without CAP_LEASE: nothing
+    tells whether a writer has it open, so it waits `unleased_settle_seconds`, not `settle_seconds`."""
+    settings = {"settle_seconds": 0.2, "unleased_settle_seconds": 600}
+    with DaemonRun(tmp_path / "d", [{"path": "runs", "poll": True}], **settings) as run:
+        found = run.watch_dir("runs") / "mnist.bpk"
+        shutil.copyfile(MNIST_BPK, found)
+        os.chown(found, NOBODY, NOBODY)
+        run.start(drop_capabilities=[CAP_LEASE])
+
+        def put_off() -> dict | None:  # found at start, it is first queued due at once, then looked at
+            doc = json.loads((run.state_dir / STATUS_FILE).read_text())
+            waiting = [item for item in doc["waiting"] if item["source"] == str(found)]
+            return waiting[0] if waiting and waiting[0]["due_in"] > 1 else None
+
+        assert 500 < wait_until(put_off, 30, "the status file to list the file found at start")["due_in"] <= 600
+        assert not run.statuses("converted")
 
 
 def test_status_without_a_daemon_is_one_line(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convcheck import cli_env, run_cli
-from daemonutil import CAP_LEASE, DaemonRun, scratch_files, stop_cleanly, wait_until, write_file
+from daemonutil import CAP_LEASE, NOBODY, DaemonRun, scratch_files, stop_cleanly, wait_until, write_file
 from hfsets import save_llama
 from safetensors.numpy import save
 
@@ -494,8 +494,6 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
 
 
 # ------------------------------------------------------------------------------------------ 2. pre-sized writers
-
-NOBODY = 65534
 
 
 @pytest.mark.root

@@ -29,8 +29,8 @@ from syncd.formats.fileio import FileStamp
 INCOMPLETE_GRACE_SECONDS = 60.0
 BUSY_RETRY_SECONDS = 1.0  # how soon a file still being written is looked at again (its close comes sooner)
 # Without a lease (no CAP_LEASE and not the file's owner, or a file system without leases) a file whose close
-# was not seen must be this long without any change before it is taken as complete
-# (docs/daemon.md#when-a-checkpoint-is-complete).
+# was not seen must be this long without any change before it is taken as complete, unless the configuration
+# says otherwise (`unleased_settle_seconds`; docs/daemon.md#when-a-checkpoint-is-complete).
 UNLEASED_SETTLE_SECONDS = 10.0
 FUTURE_SLACK_SECONDS = 2.0  # clock skew tolerated before a modification time counts as "in the future"
 CLOSED_SETTLE_SECONDS = 0.05  # the short check that suffices once a close or rename was seen
@@ -59,8 +59,11 @@ class Readiness:
     """The readiness decisions, with the little they remember between looks at one path. Thread-safe enough
     for the workers: each path is handled by one worker at a time, and the memories are only hints."""
 
-    def __init__(self, settle_seconds: float, warn: Warn) -> None:
+    def __init__(
+        self, settle_seconds: float, warn: Warn, unleased_settle_seconds: float = UNLEASED_SETTLE_SECONDS
+    ) -> None:
         self.settle_seconds = settle_seconds
+        self.unleased_settle_seconds = unleased_settle_seconds
         self._warn = warn
         self._future: dict[tuple[Path, int], float] = {}  # (path, mtime_ns) in the future -> first seen
         self._incomplete: dict[Path, int] = {}  # path seen shorter than its header says -> looks so far
@@ -102,12 +105,13 @@ class Readiness:
     def unleased_wait(self, path: Path, info: os.stat_result) -> float:
         """Without a lease nothing tells whether a writer still has the file open: a writer that sets the
         full size first and fills it in later, pausing, looks complete (and reads, half zeros). Such a file is
-        taken only after UNLEASED_SETTLE_SECONDS without any change (mtime or ctime), unless its close was seen."""
+        taken only after `unleased_settle_seconds` (or `settle_seconds`, if longer) without any change (mtime or
+        ctime), unless its close was seen."""
         changed = max(info.st_mtime_ns, info.st_ctime_ns) / 1e9
         age = time.time() - changed
         if age < -FUTURE_SLACK_SECONDS:
             age = self.age(None, path, info)
-        return max(0.0, max(UNLEASED_SETTLE_SECONDS, self.settle_seconds) - age)
+        return max(0.0, max(self.unleased_settle_seconds, self.settle_seconds) - age)
 
     def age(self, watch_root: Path | None, path: Path, info: os.stat_result) -> float:
         """How long the file has been quiet. A modification time in the future (a copy from a host whose clock

@@ -145,6 +145,14 @@ class Syncer:
     def settle_seconds(self, value: float) -> None:
         self.readiness.settle_seconds = value
 
+    @property
+    def unleased_settle_seconds(self) -> float:
+        return self.readiness.unleased_settle_seconds
+
+    @unleased_settle_seconds.setter
+    def unleased_settle_seconds(self, value: float) -> None:
+        self.readiness.unleased_settle_seconds = value
+
     def _warn(self, watch_root: Path, path: Path, reason: str) -> None:
         self.synclog.log(Status.WARNING, watch=str(watch_root), source=str(path), reason=reason)
 

@@ -38,6 +38,7 @@ from syncd.daemon.config.schema import (
     DEFAULT_SHARED,
     DEFAULT_STATE_DIR,
     DEFAULT_STUCK_WORKER_SECONDS,
+    DEFAULT_UNLEASED_SETTLE_SECONDS,
     DEFAULT_WORKERS,
     LOG_KEYS,
     LOG_LEVELS,
@@ -76,6 +77,7 @@ class ConfigBuilder:
         top = Section(self.file, items, "")
         workers = top.integer("workers", DEFAULT_WORKERS, minimum=1)
         settle = top.number("settle_seconds", DEFAULT_SETTLE_SECONDS, minimum=0.0)
+        unleased = top.number("unleased_settle_seconds", DEFAULT_UNLEASED_SETTLE_SECONDS, minimum=0.0)
         poll_interval = top.number("poll_interval", None, minimum=0.0, allow_null=True, strictly_positive=True)
         rescan_interval = top.number(
             "rescan_interval", DEFAULT_RESCAN_INTERVAL, minimum=0.0, allow_null=True, strictly_positive=True
@@ -88,7 +90,7 @@ class ConfigBuilder:
         cluster = self._cluster(top)
         ignore = _ignore_list(top, DEFAULT_IGNORE)
         watches = self._watches(top, root, ignore)
-        assert state_dir is not None and settle is not None and stuck is not None
+        assert state_dir is not None and settle is not None and unleased is not None and stuck is not None
         return Config(
             path=Path(os.path.abspath(self.file.path)),
             state_dir=state_dir,
@@ -96,6 +98,7 @@ class ConfigBuilder:
             watches=watches,
             workers=workers,
             settle_seconds=settle,
+            unleased_settle_seconds=unleased,
             poll_interval=poll_interval,
             rescan_interval=rescan_interval,
             stuck_worker_seconds=stuck,

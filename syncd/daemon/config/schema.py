@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from syncd.adapters import AUTO, ModuleMap
+from syncd.daemon.readiness import UNLEASED_SETTLE_SECONDS
 from syncd.daemon.synclog import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from syncd.engine.hashing import DEFAULT_HASH
 from syncd.formats.registry import FORMATS
@@ -23,6 +24,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")
 # top level
 DEFAULT_WORKERS = 2
 DEFAULT_SETTLE_SECONDS = 1.0
+DEFAULT_UNLEASED_SETTLE_SECONDS = UNLEASED_SETTLE_SECONDS  # a file whose writer nothing can see (readiness.py)
 DEFAULT_STATE_DIR = "./state"  # relative paths resolve against the config file's directory
 DEFAULT_POLL_INTERVAL = 2.0  # used when a watch sets `poll: true` but the global poll_interval is null
 DEFAULT_RESCAN_INTERVAL = 600.0  # seconds between safety rescans of every watch (they find what events missed)
@@ -56,6 +58,7 @@ DEFAULT_ON_EXISTS = "skip"
 TOP_LEVEL_KEYS = (
     "workers",
     "settle_seconds",
+    "unleased_settle_seconds",
     "state_dir",
     "log",
     "poll_interval",
@@ -157,6 +160,7 @@ class Config:
     watches: tuple[Watch, ...]
     workers: int = DEFAULT_WORKERS
     settle_seconds: float = DEFAULT_SETTLE_SECONDS
+    unleased_settle_seconds: float = DEFAULT_UNLEASED_SETTLE_SECONDS
     poll_interval: float | None = None
     rescan_interval: float | None = DEFAULT_RESCAN_INTERVAL  # None: no periodic safety rescan
     stuck_worker_seconds: float = DEFAULT_STUCK_WORKER_SECONDS
