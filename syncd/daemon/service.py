@@ -51,7 +51,7 @@ class Daemon:
         )
         self.state = StateDB(config.state_dir)
         self.syncer = Syncer(self.state, self.synclog, config.settle_seconds, config.hash_name)
-        self.syncer.unleased_settle_seconds = config.unleased_settle_seconds
+        self.syncer.set_settle_times(config.settle_seconds, config.unleased_settle_seconds)
         self.syncer.progress_for = self.activity.progress_for
         self.syncer.config_path = config.path
         self.queue = WorkQueue(self._work, config.workers)
@@ -285,8 +285,7 @@ class Daemon:
         if self.watcher is not None:
             self.watcher.stop()
         self.config = new
-        self.syncer.settle_seconds = new.settle_seconds
-        self.syncer.unleased_settle_seconds = new.unleased_settle_seconds
+        self.syncer.set_settle_times(new.settle_seconds, new.unleased_settle_seconds)
         self.syncer.hash_name = new.hash_name
         self.activity.metrics_path = new.metrics
         self._start_watcher()

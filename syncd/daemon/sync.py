@@ -137,21 +137,10 @@ class Syncer:
         self._no_locks_said: set[Path] = set()
         self._collector = CollectorPause()  # off while converting, as `syncd convert` has it (collector.py)
 
-    @property
-    def settle_seconds(self) -> float:
-        return self.readiness.settle_seconds
-
-    @settle_seconds.setter
-    def settle_seconds(self, value: float) -> None:
-        self.readiness.settle_seconds = value
-
-    @property
-    def unleased_settle_seconds(self) -> float:
-        return self.readiness.unleased_settle_seconds
-
-    @unleased_settle_seconds.setter
-    def unleased_settle_seconds(self, value: float) -> None:
-        self.readiness.unleased_settle_seconds = value
+    def set_settle_times(self, settle_seconds: float, unleased_settle_seconds: float) -> None:
+        """How long a file must stay unchanged before it is taken (readiness.py): at start and at each reload."""
+        self.readiness.settle_seconds = settle_seconds
+        self.readiness.unleased_settle_seconds = unleased_settle_seconds
 
     def _warn(self, watch_root: Path, path: Path, reason: str) -> None:
         self.synclog.log(Status.WARNING, watch=str(watch_root), source=str(path), reason=reason)
