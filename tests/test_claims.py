@@ -4,6 +4,7 @@ PID namespaces and this machine's real filesystems."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from daemonutil import NOBODY
 
 from syncd.daemon.claims import (
     CLAIM_SUFFIX,
@@ -19,6 +21,7 @@ from syncd.daemon.claims import (
     claim_path,
     is_claim_name,
     is_held,
+    records_of,
     remove_if_orphaned,
     try_claim,
 )
@@ -94,6 +97,45 @@ def test_the_record_of_a_publish_is_read_back_and_a_torn_one_proves_nothing(tmp_
     data = published.to_bytes()
     for torn in (data[: len(data) // 2], b"", b"{}", data.replace(b"[1, 2, 3, 4]", b'["1", 2, 3, 4]')):
         assert Published.from_bytes(torn) is None
+
+
+def _recorded(dest: Path, published: Published) -> Path:
+    claim = try_claim(dest)
+    assert claim is not None
+    with claim:
+        claim.record(published)
+    return claim_path(dest)
+
+
+def test_a_record_in_a_claim_file_others_may_write_proves_nothing(tmp_path: Path) -> None:
+    dest = tmp_path / "model.bpk"
+    path = _recorded(dest, Published("model.safetensors", (1, 2, 3, 4), (5, 6, 7, 8)))
+    for mode in (0o664, 0o646):
+        os.chmod(path, mode)  # anyone of the group (or anyone at all) could have written this record
+        assert records_of(dest) == (None, None)
+    os.chmod(path, 0o644)
+    assert records_of(dest)[0] is not None
+
+
+@pytest.mark.root
+def test_a_record_in_a_claim_file_another_user_owns_proves_nothing(tmp_path: Path) -> None:
+    dest = tmp_path / "model.bpk"
+    path = _recorded(dest, Published("model.safetensors", (1, 2, 3, 4), (5, 6, 7, 8)))
+    os.chown(path, NOBODY, NOBODY)  # planted by someone who may create files in the tree
+    assert records_of(dest) == (None, None)
+    claim = try_claim(dest)
+    assert claim is not None
+    with claim:
+        assert claim.published() is None and claim.placing() is None
+
+
+def test_a_record_naming_a_member_outside_the_sets_directory_is_no_record() -> None:
+    stamp = [1, 2, 3, 4]
+    for name in ("../outside/victim.txt", "/etc/passwd", "sub/../../x", "./m.safetensors", "a//b", ""):
+        doc = {"source": "m.bpk", "source_stamp": stamp, "dest_stamp": stamp, "members": {name: stamp}}
+        assert Published.from_bytes(json.dumps(doc).encode()) is None, name
+    doc = {"source": "m.bpk", "source_stamp": stamp, "dest_stamp": stamp, "members": {"sub/m-1.safetensors": stamp}}
+    assert Published.from_bytes(json.dumps(doc).encode()) is not None
 
 
 def test_a_claim_file_is_removed_only_when_its_output_is_gone_and_nobody_holds_it(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ import pytest
 import safetensors.numpy
 from daemonutil import NOBODY, DaemonRun, runnable_by_others, scratch_files, stop_cleanly, wait_until
 
+from syncd.daemon.claims import Published, claim_path, stamp_of
+from syncd.engine.convert import ConvertRequest, convert
 from syncd.formats import open_checkpoint
 
 pytestmark = pytest.mark.daemon
@@ -111,6 +113,37 @@ def test_a_mirror_subdirectory_that_is_a_symlink_is_not_written_through(tmp_path
         assert list(outside.iterdir()) == []
         assert not scratch_files(mirror, outside)
         stop_cleanly(run)
+
+
+@pytest.mark.root
+def test_a_claim_record_planted_by_another_user_does_not_make_their_victims_file_syncds(tmp_path: Path) -> None:
+    """Anyone who may create files in a shared tree can stat any file there and write a claim record naming
+    it as syncd's output of a checkpoint of theirs: the record proves nothing, and the file is not replaced."""
+    run = DaemonRun(
+        tmp_path,
+        [{"path": "runs", "direction": "bpk->safetensors", "layout": "keep"}],
+        cluster={"shared": True, "poll_interval": 1},
+        unleased_settle_seconds=1,
+    )
+    runs = run.watch_dir()
+    os.chmod(runs, 0o1777)
+    victim = runs / "model.safetensors"
+    victim.write_bytes(b"root's own file")
+    os.chmod(victim, 0o600)
+    record = Published("model.bpk", (1, 2, 3, 4), stamp_of(os.lstat(victim)), node="elsewhere")
+    planted = claim_path(victim)
+    planted.write_bytes(record.to_bytes())
+    os.chown(planted, NOBODY, NOBODY)
+    source = write_checkpoint(tmp_path / "theirs.safetensors")
+    checkpoint = tmp_path / "model.bpk"
+    convert(ConvertRequest(source=source, dest=checkpoint, layout="keep"))
+    os.chown(checkpoint, NOBODY, NOBODY)
+    os.rename(checkpoint, runs / "model.bpk")
+    with run:
+        run.start()
+        run.wait_for("skipped", [runs / "model.bpk"])
+        stop_cleanly(run)
+    assert victim.read_bytes() == b"root's own file"
 
 
 def test_a_tree_deeper_than_the_limit_is_reported_and_the_rest_served(tmp_path: Path) -> None:

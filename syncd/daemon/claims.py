@@ -114,13 +114,29 @@ class Published:
             return None
         if not isinstance(source, str) or not isinstance(node, str) or source_stamp is None or dest_stamp is None:
             return None
-        checked = tuple((name, stamp) for name, stamp in members if isinstance(name, str) and stamp is not None)
+        checked = tuple((name, stamp) for name, stamp in members if _is_member_name(name) and stamp is not None)
         if len(checked) != len(members):
             return None
         return cls(source, source_stamp, dest_stamp, node, checked)
 
 
 NOT_PLACED: Stamp = (0, 0, 0, 0)  # no file has inode 0
+
+
+def _written_by_us(info: os.stat_result) -> bool:
+    """A record proves something only in a claim file that no one but syncd's own user could have written: one
+    this user owns and no group or other may write. Anyone who may create files in a tree could otherwise
+    plant a record naming any file (its identity is one stat away) as syncd's output, to have it replaced or
+    removed. The nodes of a shared tree run syncd as one user (docs/many-nodes.md)."""
+    return info.st_uid == os.geteuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _is_member_name(name: object) -> bool:
+    """A set's file named as its index names its shards: a relative path inside the set's directory."""
+    if not isinstance(name, str) or not name or "\x00" in name or name.startswith("/"):
+        return False
+    parts = name.split("/")
+    return all(part not in ("", ".", "..") for part in parts)
 
 
 def _encode(doc: dict[str, object]) -> bytes:
@@ -159,6 +175,8 @@ class Claim:
         self._write(_encode({**(last.to_doc() if last is not None else {}), "placing": placing.to_doc()}))
 
     def _read(self) -> bytes | None:
+        if not _written_by_us(os.fstat(self.fd)):
+            return None
         data = os.pread(self.fd, _RECORD_MAX + 1, 0)
         return None if len(data) > _RECORD_MAX else data
 
