@@ -106,6 +106,31 @@ def test_a_dtype_neither_format_holds_is_refused_by_name(tmp_path: Path, dtype: 
     assert dir_listing(tmp_path) == ["odd.pt"]
 
 
+@pytest.mark.parametrize(
+    ("view", "flag"),
+    [(lambda z: z.conj(), "conj"), (lambda z: z.conj().imag, "neg")],
+    ids=["conj", "neg"],
+)
+def test_a_lazy_conjugate_or_negative_view_is_refused_not_written_as_its_stored_bytes(
+    tmp_path: Path, view: Callable[[torch.Tensor], torch.Tensor], flag: str
+) -> None:
+    """torch saves x.conj() and x.conj().imag as their storage plus a flag that negates it when read: the stored
+    bytes alone would be the wrong values."""
+    source = tmp_path / "lazy.pt"
+    tensor = view(torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64))
+    assert tensor.is_conj() or tensor.is_neg()
+    torch.save({"ok": torch.ones(2), "lazy": tensor}, source)
+    for output in ("lazy.safetensors", "lazy.bpk"):
+        assert_one_line_error(run_cli("convert", source, "-o", tmp_path / output), 1, str(source), f"({flag})")
+    assert dir_listing(tmp_path) == ["lazy.pt"]
+    resolved = tmp_path / "resolved.pt"
+    torch.save({"ok": torch.ones(2), "lazy": tensor.resolve_conj().resolve_neg()}, resolved)
+    assert run_cli("convert", resolved, "-o", tmp_path / "resolved.safetensors").returncode == 0
+    assert_safetensors_equal(
+        tmp_path / "resolved.safetensors", {"ok": torch.ones(2), "lazy": tensor.resolve_conj().resolve_neg()}
+    )
+
+
 def views() -> dict[str, torch.Tensor]:
     """Tensors over shared storages: tied, transposed, sliced, strided, expanded, permuted, overlapping."""
     base = torch.arange(48, dtype=torch.float32).reshape(6, 8)

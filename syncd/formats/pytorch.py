@@ -785,7 +785,26 @@ def _rebuild_tensor(p: _Interpreter, func: _Global, args: tuple) -> _Tensor:
         if storage.dtype is None:
             raise p.fail("_rebuild_tensor_v2 over an untyped storage")
         dtype = storage.dtype
+    _refuse_lazy_views(p, func, args[7 if v3 else 6 :])
     return _Tensor(storage, dtype, offset, tuple(shape), tuple(strides))
+
+
+def _refuse_lazy_views(p: _Interpreter, func: _Global, rest: tuple) -> None:
+    """The argument after the dtype (v3) or the hooks (v2) is torch's tensor metadata, saved only where it says
+    something (`torch._utils.get_tensor_metadata`): `conj` or `neg` makes the stored bytes mean their conjugate
+    or negation (`x.conj()`, `x.conj().imag`), which a checkpoint of stored bytes cannot say. Refused: the bytes
+    alone would be silently wrong tensors."""
+    if not rest or rest[0] is None:
+        return
+    metadata = rest[0]
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise p.fail(f"{func.name} with unexpected tensor metadata")
+    flags = sorted(key for key, value in metadata.items() if value)
+    if flags:
+        raise p.fail(
+            f"a tensor saved as a lazy view ({', '.join(flags)}): its stored bytes are not its values; "
+            "save it resolved (x.resolve_conj().resolve_neg(), or x.clone())"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the reader
