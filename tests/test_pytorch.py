@@ -131,6 +131,20 @@ def test_a_lazy_conjugate_or_negative_view_is_refused_not_written_as_its_stored_
     )
 
 
+def test_a_sequential_with_gaps_keeps_its_indices_in_safetensors_and_closes_them_in_burnpack(tmp_path: Path) -> None:
+    """nn.Sequential(Linear, ReLU, Linear) saves `0.*` and `2.*`: PyTorch loads the .safetensors by those names;
+    Burn's PytorchStore (and so the .bpk) numbers a Vec's items 0..n-1."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    source = tmp_path / "seq.pt"
+    torch.save(model.state_dict(), source)
+    assert run_cli("convert", source, "-o", tmp_path / "seq.safetensors").returncode == 0
+    again = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    again.load_state_dict(load_file(tmp_path / "seq.safetensors"))  # strict: every name as saved
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert run_cli("convert", source, "-o", tmp_path / "seq.bpk").returncode == 0
+    assert sorted(read_any(tmp_path / "seq.bpk").tensors) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
 def views() -> dict[str, torch.Tensor]:
     """Tensors over shared storages: tied, transposed, sliced, strided, expanded, permuted, overlapping."""
     base = torch.arange(48, dtype=torch.float32).reshape(6, 8)

@@ -121,8 +121,14 @@ def test_a_rule_written_for_burns_names_on_a_pytorch_file_is_noted() -> None:
 
 def test_contiguous_indices_default_to_what_burns_store_for_the_source_format_does() -> None:
     # SafetensorsStore keeps indices as they are, PytorchStore makes them contiguous; an explicit choice wins
-    assert StoreOptions().for_source("safetensors").map_indices_contiguous is False
-    assert StoreOptions().for_source("burnpack").map_indices_contiguous is False
-    assert StoreOptions().for_source("pytorch").map_indices_contiguous is True
-    assert StoreOptions(map_indices_contiguous=False).for_source("pytorch").map_indices_contiguous is False
-    assert StoreOptions(map_indices_contiguous=True).for_source("safetensors").map_indices_contiguous is True
+    for source, contiguous in (("safetensors", False), ("burnpack", False), ("pytorch", True)):
+        assert StoreOptions().for_conversion(source, "burnpack").map_indices_contiguous is contiguous
+    explicit = StoreOptions(map_indices_contiguous=False)
+    assert explicit.for_conversion("pytorch", "burnpack").map_indices_contiguous is False
+    assert StoreOptions(map_indices_contiguous=True).for_conversion("safetensors", "burnpack").map_indices_contiguous
+
+
+def test_a_safetensors_output_keeps_a_pytorch_checkpoints_indices_unless_asked() -> None:
+    # PyTorch loads the state dict by its names: Burn's PytorchStore default is for a model Burn loads
+    assert StoreOptions().for_conversion("pytorch", "safetensors").map_indices_contiguous is False
+    assert StoreOptions(map_indices_contiguous=True).for_conversion("pytorch", "safetensors").map_indices_contiguous

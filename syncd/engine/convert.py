@@ -326,7 +326,7 @@ def _adapt(
             context=context,
         )
         restoring = list(carried.dropped) if to_layout == PYTORCH else []
-        options = request.store.for_source(source.header.format)
+        options = request.store.for_conversion(source.header.format, target.format.name)
         store = apply_options(adapted, refs, real, options, restoring)
     except SyncdError as exc:
         raise _naming_file(exc, source.path) from None

@@ -48,11 +48,14 @@ class StoreOptions:
     tensors: TensorFilter = field(default_factory=TensorFilter)
     precision: str | None = None  # f16 | bf16 | f32
 
-    def for_source(self, source_format: str) -> StoreOptions:
-        """These options with what they leave unsaid set as Burn's store for `source_format` has it."""
+    def for_conversion(self, source_format: str, target_format: str) -> StoreOptions:
+        """These options with what they leave unsaid set as Burn's store for `source_format` has it, for an
+        output Burn loads (a burnpack). A .safetensors output keeps the source's indices unless asked: PyTorch
+        loads a state dict by its names, and `fc.0`, `fc.2` renumbered `fc.0`, `fc.1` fit no module of it."""
         if self.map_indices_contiguous is not None:
             return self
-        return replace(self, map_indices_contiguous=CONTIGUOUS_BY_DEFAULT.get(source_format, False))
+        default = target_format == "burnpack" and CONTIGUOUS_BY_DEFAULT.get(source_format, False)
+        return replace(self, map_indices_contiguous=default)
 
 
 @dataclass
