@@ -514,6 +514,32 @@ def test_a_damaged_set_is_refused_in_one_line_naming_the_shard(
     assert not (index.parent / "model.bpk").exists() and scratch_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("sub", ["directory", "symlink"])
+def test_a_sets_shards_in_a_subdirectory_are_never_written_through_a_symlink(tmp_path: Path, sub: str) -> None:
+    """An index may name its shards in a subdirectory (`sub/m-1.safetensors`), and a .bpk carries those names:
+    where `sub` beside the index is a symlink, the shards would land wherever it leads."""
+    build = tmp_path / "build"
+    (build / "sub").mkdir(parents=True)
+    save_file({"a": torch.ones(4)}, build / "sub" / "m-1.safetensors")
+    save_file({"b": torch.zeros(4)}, build / "sub" / "m-2.safetensors")
+    weight_map = {"a": "sub/m-1.safetensors", "b": "sub/m-2.safetensors"}
+    (build / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    runs, outside = tmp_path / "runs", tmp_path / "outside"
+    runs.mkdir()
+    outside.mkdir()
+    convert(ConvertRequest(source=build / "model.safetensors.index.json", dest=runs / "model.bpk", layout="keep"))
+    if sub == "symlink":
+        (runs / "sub").symlink_to(outside, target_is_directory=True)
+        with pytest.raises(SyncdError, match="resolves outside"):
+            convert(ConvertRequest(source=runs / "model.bpk"))
+        assert os.listdir(outside) == [] and scratch_files(runs, outside) == []
+        assert sorted(os.listdir(runs)) == ["model.bpk", "sub"]
+    else:
+        (runs / "sub").mkdir()
+        convert(ConvertRequest(source=runs / "model.bpk"))
+        assert sorted(os.listdir(runs / "sub")) == ["m-1.safetensors", "m-2.safetensors"]
+
+
 # ------------------------------------------------------------------------------------------ the daemon
 
 

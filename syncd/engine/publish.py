@@ -181,13 +181,19 @@ def ensure_destination_free(dest: Path) -> None:
     raise _already_exists(dest)
 
 
-def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
-    """Create a fresh scratch file beside `dest` whose permission bits are exactly `mode & 0o777`."""
+def open_scratch(dest: Path, mode: int = 0o644, within: Path | None = None) -> Scratch:
+    """Create a fresh scratch file beside `dest` whose permission bits are exactly `mode & 0o777`. `within`: the
+    directory `dest`'s must lie in, as it resolves (a set's shard named `sub/...` beside its index, where
+    `sub` could be a symlink planted to lead anywhere); checked on the directory as opened, which is where
+    the scratch is made and linked from."""
     dest = Path(dest)
     try:
         dir_fd = os.open(dest.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise SyncdError.from_os_error("cannot open the directory to write it in", str(dest), e) from e
+    if within is not None and not _resolves_within(dir_fd, within):
+        os.close(dir_fd)
+        raise SyncdError(f"its directory resolves outside {within} (a symlink?); not writing there", str(dest))
     while True:
         path = dest.parent / _scratch_name(dest.name, os.getpid(), next(_counter))
         try:
@@ -209,6 +215,11 @@ def open_scratch(dest: Path, mode: int = 0o644) -> Scratch:
             scratch.discard()
             raise
         return scratch
+
+
+def _resolves_within(dir_fd: int, top: Path) -> bool:
+    real, root = os.readlink(f"/proc/self/fd/{dir_fd}"), os.path.realpath(top)
+    return real == root or real.startswith(root.rstrip("/") + "/")
 
 
 def publish(

@@ -85,7 +85,7 @@ def write_set(
     with ExitStack() as stack:
         scratches: list[Scratch] = []
         for file, names in layout.files:
-            scratch = stack.enter_context(open_scratch(directory / file, mode))
+            scratch = stack.enter_context(open_scratch(directory / file, mode, within=directory))
             shard_specs = [by_name[name] for name in names]
             plan = plan_safetensors(shard_specs, layout.metadata_of(file))
             write_shard(scratch, plan.header, plan.file_size, list(zip(shard_specs, plan.starts, strict=True)))
