@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from convcheck import assert_one_line_error, dir_listing, read_any, read_bpk, run_cli
-from daemonutil import DaemonRun
+from daemonutil import DaemonRun, stop_cleanly
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -532,6 +532,34 @@ def test_an_entry_larger_than_declared_is_refused(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the daemon
+
+
+@pytest.mark.daemon
+def test_a_pt_moved_in_with_the_bpk_syncd_convert_made_of_it_is_in_sync_and_the_bpk_no_source(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """`syncd convert ckpt.pt` made ckpt.bpk; both moved into a watch that takes .pt files. The .bpk is the .pt's
+    output whichever of the two the daemon looks at first: never converted into a third file, ckpt.safetensors
+    (which would go stale at the .pt's next save), and updated at that save."""
+    run = make_daemon([{"path": "runs", "direction": "both", "include": ["*.pt", "*.bpk", "*.safetensors"]}])
+    runs = run.watch_dir()
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for i in range(6):
+        torch.save(small_mlp().state_dict(), staged / f"ckpt{i}.pt")
+        assert run_cli("convert", staged / f"ckpt{i}.pt", "-q").returncode == 0
+    run.start()
+    os.rename(staged, runs / "moved")
+    moved = runs / "moved"
+    run.wait_for("in_sync", [moved / f"ckpt{i}.pt" for i in range(6)])
+    run.quiet(1.0)
+    assert sorted(p.name for p in moved.iterdir() if p.suffix == ".safetensors") == [], run.log_text()
+    assert {r["status"] for r in run.records()} == {"started", "in_sync"}, run.log_text()
+    saved_again = {name: tensor + 1 for name, tensor in small_mlp().state_dict().items()}
+    torch.save(saved_again, moved / "ckpt0.pt")
+    run.wait_for("updated", [moved / "ckpt0.pt"])
+    assert read_any(moved / "ckpt0.bpk").tensors["fc1.bias"].data == tensor_bytes(saved_again["fc1.bias"])
+    stop_cleanly(run)
 
 
 @pytest.mark.daemon

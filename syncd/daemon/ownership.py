@@ -34,7 +34,7 @@ from syncd.engine.directions import converts_to
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint, read_metadata
 from syncd.formats.fileio import FileStamp
-from syncd.formats.registry import BY_NAME
+from syncd.formats.registry import BY_NAME, READ_ONLY, format_for_path
 from syncd.formats.shards import INDEX_SUFFIX, is_set_index, read_index, set_stem
 
 # the failure recorded for a source whose destination holds a file not proven syncd's (`syncd retry --adopt`)
@@ -288,14 +288,32 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
         if record is not None and published_by_syncd(record, source, dest, placed_only=placed_only) is not None:
             return False
     try:
-        if read_metadata(source, watch.path).get(carry.SOURCE) != carry.file_label(dest.name):
-            return False
-        if not os.path.lexists(dest):
+        named = read_metadata(source, watch.path).get(carry.SOURCE)
+        if named == carry.file_label(dest.name):
+            if not os.path.lexists(dest):
+                return False
+        elif not _is_conversion_of(watch, source, named):
             return False
         with open_checkpoint(source, watch.path):  # (the rare case: a broken table is for the conversion to report)
             return True
     except SyncdError:
         return False  # a broken file is reported by the conversion itself
+
+
+def _is_conversion_of(watch: Watch, source: Path, named: object) -> bool:
+    """`source` names, beside it, a checkpoint whose conversion it is though not its namesake: the .bpk of a
+    `.pt` (syncd writes no pickles, so its conversion goes to a third name, a .safetensors). Converting it
+    would make that third file from an output, and only when the .bpk came first: `model.bpk` converted from
+    `model.pt` is an output whichever of the two the daemon looks at first."""
+    if not isinstance(named, str) or not named or "/" in named or named in (".", ".."):
+        return False
+    original = source.parent / named
+    if carry.file_label(original.name) != named or not os.path.lexists(original) or not is_candidate(watch, original):
+        return False
+    from_format = format_for_path(original)
+    if from_format is None or from_format not in READ_ONLY:
+        return False
+    return destination_for(watch, original, from_format) == source
 
 
 def own_earlier_output(state: StateDB, source: Path, dest: Path, root: Path) -> FileStamp | None:
