@@ -145,6 +145,26 @@ def test_a_sequential_with_gaps_keeps_its_indices_in_safetensors_and_closes_them
     assert sorted(read_any(tmp_path / "seq.bpk").tensors) == ["0.bias", "0.weight", "1.bias", "1.weight"]
 
 
+@pytest.mark.parametrize("shape", [(1 << 20, 1 << 12), (1 << 31, 1 << 31)], ids=["16GiB", "2^64B"])
+def test_an_expanded_view_standing_for_far_more_than_its_file_is_refused_before_a_byte_is_written(
+    tmp_path: Path, shape: tuple[int, int]
+) -> None:
+    """x.expand() repeats 4 bytes: a 1.5 KiB file stands for gigabytes (or more than 2^64 bytes) of values,
+    which a format without strides must write out."""
+    source = tmp_path / "expanded.pt"
+    torch.save({"ok": torch.ones(2), "w": torch.zeros(1).expand(*shape)}, source)
+    for output in ("expanded.safetensors", "expanded.bpk"):
+        assert_one_line_error(run_cli("convert", source, "-o", tmp_path / output), 1, str(source), "expanded views")
+    assert dir_listing(tmp_path) == ["expanded.pt"]
+
+
+def test_a_bool_view_of_other_bytes_is_refused_naming_the_file_and_the_tensor(tmp_path: Path) -> None:
+    source = tmp_path / "bools.pt"
+    torch.save({"b": torch.tensor([0, 2, 1], dtype=torch.uint8).view(torch.bool)}, source)
+    assert_one_line_error(run_cli("convert", source), 1, str(source), "tensor 'b'", "other than 0 or 1")
+    assert dir_listing(tmp_path) == ["bools.pt"]
+
+
 def views() -> dict[str, torch.Tensor]:
     """Tensors over shared storages: tied, transposed, sliced, strided, expanded, permuted, overlapping."""
     base = torch.arange(48, dtype=torch.float32).reshape(6, 8)

@@ -321,7 +321,7 @@ class TensorFileReader:
         self.close()
 
 
-def bool_checker(dtype: str, name: str) -> Any:
+def bool_checker(dtype: str, name: str, path: str | None = None) -> Any:
     """Bool bytes must be exactly 0 or 1 (docs/burn-format.md#dtypes): a writer must not emit 0xFF for true."""
     if dtype not in BOOL_DTYPES:
         return None
@@ -332,10 +332,10 @@ def bool_checker(dtype: str, name: str) -> Any:
     def check(data: Buffer) -> None:
         view = memoryview(data).cast("B")
         if len(view) % ITEMSIZE[dtype]:
-            raise FormatError("bool data is not a whole number of elements", tensor=name)
+            raise FormatError("bool data is not a whole number of elements", path, tensor=name)
         values = np.frombuffer(view, dtype=np.dtype(element).newbyteorder("<"))
         if values.size and values.max() > 1:
-            raise FormatError("bool tensor holds a byte other than 0 or 1", tensor=name)
+            raise FormatError("bool tensor holds a byte other than 0 or 1", path, tensor=name)
 
     return check
 

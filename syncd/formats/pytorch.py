@@ -50,6 +50,12 @@ MAX_RANK = 64
 MAX_DEPTH = 128  # nesting of the dicts tensors are looked for in (and of any value built)
 MAX_VISITS = 4 * MAX_TENSOR_COUNT  # values looked at while looking for tensors (a pickle can share and cycle)
 MAX_TEXT = 1 << 16
+# Views can repeat a storage's bytes (`x.expand(...)`, stride 0): a file of a few KiB can stand for terabytes of
+# values, which a format without strides must write out. Above this many bytes, values more than
+# MAX_EXPANSION times the file are refused before a byte is written (a checkpoint's own repeats, tied weights
+# and a few expanded buffers, stay far below it).
+EXPANSION_FLOOR = 256 << 20
+MAX_EXPANSION = 16
 I64_LIMIT = 1 << 63  # a text line of the pickle (a GLOBAL's names, an INT)
 USUAL_KEYS = ("state_dict", "model_state_dict", "model")  # where a training checkpoint keeps the weights
 
@@ -974,6 +980,7 @@ class PytorchReader(TensorFileReader):
             )
             if not numel or not _c_contiguous(tensor.shape, tensor.strides):  # an empty one: gathers nothing
                 self._gathered.add(name)
+        self._check_expansion(infos)
         self._index(infos)
         # a window overlapping one before it (tied or overlapping slices) is read as a view: a converter
         # moving windows in file order takes each byte once
@@ -985,6 +992,18 @@ class PytorchReader(TensorFileReader):
                 self._gathered.add(info.name)
             else:
                 end = info.offset + info.nbytes
+
+    def _check_expansion(self, infos: list[TensorInfo]) -> None:
+        total = sum(info.nbytes for info in infos)
+        if total <= EXPANSION_FLOOR or total <= MAX_EXPANSION * self.file_size:
+            return
+        largest = max(infos, key=lambda info: info.nbytes)
+        raise FormatError(
+            f"its tensors stand for {total} bytes of values, {total // max(self.file_size, 1)}x the file's size: "
+            f"expanded views (tensor '{largest.name}' alone: {largest.nbytes} bytes), which would be written out; "
+            "save them cloned (x.clone()) if that is meant",
+            self.path,
+        )
 
     def is_window(self, name: str) -> bool:
         return name not in self._gathered

@@ -209,7 +209,7 @@ def _move(spec: TensorSpec, start: int, fill: FromSource, at: int, joined: bool)
     offset, nbytes, shape = fill.window()
     if (at + nbytes > spec.nbytes) if joined else (nbytes != spec.nbytes):
         raise FormatError(f"tensor '{spec.name}' needs {spec.nbytes} bytes, its source has {nbytes}", fill.reader.path)
-    check = bool_checker(spec.dtype, spec.name) if spec.dtype in BOOL_DTYPES else None
+    check = bool_checker(spec.dtype, spec.name, fill.reader.path) if spec.dtype in BOOL_DTYPES else None
     if not fill.transpose and not joined:  # (most tensors: copied whole)
         return move((spec.name, offset, nbytes, start, 1, None, check, 0, None))
     piece = {"piece_at": at, "tensor_nbytes": spec.nbytes} if joined else {}
