@@ -9,6 +9,7 @@ import os
 import pty
 import select
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,11 @@ import torch
 import yaml
 from conftest import MNIST_BPK, MNIST_ST
 from convcheck import assert_one_line_error, cli_env, dir_listing, run_cli
+from daemonutil import wait_until
 from safetensors.torch import save_file
 
 from syncd.daemon.synclog import SyncLog
+from syncd.engine.publish import is_scratch_name
 from syncd.formats.burnpack import MAGIC
 
 pytestmark = pytest.mark.torch
@@ -318,3 +321,29 @@ def test_many_carried_tensors_are_counted_and_listed_with_verbose(tmp_path: Path
     verbose = run_cli("convert", tmp_path / "norms.safetensors", "-o", tmp_path / "v.bpk", "-v")
     listed = [line for line in verbose.stdout.splitlines() if "carried in metadata" in line]
     assert listed == [f"  carried in metadata (no slot on the target side): {i}.num_batches_tracked" for i in range(5)]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_conversion_stopped_by_a_signal_leaves_no_scratch_file(tmp_path: Path, sig: int, code: int) -> None:
+    """kill, a job's time limit or a container stopping sends SIGTERM: the scratch file (as large as the output)
+    goes, as on Ctrl-C. The signal comes once the scratch file is there, i.e. while the output is written."""
+    source = tmp_path / "big.safetensors"
+    save_file({"fc.weight": torch.zeros(12288, 8192), "fc.bias": torch.zeros(12288)}, source)  # 384 MiB
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "syncd", "convert", os.fspath(source), "-q"],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def writing() -> bool:
+        assert proc.poll() is None, proc.communicate()  # done (or failed) before the signal could be sent
+        return any(is_scratch_name(name) for name in os.listdir(tmp_path))
+
+    wait_until(writing, 60, "the scratch file")
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr
+    assert dir_listing(tmp_path) == ["big.safetensors"]

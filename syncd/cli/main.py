@@ -11,7 +11,9 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Any, NoReturn
 
 # syncd never multiplies matrices: an idle OpenBLAS thread pool only spins on the other core. Set before
@@ -23,12 +25,14 @@ from syncd import __version__
 from syncd.errors import SyncdError, UsageError, one_line
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 1  # usage (2) and exists (3) come from the errors' exit_code
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM, as a shell reports a signal's death
 EXIT_CODES = """exit status:
   0    success
   1    bad input, a refused or failed conversion; for `status`: the daemon does not run
   2    usage or configuration error
   3    the destination already exists (convert without --overwrite)
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C)
+  143  terminated (SIGTERM); like Ctrl-C, it leaves no scratch file"""
 SHOWN_CARRIED = 3  # carried tensors listed by name without -v
 
 
@@ -188,11 +192,24 @@ def _command_word(argv: list[str]) -> str:
     return next((arg for arg in argv if not arg.startswith("-")), "")
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to a one-shot command (kill, a job's time limit, a container stopping): it stops as Ctrl-C
+    stops it, through every `finally`, so no scratch file is left (the default action would kill it at once,
+    leaving a scratch file as large as the output)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     as_json = "--json" in argv  # known before parsing, so argparse's own errors come out as JSON too
+    command = _command_word(argv)
+    if command != "run" and threading.current_thread() is threading.main_thread():  # the daemon has its own
+        signal.signal(signal.SIGTERM, _terminate)
     try:
-        parser = build_parser(_command_word(argv))
+        parser = build_parser(command)
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help(sys.stderr)
@@ -209,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         return _report(as_json, EXIT_BAD_INPUT, f"{where}{exc.strerror or exc}", exc.filename, None)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED
     except Exception as exc:  # a bug of ours: still one line for the user; SYNCD_DEBUG=1 shows the traceback
         if os.environ.get("SYNCD_DEBUG"):
             raise
