@@ -347,3 +347,30 @@ def test_a_conversion_stopped_by_a_signal_leaves_no_scratch_file(tmp_path: Path,
     assert proc.returncode == code, stderr
     assert "Traceback" not in stderr
     assert dir_listing(tmp_path) == ["big.safetensors"]
+
+
+def test_the_scratch_file_of_a_conversion_killed_outright_goes_at_the_next_conversion_to_that_file(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL (the OOM killer, kill -9) leaves the scratch file: nothing in the process can remove it. The next
+    conversion to the same destination does, since no living process holds it."""
+    source = tmp_path / "big.safetensors"
+    save_file({"fc.weight": torch.zeros(12288, 8192), "fc.bias": torch.zeros(12288)}, source)  # 384 MiB
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "syncd", "convert", os.fspath(source), "-q"],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def writing() -> list[str]:
+        assert proc.poll() is None, proc.communicate()
+        return [name for name in os.listdir(tmp_path) if is_scratch_name(name)]
+
+    (left,) = wait_until(writing, 60, "the scratch file")
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert left in os.listdir(tmp_path)
+    assert run_cli("convert", source, "-q").returncode == 0
+    assert dir_listing(tmp_path) == ["big.bpk", "big.safetensors"]

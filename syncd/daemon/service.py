@@ -29,7 +29,13 @@ from syncd.daemon.status import SHOWN_WAITING, Activity
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.watcher import Watcher, walk_files
-from syncd.engine.publish import abandon_open_scratches, is_scratch_name, remove_if_stale, remove_stale_scratch
+from syncd.engine.publish import (
+    SCRATCH_GRACE_SECONDS,
+    abandon_open_scratches,
+    is_scratch_name,
+    remove_if_stale,
+    remove_stale_scratch,
+)
 from syncd.errors import SyncdError, one_line
 from syncd.formats.fileio import FileStamp
 
@@ -38,7 +44,6 @@ log = logging.getLogger("syncd")
 STOP_GRACE_SECONDS = 3.0  # systemd's TimeoutStopSec is larger; tests expect an exit within 5 s
 TICK_SECONDS = 1.0
 # an empty scratch file younger than this may be between its creation and its lock: a scan leaves it alone
-SCRATCH_GRACE_SECONDS = 10.0
 
 
 class Daemon:

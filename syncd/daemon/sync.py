@@ -48,7 +48,7 @@ from syncd.engine.convert import ConvertRequest, ConvertResult, convert
 from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import remove_if_stale, remove_if_unchanged, scratch_target
+from syncd.engine.publish import remove_if_unchanged, remove_stale_scratch_of
 from syncd.errors import (
     TRANSIENT_ERRNOS,
     AlreadyExistsError,
@@ -353,13 +353,8 @@ class Syncer:
     def _remove_abandoned_scratch(self, dest: Path) -> None:
         """Scratch files of `dest` no living process holds: a node that died converting it left them, and
         whoever takes its claim next removes them (only the claim holder writes scratch for `dest`)."""
-        try:
-            entries = list(os.scandir(dest.parent))
-        except OSError:
-            return
-        for entry in entries:
-            if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path)):
-                self.synclog.log(Status.REMOVED, source=entry.path, reason="a scratch file of a syncd that died")
+        for path in remove_stale_scratch_of(dest, min_age=0.0):
+            self.synclog.log(Status.REMOVED, source=str(path), reason="a scratch file of a syncd that died")
 
     def _adopt_hint(self, dest: Path) -> str:
         """Said of a destination that names its source (a set: that lists the files the daemon writes) but

@@ -38,7 +38,15 @@ from syncd.engine.context import gather_context, states_every_module
 from syncd.engine.directions import converts_to
 from syncd.engine.options import StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.engine.progress import ProgressCallback
-from syncd.engine.publish import Published, PublishResult, Scratch, ensure_destination_free, open_scratch, publish
+from syncd.engine.publish import (
+    Published,
+    PublishResult,
+    Scratch,
+    ensure_destination_free,
+    open_scratch,
+    publish,
+    remove_stale_scratch_of,
+)
 from syncd.engine.sets import set_paths, write_set
 from syncd.engine.source import Source, open_source
 from syncd.engine.targets import TARGETS, Target
@@ -168,6 +176,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
                 _check_distinct(Path(member), path)
             if request.fail_early_if_exists and not request.overwrite:
                 ensure_destination_free(path)
+            remove_stale_scratch_of(path)
         outcome, size = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,

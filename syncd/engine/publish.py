@@ -28,8 +28,9 @@ API::
   calls come from a ``PlacingCalls`` (``publish(..., calls=)``): tests stand in such file systems with it.
 * With ``replace`` the scratch is renamed over the destination; a symlink there is replaced, not followed.
 * Anything that fails or is interrupted (KeyboardInterrupt included) before the file is in place removes
-  the scratch. A SIGKILL cannot be caught: ``remove_stale_scratch`` later deletes scratch files whose lock
-  (an flock held while the scratch is open) no living process holds. The file and then its directory are
+  the scratch. A SIGKILL cannot be caught: ``remove_stale_scratch`` (a daemon's start) and
+  ``remove_stale_scratch_of`` (the next conversion to the same destination) later delete scratch files whose
+  lock (an flock held while the scratch is open) no living process holds. The file and then its directory are
   fsync-ed so a publish survives power loss.
 """
 
@@ -66,12 +67,15 @@ __all__ = [
     "remove_stale_scratch",
     "remove_if_stale",
     "remove_if_unchanged",
+    "remove_stale_scratch_of",
     "scratch_target",
     "abandon_open_scratches",
 ]
 
 _SCRATCH_RE = re.compile(r"\.(?P<name>.+)\.syncd-(?P<pid>[0-9]+)-(?P<n>[0-9]+)\.tmp", re.DOTALL)
 _NAME_MAX = 255  # bytes in one path component on Linux file systems
+# an empty scratch file younger than this may be one its writer has made and not locked yet (open_scratch)
+SCRATCH_GRACE_SECONDS = 10.0
 _SCRATCH_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _COMPARE_CHUNK = 1 << 20
 _OVERWRITE_HINT = "To replace it, use --overwrite (on_exists: overwrite)."
@@ -283,6 +287,22 @@ def remove_stale_scratch(directory: Path) -> list[Path]:
             if _SCRATCH_RE.fullmatch(entry.name) is not None and _remove_if_unheld(Path(entry.path)):
                 removed.append(Path(entry.path))
     return removed
+
+
+def remove_stale_scratch_of(dest: Path, min_age: float = SCRATCH_GRACE_SECONDS) -> list[Path]:
+    """Remove the scratch files of `dest` no living process holds (a syncd killed while writing it: SIGKILL,
+    the OOM killer, a lost node) and return them: whoever writes `dest` next clears what the last one left,
+    one-shot `syncd convert` included, which has no start-up sweep. `min_age`: see remove_if_stale (0 for a
+    caller holding `dest`'s claim, which no other writer can be between creating and locking a scratch of)."""
+    try:
+        entries = list(os.scandir(dest.parent))
+    except OSError:
+        return []
+    return [
+        Path(entry.path)
+        for entry in entries
+        if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path), min_age)
+    ]
 
 
 def scratch_target(name: str) -> str | None:
