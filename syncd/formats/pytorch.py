@@ -401,7 +401,10 @@ class _Interpreter:
         return self.raw[pos]
 
     def line(self) -> str:
-        end = bytes(self.data[self.pos : self.pos + MAX_TEXT]).find(b"\n")
+        # found in the pickle itself, bounded: a copy of MAX_TEXT bytes per text opcode made a pickle of
+        # millions of them take half a minute to refuse
+        found = self.raw.find(b"\n", self.pos, self.pos + MAX_TEXT)
+        end = found - self.pos if found >= 0 else -1
         if end < 0:
             raise self.fail(f"a text argument at byte {self.pos} has no end")
         text = bytes(self.take(end + 1)[:-1])
