@@ -339,6 +339,43 @@ def test_a_second_daemon_on_the_same_state_exits_1_naming_the_first(make_daemon:
     stop_cleanly(run)
 
 
+def _small_checkpoint() -> bytes:
+    return save({"fc.weight": np.ones((3, 5), np.float32), "fc.bias": np.zeros(3, np.float32)})
+
+
+def test_a_second_daemon_on_the_same_tree_with_a_state_of_its_own_is_refused(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """Each would take the other's outputs for checkpoints and convert them back, without end. The tree is
+    watched by one daemon; another refused at start-up, or at a reload that would add the tree, keeps running
+    on what it had."""
+    run = make_daemon([{"path": "runs"}])
+    run.start()
+    (tmp_path / "other").mkdir()
+    other = DaemonRun(tmp_path / "other", [{"path": os.fspath(run.watch_dir())}])
+    second = run_cli("run", "-c", os.fspath(other.config_path), cwd=other.root, timeout=60)
+    assert second.returncode == 1, second
+    assert second.stderr.count("\n") == 1 and "another syncd watches this tree" in second.stderr, second.stderr
+    assert str(run.watch_dir()) in second.stderr
+    with other:
+        other.write_config([{"path": "own"}])
+        other.start()
+        other.write_config([{"path": "own"}, {"path": os.fspath(run.watch_dir())}])
+        other.send(signal.SIGHUP)
+        other.wait_for("error")
+        (error,) = other.statuses("error")
+        assert "reload failed, keeping the running configuration" in error["reason"], error
+        assert "another syncd watches this tree" in error["reason"], error
+        source = other.watch_dir("own") / "model.safetensors"
+        write_file(source, _small_checkpoint())
+        other.wait_for("converted", [source])
+        stop_cleanly(other)
+    write_file(run.watch_dir() / "model.safetensors", _small_checkpoint())
+    run.wait_for("converted", [run.watch_dir() / "model.safetensors"])
+    assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()
+    stop_cleanly(run)
+
+
 # ------------------------------------------------------------------------------------------ 6. faults that heal
 
 

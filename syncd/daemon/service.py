@@ -28,6 +28,7 @@ from syncd.daemon.state import StateDB, lock_state_dir
 from syncd.daemon.status import SHOWN_WAITING, Activity
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
+from syncd.daemon.treelock import TreeLocks
 from syncd.daemon.watcher import Watcher, walk_files
 from syncd.engine.publish import (
     SCRATCH_GRACE_SECONDS,
@@ -61,6 +62,7 @@ class Daemon:
         self.syncer.config_path = config.path
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
+        self._trees = TreeLocks()  # one daemon per tree (not shared with other nodes)
         self.shared: dict[Path, str] = {}  # watches other nodes write to -> their filesystem's name
         self._wake = threading.Event()
         self._stop = False
@@ -123,6 +125,7 @@ class Daemon:
     def _start_watcher(self) -> None:
         """Watch every tree of the current configuration (at start-up and after a reload)."""
         self.shared = shared_watches(self.config)
+        self._trees.hold(watch.path for watch in self.config.watches if watch.path not in self.shared)
         self.syncer.shared = frozenset(self.shared)
         self.syncer.claim_retry_max = self.config.cluster.poll_interval
         self.watcher = Watcher(self.config, self, self.shared)
@@ -265,6 +268,7 @@ class Daemon:
             return
         pending = self.config.restart_settings_changed(new)
         new = new.keeping_restart_settings(self.config)
+        running = self.config
         try:
             self._apply(new)
         except Exception as exc:
@@ -274,7 +278,7 @@ class Daemon:
                 config=str(self.config.path),
                 reason=f"reload failed, keeping the running configuration: {one_line(exc)}",
             )
-            self._apply(self.config)
+            self._apply(running)
             notify.ready(self._status())
             return
         # refusals a setting decides (ambiguous layout, missing module map, on_exists) are looked at again
