@@ -510,6 +510,26 @@ def test_a_refusal_a_setting_decides_is_looked_at_again_after_the_reload_that_se
     stop_cleanly(run)
 
 
+def test_a_refusal_a_reload_does_not_settle_is_not_logged_again_at_each_reload(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    """The reload looks again at what a setting decided; the same refusal for the same reason is not news, and
+    a line at every reload would count as a new failure each time (and fire an alert on the failure rate)."""
+    run, runs = started_one_way(make_daemon)
+    source = runs / "square.safetensors"
+    write_file(source, save({"fc.weight": np.ones((4, 4), np.float32)}))  # a lone square weight: ambiguous
+    run.wait_for("refused", [source])
+    for reloads in (1, 2):
+        run.send(signal.SIGHUP)
+        run.wait_for("reloaded", count=reloads)
+    run.quiet(1.0)
+    assert [r["status"] for r in run.records()] == ["started", "refused", "reloaded", "reloaded"], run.log_text()
+    run.write_config([{"path": "runs", "direction": "safetensors->bpk", "modules": SQUARE_ONLY, "layout": "pytorch"}])
+    run.send(signal.SIGHUP)
+    run.wait_for("converted", [source])
+    stop_cleanly(run)
+
+
 def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon([{"path": "runs", "direction": "safetensors->bpk", "output": {"mirror": "mirror"}}])
     runs = run.watch_dir()

@@ -301,7 +301,7 @@ class Daemon:
 
     def _retry_config_failures(self) -> None:
         try:
-            self.state.retry_failures(kind="config")
+            self.state.retry_failures(kind="config", recheck=True)
         except SyncdError as exc:
             self.synclog.log(Status.ERROR, reason=f"cannot mark refusals for another look: {one_line(exc)}")
 

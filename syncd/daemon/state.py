@@ -35,6 +35,7 @@ DB_NAME = "state.sqlite3"
 SCHEMA_VERSION = 4
 LOCK_NAME = "lock"
 SUCCESS_STATUSES = ("converted", "in_sync")
+RECHECK = "recheck"  # a failure a reload looks at again: logged again only if its reason changed
 
 # one list of statements per version: MIGRATIONS[n] takes a database from version n to n + 1
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -276,7 +277,7 @@ class StateDB:
         previous = self.get(source)
         repeated = (
             previous is not None
-            and previous.status == "failed"
+            and (previous.status == "failed" or previous.status == RECHECK and previous.error == error)
             # the same version, or only its attributes changed (a chmod that did not help) and it failed alike
             and (
                 not previous.version.changed(version)
@@ -299,11 +300,14 @@ class StateDB:
         self._upsert(values)
         return not repeated
 
-    def retry_failures(self, sources: Sequence[PathArg] | None = None, *, kind: str | None = None) -> list[str]:
+    def retry_failures(
+        self, sources: Sequence[PathArg] | None = None, *, kind: str | None = None, recheck: bool = False
+    ) -> list[str]:
         """Make failures retryable (all, those of `sources`, or those of one `kind`); returns their paths.
 
         Their status becomes "retry": the next look is a first look (a failure that repeats is logged again,
-        which is what asking again means).
+        which is what asking again means). `recheck` (a reload looking again at what a setting decided): a
+        failure that repeats with the same reason is not new, and not logged again at every reload.
         """
         where = "status = 'failed' AND transient = 0"
         params: list[str | bytes] = []
@@ -316,7 +320,8 @@ class StateDB:
 
         def mark(db: sqlite3.Connection) -> list[str]:
             rows = db.execute(f"SELECT source FROM sources WHERE {where}", params).fetchall()
-            db.execute(f"UPDATE sources SET status = 'retry', attempts = 0 WHERE {where}", params)
+            status = RECHECK if recheck else "retry"
+            db.execute(f"UPDATE sources SET status = ?, attempts = 0 WHERE {where}", [status, *params])
             return [os.fsdecode(row[0]) for row in rows]
 
         return self._run(mark)
