@@ -62,6 +62,14 @@ def read_document(fd: int, file_size: int, path: str) -> tuple[dict[str, Any], i
     if file_size < 8:
         raise IncompleteFileError(f"header too small (truncated): file has {file_size} bytes, needs at least 8", path)
     (size,) = struct.unpack("<Q", pread_exact(fd, 8, 0, path, "header length"))
+    if (
+        (size > MAX_HEADER_SIZE or 8 + size > file_size)
+        and file_size > 8
+        and pread_exact(fd, 1, 8, path, "header") != b"{"
+    ):
+        # the header is a JSON object, its text starting with `{` (the format's rule): a length that does not
+        # fit and no `{` where the header starts is another kind of file, not a truncated safetensors
+        raise FormatError(f"not a safetensors file (its first 8 bytes give a header length of {size})", path)
     if size > MAX_HEADER_SIZE:
         raise FormatError(f"header length {size} exceeds the limit of {MAX_HEADER_SIZE} bytes", path)
     if 8 + size > file_size:
