@@ -598,7 +598,9 @@ def stop_wrapped(run: DaemonRun) -> None:
 def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:
-    first = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    # daemons sharing a tree say so (cluster: shared), or the second is refused (one daemon per tree)
+    shared = {"shared": True, "poll_interval": 1}
+    first = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}], cluster=shared)
     runs = first.watch_dir()
     first.start()
     source = runs / "big.safetensors"
@@ -609,7 +611,7 @@ def test_a_daemon_in_another_pid_namespace_leaves_a_live_scratch_alone(
     with first.held():
         # a second daemon on the same tree (another state), as a container or another host would run one
         (first.root.parent / "d1").mkdir()
-        second = make_daemon([{"path": os.fspath(runs), "direction": "bpk->safetensors"}])
+        second = make_daemon([{"path": os.fspath(runs), "direction": "bpk->safetensors"}], cluster=shared)
         second.start(wrapper=OWN_PID_NAMESPACE)
         second.quiet(1.0)
         assert scratch_files(runs) == live
