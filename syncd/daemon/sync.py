@@ -536,10 +536,8 @@ class Syncer:
         if suggestion:
             return "module map that would settle it:\n" + suggestion
         if isinstance(exc, IncompleteFileError):
-            return (
-                f"shorter than its header says and unchanged for "
-                f"{INCOMPLETE_GRACE_SECONDS:.0f} s: truncated, not still being written"
-            )
+            # (the error says what is missing; this, why the daemon stopped waiting for it: an empty file too)
+            return f"still incomplete after {INCOMPLETE_GRACE_SECONDS:.0f} s without a change: not being written"
         if status is Status.SKIPPED and os.path.lexists(path) and not os.access(path, os.R_OK):
             return _unreadable_reason(path, self.config_path)
         return "will retry" if transient else None
