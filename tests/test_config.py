@@ -192,7 +192,7 @@ def test_watches_are_required(tmp_path: Path) -> None:
     assert error_of(write_config(tmp_path, "workers: 1\n")).endswith(
         "syncd.yaml:1: watches: missing: at least one watch is required"
     )
-    assert "watches: expected a non-empty list of watches, got a list" in error_of(
+    assert "watches: expected a non-empty list of watches, got an empty list" in error_of(
         write_config(tmp_path, "watches: []\n")
     )
     assert error_of(write_config(tmp_path, "")).endswith("syncd.yaml: the file is empty; it needs at least `watches:`")

@@ -57,9 +57,9 @@ def describe(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list | tuple):
-        return "a list"
+        return "a list" if value else "an empty list"
     if isinstance(value, dict):
-        return "a mapping"
+        return "a mapping" if value else "an empty mapping"
     return repr(value)
 
 
