@@ -541,6 +541,8 @@ def test_syncd_retry_looks_again_at_a_failure_whose_cause_was_fixed(make_daemon:
     source = runs / "sub" / "a.safetensors"
     write_file(source, checkpoint(1))
     run.wait_for("error", [source])
+    (error,) = run.statuses("error", source)
+    assert error["reason"].endswith(f"once the cause is fixed, `syncd retry -c {run.config_path} {source}`"), error
     (run.root / "mirror" / "sub").unlink()  # fixed by the administrator; the source itself did not change
     retry = run_cli("retry", "-c", os.fspath(run.config_path), os.fspath(source), timeout=60)
     assert retry.returncode == 0, retry.stderr

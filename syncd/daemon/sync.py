@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import pwd
+import shlex
 import stat
 import threading
 import time
@@ -540,7 +541,13 @@ class Syncer:
             return f"still incomplete after {INCOMPLETE_GRACE_SECONDS:.0f} s without a change: not being written"
         if status is Status.SKIPPED and os.path.lexists(path) and not os.access(path, os.R_OK):
             return _unreadable_reason(path, self.config_path)
-        return "will retry" if transient else None
+        if transient:
+            return "will retry"
+        if status is Status.ERROR:  # (a permission refused, a directory made immutable...): an operator's fix
+            config = f" -c {shlex.quote(os.fspath(self.config_path))}" if self.config_path else ""
+            again = f"syncd retry{config} {shlex.quote(os.fspath(path))}"
+            return f"looked at again when the file changes; once the cause is fixed, `{again}`"
+        return None
 
 
 def classify(exc: BaseException) -> tuple[Status, bool]:
