@@ -323,12 +323,11 @@ def test_many_carried_tensors_are_counted_and_listed_with_verbose(tmp_path: Path
     assert listed == [f"  carried in metadata (no slot on the target side): {i}.num_batches_tracked" for i in range(5)]
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_a_conversion_stopped_by_a_signal_leaves_no_scratch_file(tmp_path: Path, sig: int, code: int) -> None:
-    """kill, a job's time limit or a container stopping sends SIGTERM: the scratch file (as large as the output)
-    goes, as on Ctrl-C. The signal comes once the scratch file is there, i.e. while the output is written."""
+def converting_in_the_background(tmp_path: Path) -> tuple[Path, subprocess.Popen[str], str]:
+    """`syncd convert` of a 384 MiB checkpoint, returned once its scratch file is there (it is writing the
+    output): the source, the process and the scratch file's name."""
     source = tmp_path / "big.safetensors"
-    save_file({"fc.weight": torch.zeros(12288, 8192), "fc.bias": torch.zeros(12288)}, source)  # 384 MiB
+    save_file({"fc.weight": torch.zeros(12288, 8192), "fc.bias": torch.zeros(12288)}, source)
     proc = subprocess.Popen(
         [sys.executable, "-m", "syncd", "convert", os.fspath(source), "-q"],
         env=cli_env(),
@@ -337,11 +336,19 @@ def test_a_conversion_stopped_by_a_signal_leaves_no_scratch_file(tmp_path: Path,
         text=True,
     )
 
-    def writing() -> bool:
-        assert proc.poll() is None, proc.communicate()  # done (or failed) before the signal could be sent
-        return any(is_scratch_name(name) for name in os.listdir(tmp_path))
+    def writing() -> list[str]:
+        assert proc.poll() is None, proc.communicate()  # done (or failed) before anything could be sent
+        return [name for name in os.listdir(tmp_path) if is_scratch_name(name)]
 
-    wait_until(writing, 60, "the scratch file")
+    (scratch,) = wait_until(writing, 60, "the scratch file")
+    return source, proc, scratch
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_conversion_stopped_by_a_signal_leaves_no_scratch_file(tmp_path: Path, sig: int, code: int) -> None:
+    """kill, a job's time limit or a container stopping sends SIGTERM: the scratch file (as large as the output)
+    goes, as on Ctrl-C."""
+    _, proc, _ = converting_in_the_background(tmp_path)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == code, stderr
@@ -354,21 +361,7 @@ def test_the_scratch_file_of_a_conversion_killed_outright_goes_at_the_next_conve
 ) -> None:
     """SIGKILL (the OOM killer, kill -9) leaves the scratch file: nothing in the process can remove it. The next
     conversion to the same destination does, since no living process holds it."""
-    source = tmp_path / "big.safetensors"
-    save_file({"fc.weight": torch.zeros(12288, 8192), "fc.bias": torch.zeros(12288)}, source)  # 384 MiB
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "syncd", "convert", os.fspath(source), "-q"],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-    def writing() -> list[str]:
-        assert proc.poll() is None, proc.communicate()
-        return [name for name in os.listdir(tmp_path) if is_scratch_name(name)]
-
-    (left,) = wait_until(writing, 60, "the scratch file")
+    source, proc, left = converting_in_the_background(tmp_path)
     proc.kill()
     proc.communicate(timeout=60)
     assert left in os.listdir(tmp_path)
