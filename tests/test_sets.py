@@ -565,6 +565,32 @@ def test_daemon_converts_a_set_once_when_its_index_lands_and_never_a_shard_alone
 
 
 @pytest.mark.daemon
+def test_a_set_saved_again_shard_by_shard_is_converted_once_its_new_index_is_written(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """save_pretrained over an earlier save writes the shards one by one, then the index, the commit point.
+    A shard closed before the others are written is not the new set: converted then, the output would be the
+    new shard with the old ones, a model no save ever held."""
+    with DaemonRun(tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        index = save_llama(runs / "llama", sharded=True, seed=0)
+        run.wait_for("converted", [index])
+        epoch2 = save_llama(tmp_path / "epoch2", sharded=True, seed=1).parent
+        for name in ORIGINAL_FILES[:1]:  # the first shard of the next save, closed; the others still to come
+            shutil.copyfile(epoch2 / name, runs / "llama" / name)
+        run.quiet(2.0)
+        assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()
+        for name in [*ORIGINAL_FILES[1:], index.name]:
+            shutil.copyfile(epoch2 / name, runs / "llama" / name)
+        run.wait_for("updated", [index])
+        expected = tmp_path / "expected.bpk"
+        syncd("convert", epoch2 / index.name, "-o", expected, "--modules", saves["modules"])
+        assert tensors_of(runs / "llama" / "model.bpk") == tensors_of(expected)
+        assert [r["status"] for r in run.records()] == ["started", "converted", "updated"], run.log_text()
+
+
+@pytest.mark.daemon
 def test_daemon_waits_for_every_shard_the_index_lists(saves: dict[str, Path], tmp_path: Path) -> None:
     with DaemonRun(
         tmp_path / "d", watches=[{"path": "runs", "modules": LLAMA_MODULES["modules"]}], settle_seconds=0.2

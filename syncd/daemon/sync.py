@@ -207,6 +207,9 @@ class Syncer:
         if missing:
             return self._missing_shards(watch, index, [st for st in stats if st is not None], missing)
         self._missing.pop(index, None)
+        present = [st for st in stats if st is not None]  # (all of them: none is missing)
+        if self._saving_again(index, present):
+            return later(self.readiness.busy_retry)
         wait = self.readiness.set_wait(watch.path, index, stats, closed)
         if wait > 0:
             return later(wait)
@@ -217,6 +220,21 @@ class Syncer:
         if anyone_writing([index, *members]):
             return later(self.readiness.busy_retry)
         return self._convert(watch, index, version, dest, _set_format(index), finished=True)
+
+    def _saving_again(self, index: Path, stats: list[os.stat_result]) -> bool:
+        """The set is being saved again, shard by shard: a shard changed after the index this daemon converted
+        the set with, and the index not written since. save_pretrained writes the index, the commit point,
+        last; converted before it, the set would be new shards with old ones, a model no save ever held. (A
+        set copied in index first is not waited for: its index is new. A shard edited alone is converted once
+        the set has been left INCOMPLETE_GRACE_SECONDS.)"""
+        info = stats[0]
+        if not any(st.st_mtime_ns > info.st_mtime_ns for st in stats[1:]):
+            return False
+        row = self.state.get(index)
+        converted = row.version if row is not None else None
+        if converted is None or converted.ino != info.st_ino or info.st_mtime_ns > converted.mtime_ns:
+            return False  # an index written since the last conversion (or never converted): the commit is there
+        return min(self.readiness.age(None, index, st) for st in stats) < INCOMPLETE_GRACE_SECONDS
 
     def _missing_shards(self, watch: Watch, index: Path, stats: list[os.stat_result], missing: list[Path]) -> Outcome:
         """A shard the index lists is not there. While the set keeps changing it is waited for quietly: one
