@@ -540,6 +540,25 @@ def test_a_sets_shards_in_a_subdirectory_are_never_written_through_a_symlink(tmp
         assert sorted(os.listdir(runs / "sub")) == ["m-1.safetensors", "m-2.safetensors"]
 
 
+@pytest.mark.parametrize("name", ["../ev.safetensors.index.json", "/tmp/.safetensors.index.json"])
+def test_a_bpk_naming_its_sets_index_outside_its_directory_is_refused(
+    saves: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    """The set's layout a .bpk carries names the index it was converted from; a .bpk is anyone's file, and an
+    index name leading elsewhere would be written there."""
+    bpk = set_bpk(saves, tmp_path / "work")
+    recorded = b'"index":"model.safetensors.index.json"'
+    planted = f'"index":"{name}"'.encode()
+    assert len(planted) == len(recorded) and bpk.read_bytes().count(recorded) == 1
+    crafted = tmp_path / "a" / "b" / "model.bpk"
+    crafted.parent.mkdir(parents=True)
+    crafted.write_bytes(bpk.read_bytes().replace(recorded, planted))
+    result = syncd("convert", crafted, ok=False)
+    assert result.returncode == 1 and "names its index outside the set's directory" in result.stderr
+    assert str(crafted) in result.stderr
+    assert sorted(p.name for p in (tmp_path / "a").rglob("*")) == ["b", "model.bpk"]
+
+
 # ------------------------------------------------------------------------------------------ the daemon
 
 

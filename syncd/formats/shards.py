@@ -424,6 +424,8 @@ class ShardLayout:
         """Strict: raises ValueError on anything malformed (the caller names the file)."""
         if not isinstance(doc, dict) or not isinstance(doc.get("index"), str) or not is_index_name(doc["index"]):
             raise ValueError("shard layout has no index name")
+        if "/" in doc["index"] or "\x00" in doc["index"]:  # a name beside the .bpk, as one was recorded
+            raise ValueError("shard layout names its index outside the set's directory")
         files = doc.get("files")
         if not isinstance(files, list) or not files:
             raise ValueError("shard layout lists no files")
