@@ -559,6 +559,23 @@ def test_a_bpk_naming_its_sets_index_outside_its_directory_is_refused(
     assert sorted(p.name for p in (tmp_path / "a").rglob("*")) == ["b", "model.bpk"]
 
 
+def test_a_set_goes_where_o_says_or_is_refused_before_anything_is_written(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A set is several files: `-o` is a directory, or the index's name. A name that is neither (a directory
+    not made yet) used to be taken for a file name in the current directory, and the set written there."""
+    bpk = set_bpk(saves, tmp_path / "work")
+    missing = tmp_path / "not-made-yet"
+    result = syncd("convert", bpk, "-o", missing, ok=False)
+    assert result.returncode == 2 and "-o names no directory" in result.stderr and str(missing) in result.stderr
+    assert not missing.exists() and sorted(p.name for p in bpk.parent.iterdir()) == ["model.bpk", "set"]
+    named = tmp_path / "out" / "custom.safetensors.index.json"
+    named.parent.mkdir()
+    syncd("convert", bpk, "-o", named)
+    shards = [name for name in ORIGINAL_FILES if not name.endswith(".index.json")]
+    assert sorted(p.name for p in named.parent.iterdir()) == sorted([*shards, named.name])
+
+
 # ------------------------------------------------------------------------------------------ the daemon
 
 

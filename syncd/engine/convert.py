@@ -279,6 +279,14 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carry.record_gamma_beta(metadata, adapted.gamma_beta)
     carry.record_guesses(metadata, adapted.guessed)
     shards = _output_shards(request, target, source, carried, store, dest, specs)
+    if shards is not None and request.dest is not None and not dest.is_dir() and not is_index_name(dest):
+        # (it used to be taken for a file name, its directory the parent: a set written where nobody asked)
+        raise UsageError(
+            f"-o names no directory, and the output is a set of {len(shards.files) + shards.with_index} files: "
+            "give an existing directory, a name ending in .safetensors.index.json, or a .safetensors name for one "
+            "file",
+            str(dest),
+        )
     directory = dest if dest.is_dir() else dest.parent
     if shards is not None:
         output = set_paths(shards, directory)[-1]  # the index (or the one file of a one-shard split)
@@ -490,6 +498,8 @@ def _output_shards(
     if carried.shards is None:
         return None
     layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))
+    if request.dest is not None and is_index_name(dest):  # `-o NAME.safetensors.index.json`: that name
+        layout = replace(layout, index_name=dest.name)
     if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
         layout = layout.with_total_size(sum(size for _, size in sizes))
     return layout
