@@ -576,6 +576,17 @@ def test_a_set_goes_where_o_says_or_is_refused_before_anything_is_written(
     assert sorted(p.name for p in named.parent.iterdir()) == sorted([*shards, named.name])
 
 
+def test_an_index_whose_text_the_bpk_cannot_hold_is_refused_naming_it(saves: dict[str, Path], tmp_path: Path) -> None:
+    """An index not in save_pretrained's own formatting is carried as its text; 55 MB of trailing newlines
+    (valid JSON) come to more metadata than a burnpack may hold, once escaped."""
+    index = fresh_set(saves, tmp_path / "set")
+    with open(index, "ab") as handle:
+        handle.write(b"\n" * (55 << 20))
+    result = syncd("convert", index, "-o", tmp_path / "out.bpk", "--modules", saves["modules"], ok=False)
+    assert result.returncode == 1 and str(index) in result.stderr and "Metadata size" in result.stderr
+    assert not (tmp_path / "out.bpk").exists() and scratch_files(tmp_path) == []
+
+
 # ------------------------------------------------------------------------------------------ the daemon
 
 

@@ -519,7 +519,7 @@ def _write_one_pass(c: Conversion) -> tuple[PublishResult, int]:
     mode = os.fstat(c.source.primary.fd).st_mode & 0o777
     with open_scratch(c.dest, mode) as scratch:
         try:
-            header, size, starts = c.target.lay_out(c.source, c.carried, c.specs, c.metadata, c.scalars)
+            header, size, starts = _laid_out(c)
             written = write_planned(
                 scratch.fd,
                 str(scratch.path),
@@ -537,6 +537,15 @@ def _write_one_pass(c: Conversion) -> tuple[PublishResult, int]:
         verify_one_pass(c, scratch.path, scratch.fd, written, c.specs, size)
         _fill_in_source_hash(c, scratch.fd, header, written.source_hash)
         return _publish(scratch, c), size
+
+
+def _laid_out(c: Conversion) -> tuple[bytes, int, list[int]]:
+    """The target's layout of the output; what the format cannot hold (metadata past its size limit, from a
+    set's index text carried as it was) names the source it comes from."""
+    try:
+        return c.target.lay_out(c.source, c.carried, c.specs, c.metadata, c.scalars)
+    except FormatError as exc:
+        raise _naming_file(exc, c.source.path) from None
 
 
 def verify_one_pass(
