@@ -174,6 +174,15 @@ def test_shard_size_splits_anew_and_none_writes_one_file(saves: dict[str, Path],
     assert_state_reloads(one, saves["sharded"])
 
 
+def test_shard_size_with_one_safetensors_file_named_is_refused_not_dropped(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    bpk = single_bpk(saves, tmp_path)
+    result = syncd("convert", bpk, "-o", tmp_path / "one.safetensors", "--shard-size", "20KB", ok=False)
+    assert result.returncode == 2 and "--shard-size splits the output into a set" in result.stderr
+    assert not (tmp_path / "one.safetensors").exists()
+
+
 def test_a_file_split_into_a_set_takes_its_stem(tmp_path: Path) -> None:
     """model.safetensors split by --shard-size is model-0000N-of-0000M.safetensors and model.safetensors.index.json
     (it was model.safetensors-00001-of-00003.safetensors)."""

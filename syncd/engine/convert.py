@@ -486,8 +486,14 @@ def _output_shards(
     """The set a safetensors output is written as, or None for one file: `--shard-size` splits anew; a layout
     carried from the original set is reproduced, unless one file is asked for (`--shard-size none`, or an
     explicit `-o X.safetensors`)."""
-    one_file = request.one_file or (request.dest is not None and dest.name.endswith(".safetensors"))
-    if target.format.name != SAFETENSORS or one_file:
+    named_one_file = request.dest is not None and dest.name.endswith(".safetensors")
+    if named_one_file and request.shard_size is not None and target.format.name == SAFETENSORS:
+        raise UsageError(
+            "--shard-size splits the output into a set, and -o names one .safetensors file: give -o a directory "
+            "or a name ending in .safetensors.index.json",
+            str(dest),
+        )
+    if target.format.name != SAFETENSORS or request.one_file or named_one_file:
         return None
     sizes = [(spec.name, spec.nbytes) for spec in specs]
     if request.shard_size is not None:
