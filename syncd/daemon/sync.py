@@ -41,7 +41,7 @@ from syncd.daemon.readiness import (
     anyone_writing,
     set_version,
 )
-from syncd.daemon.state import StateDB
+from syncd.daemon.state import SUCCESS_STATUSES, StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.synclog import SyncLog
 from syncd.engine import carry
@@ -231,7 +231,7 @@ class Syncer:
         if not any(st.st_mtime_ns > info.st_mtime_ns for st in stats[1:]):
             return False
         row = self.state.get(index)
-        converted = row.version if row is not None else None
+        converted = row.version if row is not None and row.status in SUCCESS_STATUSES else None
         if converted is None or converted.ino != info.st_ino or info.st_mtime_ns > converted.mtime_ns:
             return False  # an index written since the last conversion (or never converted): the commit is there
         return min(self.readiness.age(None, index, st) for st in stats) < INCOMPLETE_GRACE_SECONDS
