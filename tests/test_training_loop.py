@@ -269,6 +269,29 @@ def test_a_worker_stuck_past_the_limit_stops_the_watchdog_pings_and_is_logged(
 # ------------------------------------------------------------------------------------------ 5. reloads, lost log
 
 
+@pytest.mark.parametrize("first", ["outer", "inner"])
+def test_a_daemon_on_a_tree_inside_another_daemons_tree_is_refused_whichever_starts_first(
+    tmp_path: Path, first: str
+) -> None:
+    """A system-wide daemon on a tree and a user's on a directory inside it serve the inner tree twice, from
+    two states: the same endless conversion back and forth as two daemons on one tree."""
+    roots = {"outer": tmp_path / "data", "inner": tmp_path / "data" / "alice" / "runs"}
+    roots["inner"].mkdir(parents=True)
+    runs = {}
+    for name in roots:
+        (tmp_path / name).mkdir()
+        runs[name] = DaemonRun(tmp_path / name, [{"path": os.fspath(roots[name])}])
+    second = "inner" if first == "outer" else "outer"
+    why = f"another syncd watches {roots['outer']}, which holds it" if first == "outer" else "a directory inside it"
+    with runs[first], runs[second]:
+        runs[first].start()
+        refused = run_cli("run", "-c", os.fspath(runs[second].config_path), cwd=runs[second].root, timeout=60)
+        assert refused.returncode == 1, refused
+        assert refused.stderr.count("\n") == 1 and why in refused.stderr, refused.stderr
+        assert str(roots[second]) in refused.stderr
+        stop_cleanly(runs[first])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "text",

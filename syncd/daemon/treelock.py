@@ -4,8 +4,11 @@ converts that back, without end -- and a source deleted by its user is made agai
 output. So a daemon holds an `flock` on the directory of every tree it watches alone (not on the trees it
 shares with other nodes, where claims coordinate the daemons: docs/many-nodes.md), and a second one is refused.
 
-The lock is on the directory itself, so nothing is created in the user's tree; the kernel drops it when the
-process ends, however it ends."""
+A tree inside another daemon's tree is the same mistake (a system-wide daemon on /data and a user's
+`syncd@alice` on /data/alice/runs), so a daemon also holds a shared lock on every directory above its trees:
+an exclusive lock on a tree is refused while a daemon watches a tree inside it, and a shared one above a tree
+while a daemon watches a tree that holds it. The locks are on the directories themselves, so nothing is created
+in anyone's tree; the kernel drops them when the process ends, however it ends."""
 
 from __future__ import annotations
 
@@ -24,14 +27,14 @@ class TreeLocks:
         self._held: dict[Path, int] = {}
 
     def hold(self, roots: Iterable[Path]) -> None:
-        """Hold exactly `roots` (those held before and not listed are let go). Raises SyncdError naming the first
-        root another process holds; none of `roots` is held then."""
+        """Hold exactly `roots`, and the directories above them (what was held before and is not is let go).
+        Raises SyncdError naming the first tree another daemon's trees overlap; nothing is held then."""
         self.release()
         try:
-            for root in roots:
-                fd = _lock(root)
+            for directory, (mode, root) in sorted(_locks_for(roots).items()):
+                fd = _lock(directory, mode, root)
                 if fd is not None:
-                    self._held[root] = fd
+                    self._held[directory] = fd
         except SyncdError:
             self.release()
             raise
@@ -42,17 +45,31 @@ class TreeLocks:
         self._held.clear()
 
 
-def _lock(root: Path) -> int | None:
+def _locks_for(roots: Iterable[Path]) -> dict[Path, tuple[int, Path]]:
+    """Each directory to lock -> (how: exclusive for a tree, shared above one; the tree it is for). One lock
+    per directory: a tree of this daemon above another of its trees is held exclusively, once."""
+    locks: dict[Path, tuple[int, Path]] = {}
+    for root in roots:
+        real = Path(os.path.realpath(root))
+        locks[real] = (fcntl.LOCK_EX, root)
+        for above in real.parents:
+            if above not in locks:
+                locks[above] = (fcntl.LOCK_SH, root)
+    return locks
+
+
+def _lock(directory: Path, mode: int, root: Path) -> int | None:
     try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return None  # a tree not there (yet): the watcher reports it
+        return None  # a tree not there (yet: the watcher reports it), a directory above it we may not read
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        where = "this tree or a directory inside it" if mode == fcntl.LOCK_EX else f"{directory}, which holds it"
         raise SyncdError(
-            "another syncd watches this tree (a daemon with a state directory of its own): two daemons on one "
+            f"another syncd watches {where} (a daemon with a state directory of its own): two daemons on one "
             "tree convert each other's outputs back and forth; run one, or set `cluster: shared: true` in both "
             "if they are to share it",
             str(root),
