@@ -38,7 +38,7 @@ from convcheck import (
     transposed,
     verify_tensor,
 )
-from formatgen import bytes_spec
+from formatgen import bpk_bytes, bytes_spec, descriptor
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -978,3 +978,17 @@ def test_a_conversion_leaves_no_more_cycles_for_more_tensors(tmp_path: Path) -> 
     few = _cyclic_garbage_of_a_conversion(tmp_path, 200)
     many = _cyclic_garbage_of_a_conversion(tmp_path, 4000)
     assert many <= few + 20, (few, many)
+
+
+@pytest.mark.parametrize("at", [0, 2, 4])
+def test_an_empty_tensor_whose_offsets_lie_in_or_at_another_tensor_converts(tmp_path: Path, at: int) -> None:
+    """Burn writes an empty tensor's offsets where its writer's cursor stood: at another tensor's start, even
+    inside its bytes when the order differs. It takes no byte: nothing overlaps."""
+    source = tmp_path / "empty.bpk"
+    tensors = {"a": descriptor("U8", [4], 0, 4), "b": descriptor("U8", [0], at, at)}
+    source.write_bytes(bpk_bytes(tensors, bytes([1, 2, 3, 4])))
+    for output in ("empty.safetensors", "back.bpk"):
+        result = convert(ConvertRequest(source=source, dest=tmp_path / output, layout="keep"))
+        assert result.tensors == 2
+    back = read_any(tmp_path / "empty.safetensors")
+    assert back.tensors["a"].data == bytes([1, 2, 3, 4]) and back.tensors["b"].data == b""

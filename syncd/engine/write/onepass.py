@@ -444,6 +444,9 @@ class OnePass:
         batch_start = self._hashed_to = cursor
         batch: list[Move] = []
         for move in sorted(self.moves, key=_SRC_OFFSET):
+            if not move.nbytes:  # an empty tensor takes no byte of the source, wherever its offsets put it
+                self.ledger.record(move.name, Entry(move.piece_at, 0))
+                continue
             if move.src_offset < cursor:
                 raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
             small = move.matrix is None and 0 < move.nbytes < self.block_bytes
