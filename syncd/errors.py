@@ -19,8 +19,10 @@ from typing import Literal
 
 Kind = Literal["input", "config", "environment", "busy"]
 
-# what str.splitlines() splits on, shown escaped: a tensor or file name holding one must not break the line
-_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+# what str.splitlines() splits on, and every other control character (an escape sequence in a tensor's name
+# would restyle the terminal it is shown on), shown escaped: a name holding one must not break the line
+_CONTROLS = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0))] + ["\u2028", "\u2029"]
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in _CONTROLS})
 
 # errnos of the environment that heal by themselves or by an administrator's action on the machine, not on
 # the file: retried. ENOENT is here because the daemon raises it only for directories it writes into.

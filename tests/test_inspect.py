@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import MNIST_BPK, MNIST_ST
 from convcheck import run_cli
+from formatgen import bpk_bytes, descriptor
 from hfsets import save_llama
 
 pytestmark = pytest.mark.torch
@@ -94,3 +95,17 @@ def test_a_set_with_a_missing_shard_is_one_line(tmp_path: Path) -> None:
     result = run_cli("inspect", str(index))
     assert result.returncode == 1 and result.stdout == ""
     assert len(result.stderr.splitlines()) == 1 and "model-00002-of-00003.safetensors" in result.stderr
+
+
+def test_control_characters_in_names_and_metadata_are_shown_escaped_never_sent_to_the_terminal(
+    tmp_path: Path,
+) -> None:
+    """A tensor named with an escape sequence would restyle (or retitle, or worse) the terminal it is listed
+    on: every control character is shown escaped, as a line break in an error is."""
+    source = tmp_path / "odd.bpk"
+    tensors = {"a\x1b[31mRED": descriptor("U8", [1], 0, 1)}
+    source.write_bytes(bpk_bytes(tensors, b"\x01", metadata={"note\x07": "x\x1b]0;title\x07"}))
+    proc = run_cli("inspect", source)
+    assert proc.returncode == 0, proc.stderr
+    assert not any(c in proc.stdout for c in "\x1b\x07"), proc.stdout
+    assert "a\\x1b[31mRED" in proc.stdout and "note\\x07: x\\x1b]0;title\\x07" in proc.stdout

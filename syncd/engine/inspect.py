@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, TextIO
 
+from syncd.errors import one_line
 from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader
 from syncd.formats.shards import ShardedReader, is_set_index
@@ -75,14 +76,14 @@ def print_json(doc: dict[str, Any], out: TextIO) -> None:
 
 def print_table(doc: dict[str, Any], out: TextIO) -> None:
     facts = {k: v for k, v in doc["header"].items() if k not in ("tensor_key_order", "key_order")}
-    out.write(f"{doc['path']}: {doc['format']}, {doc['file_size']} bytes\n")
+    out.write(f"{one_line(doc['path'])}: {doc['format']}, {doc['file_size']} bytes\n")
     for key, value in facts.items():
-        out.write(f"  {key}: {value}\n")
+        out.write(f"  {key}: {one_line(value)}\n")
     for section in ("metadata", "scalars"):
         if doc[section]:
             out.write(f"{section}:\n")
-            for key, value in doc[section].items():
-                out.write(f"  {key}: {value}\n")
+            for key, value in doc[section].items():  # (a file's own text: shown, never acted on by the terminal)
+                out.write(f"  {one_line(key)}: {one_line(value)}\n")
     columns = ["name", "dtype", "shape", "bytes", "param_id", "offset"]
     columns += [c for c in ("shard", "sha256") if doc["tensors"] and c in doc["tensors"][0]]
     rows = [[_cell(row[c]) for c in columns] for row in doc["tensors"]]
@@ -96,6 +97,8 @@ def print_table(doc: dict[str, Any], out: TextIO) -> None:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
+    if isinstance(value, str):
+        return one_line(value)
     if isinstance(value, list):
         return "[" + ", ".join(str(v) for v in value) + "]"
     return str(value)
