@@ -992,3 +992,16 @@ def test_an_empty_tensor_whose_offsets_lie_in_or_at_another_tensor_converts(tmp_
         assert result.tensors == 2
     back = read_any(tmp_path / "empty.safetensors")
     assert back.tensors["a"].data == bytes([1, 2, 3, 4]) and back.tensors["b"].data == b""
+
+
+def test_metadata_too_large_for_a_safetensors_header_is_refused_naming_the_source_before_writing(
+    tmp_path: Path,
+) -> None:
+    """Burn allows 100 MiB of metadata; as JSON text (a newline escaped as two bytes) it can outgrow the 100 MB
+    a safetensors reader accepts. Refused before a byte is written, naming the .bpk (it used to be refused
+    when the written file was read back, naming the output)."""
+    source = tmp_path / "notes.bpk"
+    source.write_bytes(bpk_bytes({"w": descriptor("U8", [1], 0, 1)}, b"\x01", metadata={"notes": "\n" * (60 << 20)}))
+    proc = run_cli("convert", source, "-o", tmp_path / "notes.safetensors")
+    assert_one_line_error(proc, 1, str(source), "safetensors header would take")
+    assert dir_listing(tmp_path) == ["notes.bpk"]

@@ -317,6 +317,10 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
         cursor += specs[i].nbytes
     text = json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER_SIZE:  # refused before writing: no reader (this one included) would take it
+        raise FormatError(
+            f"its safetensors header would take {len(text)} bytes, more than the {MAX_HEADER_SIZE} a reader accepts"
+        )
     header = struct.pack("<Q", len(text)) + text
     starts = [len(header) + s for s in rel_starts]
     return SafetensorsPlan(header, order, starts, len(header) + cursor)
