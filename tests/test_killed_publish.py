@@ -24,6 +24,7 @@ from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.synclog import SyncLog
+from syncd.engine import publish as publish_module
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.engine.hashing import DEFAULT_HASH
 
@@ -256,3 +257,36 @@ def test_a_stale_claim_record_does_not_make_an_output_a_source_on_another_node(t
     other.watch = Watch(path=runs, direction="both")
     assert other.process(pytorch) is None
     assert other.lines() == []
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "shared"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-conversion", "update"])
+def test_a_file_renamed_over_the_output_right_after_it_was_placed_is_never_taken_for_syncds(
+    tmp_path: Path, runs: Path, monkeypatch: pytest.MonkeyPatch, first: bool, shared: bool
+) -> None:
+    """Another writer renames its own file over the output in the instant after syncd placed it (here: from
+    the publish's last step, the directory's fsync). Recorded as syncd's, that file would be replaced at
+    the source's next save; it is a conflict instead, and stays the writer's."""
+    source, output = runs / "model.safetensors", runs / "model.bpk"
+    node = Node(tmp_path / "node-a", runs, shared)
+    if not first:
+        save(source, 1)
+        assert node.process(source) is Status.CONVERTED
+    users = b"the other writer's file"
+    sync_directory = publish_module._fsync_directory
+
+    def renamed_over_right_after_placing(dest: Path) -> None:
+        write_file(runs / "theirs.partial", users)
+        os.replace(runs / "theirs.partial", output)
+        sync_directory(dest)
+
+    monkeypatch.setattr(publish_module, "_fsync_directory", renamed_over_right_after_placing)
+    save(source, 2)
+    assert node.process(source) is Status.CONFLICT
+    monkeypatch.undo()
+    said = json.loads(node.lines()[-1])
+    assert (said["status"], said["source"]) == ("conflict", str(source))
+    assert "replaced by another writer right after syncd put its output there" in said["error"]
+    save(source, 3)
+    assert node.process(source) is Status.SKIPPED
+    assert output.read_bytes() == users

@@ -30,6 +30,7 @@ from syncd.engine.publish import (
     remove_stale_scratch,
 )
 from syncd.errors import AlreadyExistsError, ConflictError, SyncdError
+from syncd.formats.fileio import FileStamp
 
 MIB = 1 << 20
 
@@ -393,11 +394,14 @@ def test_replace_replaces_the_symlink_not_its_target(tmp_path: Path) -> None:
 
 
 def test_publish_new_and_replace(tmp_path: Path) -> None:
+    """The result names the file it put in place, exactly as that file then is (what the daemon records)."""
     dest = tmp_path / "model.bpk"
     ensure_destination_free(dest)
-    assert _publish_bytes(dest, b"one") == pub.PublishResult("published", dest)
+    assert _publish_bytes(dest, b"one") == pub.PublishResult("published", dest, placed=FileStamp.of_path(dest))
     assert _publish_bytes(tmp_path / "other.bpk", b"x", replace=True).status == "published"
-    assert _publish_bytes(dest, b"two", replace=True) == pub.PublishResult("replaced", dest)
+    assert _publish_bytes(dest, b"two", replace=True) == pub.PublishResult(
+        "replaced", dest, placed=FileStamp.of_path(dest)
+    )
     assert dest.read_bytes() == b"two"
     assert _scratch_files(tmp_path) == []
 

@@ -332,11 +332,14 @@ class Syncer:
                     return self._skipped(path, version, base, reason + self._adopt_hint(dest))
             else:
                 result = self._run_engine(job, decision, claim)
+            published = _as_placed(dest, result)
         except Exception as exc:
             return self._failed_or_later(path, version, exc, base, job.started, job.finished)
         updated = decision.action is Action.REPLACE
         root = watch.mirror or watch.path
-        return self._converted(path, version, dest, result, base, job.started, updated=updated, claim=claim, root=root)
+        return self._converted(
+            path, version, dest, result, published, base, job.started, updated=updated, claim=claim, root=root
+        )
 
     def _claim(self, job: _Job) -> claims.Claim | object | None:
         """The output's claim, _HELD while someone else has it, or None where the filesystem has no locks
@@ -461,6 +464,7 @@ class Syncer:
         version: FileStamp,
         dest: Path,
         result: ConvertResult,
+        published: dict[Path, os.stat_result],
         base: dict,
         started: float,
         *,
@@ -468,20 +472,21 @@ class Syncer:
         claim: claims.Claim | None = None,
         root: Path,
     ) -> Outcome:
+        """`published`: each output file as it is now (_as_placed), the record every later decision proves
+        against."""
         if result.status == "in_sync":
             status = Status.IN_SYNC
         else:
             status = Status.UPDATED if updated and result.status == "replaced" else Status.CONVERTED
-        published = os.lstat(dest)  # the output as published: the record every later decision proves against
-        dest_version = FileStamp.of(published)
+        dest_version = FileStamp.of(published[dest])
         recorded = "in_sync" if status is Status.IN_SYNC else "converted"
         # a set's files, each as published (its index included): what a later save may replace
-        members = {file: FileStamp.of(os.lstat(file)) for file in result.files} if is_set_index(dest) else None
+        members = {file: FileStamp.of(published[file]) for file in result.files} if is_set_index(dest) else None
         earlier = ownership.earlier_output_elsewhere(self.state, path, dest, root)  # (before the record moves on)
         self.state.record(path, version, dest, dest_version=dest_version, status=recorded, members=members)
         if claim is not None:
-            stamps = ownership.source_stamp(version), claims.stamp_of(published)
-            others = tuple((file.name, claims.stamp_of(os.lstat(file))) for file in (members or ()) if file != dest)
+            stamps = ownership.source_stamp(version), claims.stamp_of(published[dest])
+            others = tuple((file.name, claims.stamp_of(published[file])) for file in (members or ()) if file != dest)
             try:
                 record = claims.Published(carry.file_label(path.name), *stamps, node=claims.this_node(), members=others)
                 claim.record(record)
@@ -616,6 +621,25 @@ def _user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+def _as_placed(dest: Path, result: ConvertResult) -> dict[Path, os.stat_result]:
+    """Each output file as it is now, once it is checked to be the very file the conversion put there: a
+    writer that renamed its own file over the path right after syncd placed its output must not have that
+    file recorded as syncd's (every later save of the source would then replace it). Compared by file and
+    size, not by timestamps, which a network file system's cached attributes may give differently through
+    the descriptor and the path. A file found already holding the output's bytes was not placed, and is
+    taken as it is."""
+    now = {file: os.lstat(file) for file in dict.fromkeys([dest, *result.files])}
+    for file, placed in result.placed.items():
+        info = now.get(file)
+        if info is not None and (info.st_dev, info.st_ino, info.st_size) != (placed.dev, placed.ino, placed.size):
+            raise ConflictError(
+                "replaced by another writer right after syncd put its output there: that file is someone "
+                "else's, and is not recorded as syncd's",
+                str(file),
+            )
+    return now
 
 
 def _lstat(path: Path) -> os.stat_result | None:

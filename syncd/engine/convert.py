@@ -138,6 +138,9 @@ class ConvertResult:
     cast: list[str] = field(default_factory=list)  # tensors whose precision changed
     files: list[Path] = field(default_factory=list)  # every file written (a set: its shards, then its index)
     removed: list[Path] = field(default_factory=list)  # files of syncd's earlier set the new one no longer has
+    # each file this conversion put in place, as it was once there (PublishResult.placed); not those found
+    # already holding its bytes
+    placed: dict[Path, FileStamp] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # shown without -v: guesses by convention, index gaps
     source_notes: list[str] = field(default_factory=list)  # what of the source was taken and what was left
 
@@ -177,7 +180,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
             if request.fail_early_if_exists and not request.overwrite:
                 ensure_destination_free(path)
             remove_stale_scratch_of(path)
-        outcome, size = write_verify_publish(conversion)
+        outcome, size, placed = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,
         source=source_path,
@@ -195,6 +198,7 @@ def convert(request: ConvertRequest) -> ConvertResult:
         cast=sorted(conversion.store.casts),
         files=conversion.output_paths(),
         removed=list(outcome.removed),
+        placed=placed,
         notes=conversion.plan.notes,
         source_notes=source_notes(conversion.source.header.facts),
     )
@@ -514,9 +518,15 @@ def _output_shards(
 # -- write, verify, publish
 
 
-def write_verify_publish(c: Conversion) -> tuple[PublishResult, int]:
-    """Write, check and publish the output; what publish did, and the bytes the output takes."""
-    return _write_set(c) if c.shards is not None else _write_one_pass(c)
+def write_verify_publish(c: Conversion) -> tuple[PublishResult, int, dict[Path, FileStamp]]:
+    """Write, check and publish the output; what publish did, the bytes the output takes, and each file put
+    in place as it was once there."""
+    if c.shards is not None:
+        results, removed, size = _write_set(c)
+        placed = {result.path: result.placed for result in results if result.placed is not None}
+        return _set_result(c, results, removed), size, placed
+    result, size = _write_one_pass(c)
+    return result, size, {result.path: result.placed} if result.placed is not None else {}
 
 
 def _write_one_pass(c: Conversion) -> tuple[PublishResult, int]:
@@ -591,7 +601,7 @@ def verify_one_pass(
                 spec.fill.verify(output, spec.name)
 
 
-def _write_set(c: Conversion) -> tuple[PublishResult, int]:
+def _write_set(c: Conversion) -> tuple[list[PublishResult], list[Path], int]:
     """A sharded safetensors output: every shard written in a pass over the part of the source it takes and
     checked in its scratch file, then the shards published and the index last (sets.py). A set holds what
     save_pretrained writes, so no syncd metadata and no hash."""
@@ -611,9 +621,14 @@ def _write_set(c: Conversion) -> tuple[PublishResult, int]:
         compare_existing=not c.request.fail_early_if_exists,
     )
     size = sum(os.stat(path).st_size for path in c.output_paths())
+    return results, removed, size
+
+
+def _set_result(c: Conversion, results: list[PublishResult], removed: list[Path]) -> PublishResult:
+    """The set's publish as one result: in sync only if every file was."""
     statuses = {result.status for result in results}
     status: Published = "in_sync" if statuses == {"in_sync"} else "replaced" if "replaced" in statuses else "published"
-    return PublishResult(status, c.dest, tuple(removed)), size
+    return PublishResult(status, c.dest, tuple(removed))
 
 
 def _write_shard(

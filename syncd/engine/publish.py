@@ -123,6 +123,9 @@ class PublishResult:
     status: Published
     path: Path
     removed: tuple[Path, ...] = ()  # a set: files of syncd's earlier set that the new one no longer has
+    # the file put in place, as it was once there (None: nothing placed, "in_sync"): whoever records the
+    # output as syncd's checks that the path still holds this file, not one swapped in right after
+    placed: FileStamp | None = None
 
 
 class Scratch:
@@ -254,6 +257,8 @@ def publish(
             result = _publish_replacing_ours(scratch, replace_if, source, calls)
         else:
             result = _publish_new(scratch, source, calls)
+        if result.status != "in_sync":
+            result = PublishResult(result.status, result.path, result.removed, FileStamp.of_fd(scratch.fd))
     finally:
         scratch.discard()
     if result.status != "in_sync":
