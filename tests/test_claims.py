@@ -279,7 +279,10 @@ def test_cluster_shared_and_poll_interval_are_read(tmp_path: Path, value: str) -
     ("cluster", "expected"),
     [
         ("cluster:\n  shared: yes-please\n", "syncd.yaml:2: cluster.shared: expected auto, true or false, got"),
-        ("cluster:\n  poll_interval: 0\n", "syncd.yaml:2: cluster.poll_interval: expected a number > 0, got 0"),
+        (
+            "cluster:\n  poll_interval: 0\n",
+            "syncd.yaml:2: cluster.poll_interval: expected a number > 0 and <= 604800, got 0",
+        ),
         ("cluster:\n  pol_interval: 5\n", "syncd.yaml:2: cluster.pol_interval: unknown key"),
     ],
 )

@@ -131,13 +131,25 @@ def test_bad_enum_names_file_line_key_and_choices(tmp_path: Path, runs: Path) ->
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("workers: 0", "workers: expected an integer >= 1, got 0"),
-        ("workers: true", "workers: expected an integer >= 1, got true"),
-        ("workers: '2'", "workers: expected an integer >= 1, got '2'"),
-        ("settle_seconds: -1", "settle_seconds: expected a number >= 0, got -1"),
-        ("settle_seconds: .nan", "settle_seconds: expected a number >= 0, got nan"),
-        ("unleased_settle_seconds: -2", "unleased_settle_seconds: expected a number >= 0, got -2"),
-        ("poll_interval: 0", "poll_interval: expected a number > 0 or null, got 0"),
+        ("workers: 0", "workers: expected an integer >= 1 and <= 32, got 0"),
+        ("workers: true", "workers: expected an integer >= 1 and <= 32, got true"),
+        ("workers: '2'", "workers: expected an integer >= 1 and <= 32, got '2'"),
+        # a number of threads to start: 10**26 of them ate memory before the daemon said anything
+        (
+            "workers: 99999999999999999999999999",
+            "workers: expected an integer >= 1 and <= 32, got 99999999999999999999999999",
+        ),
+        ("settle_seconds: -1", "settle_seconds: expected a number >= 0 and <= 604800, got -1"),
+        ("settle_seconds: .nan", "settle_seconds: expected a number >= 0 and <= 604800, got nan"),
+        # past time_t, a worker's wait raised OverflowError and every worker thread died
+        ("settle_seconds: 10000000000", "settle_seconds: expected a number >= 0 and <= 604800, got 10000000000"),
+        ("unleased_settle_seconds: -2", "unleased_settle_seconds: expected a number >= 0 and <= 604800, got -2"),
+        ("poll_interval: 0", "poll_interval: expected a number > 0 and <= 604800 or null, got 0"),
+        (
+            "rescan_interval: 1000000000000",
+            "rescan_interval: expected a number > 0 and <= 604800 or null, got 1000000000000",
+        ),
+        ("stuck_worker_seconds: 604801", "stuck_worker_seconds: expected a number > 0 and <= 604800, got 604801"),
         ("state_dir: 5", "state_dir: expected a path (a non-empty string), got 5"),
         ("log: {level: loud}", "log.level: expected one of debug, info, warning, error, got 'loud'"),
         ("log: {max_bytes: -5}", "log.max_bytes: expected an integer >= 0, got -5"),
@@ -366,7 +378,8 @@ def test_load_config_reports_the_first_problem_and_counts_the_rest(tmp_path: Pat
         load_config(path)
     assert caught.value.exit_code == 2
     assert str(caught.value) == (
-        f"{path}:1: workers: expected an integer >= 1, got 0 (and 2 more problems; `syncd check-config` lists them)"
+        f"{path}:1: workers: expected an integer >= 1 and <= 32, got 0 "
+        "(and 2 more problems; `syncd check-config` lists them)"
     )
     assert "\n" not in str(caught.value)
 
@@ -376,7 +389,7 @@ def test_check_config_command_prints_one_line_per_problem(tmp_path: Path, runs: 
     out = io.StringIO()
     assert run_check_config(bad, out) == 2
     assert out.getvalue().splitlines() == [
-        f"{bad}:1: workers: expected an integer >= 1, got 0",
+        f"{bad}:1: workers: expected an integer >= 1 and <= 32, got 0",
         f"{bad}:3: watches[0].layout: expected one of auto, pytorch, burn, keep, got 'x'",
     ]
     good = write_config(tmp_path, "watches:\n  - path: runs\n", name="good.yaml")

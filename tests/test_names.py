@@ -92,7 +92,7 @@ watches:
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("rescan_interval: 0", "syncd.yaml:1: rescan_interval: expected a number > 0 or null, got 0"),
+        ("rescan_interval: 0", "syncd.yaml:1: rescan_interval: expected a number > 0 and <= 604800 or null, got 0"),
         ("ignore: '.*'", "syncd.yaml:1: ignore: expected a list of non-empty strings, got '.*'"),
         ("ignored: []", "syncd.yaml:1: ignored: unknown key (did you mean 'ignore'?)"),
     ],

@@ -42,6 +42,8 @@ from syncd.daemon.config.schema import (
     DEFAULT_WORKERS,
     LOG_KEYS,
     LOG_LEVELS,
+    MAX_SECONDS,
+    MAX_WORKERS,
     METRICS_SUFFIX,
     ON_EXISTS,
     SHARED_CHOICES,
@@ -75,14 +77,29 @@ class ConfigBuilder:
             return None
         self.file.unknown_keys(items, TOP_LEVEL_KEYS, "")
         top = Section(self.file, items, "")
-        workers = top.integer("workers", DEFAULT_WORKERS, minimum=1)
-        settle = top.number("settle_seconds", DEFAULT_SETTLE_SECONDS, minimum=0.0)
-        unleased = top.number("unleased_settle_seconds", DEFAULT_UNLEASED_SETTLE_SECONDS, minimum=0.0)
-        poll_interval = top.number("poll_interval", None, minimum=0.0, allow_null=True, strictly_positive=True)
-        rescan_interval = top.number(
-            "rescan_interval", DEFAULT_RESCAN_INTERVAL, minimum=0.0, allow_null=True, strictly_positive=True
+        workers = top.integer("workers", DEFAULT_WORKERS, minimum=1, maximum=MAX_WORKERS)
+        settle = top.number("settle_seconds", DEFAULT_SETTLE_SECONDS, minimum=0.0, maximum=MAX_SECONDS)
+        unleased = top.number(
+            "unleased_settle_seconds", DEFAULT_UNLEASED_SETTLE_SECONDS, minimum=0.0, maximum=MAX_SECONDS
         )
-        stuck = top.number("stuck_worker_seconds", DEFAULT_STUCK_WORKER_SECONDS, minimum=0.0, strictly_positive=True)
+        poll_interval = top.number(
+            "poll_interval", None, minimum=0.0, maximum=MAX_SECONDS, allow_null=True, strictly_positive=True
+        )
+        rescan_interval = top.number(
+            "rescan_interval",
+            DEFAULT_RESCAN_INTERVAL,
+            minimum=0.0,
+            maximum=MAX_SECONDS,
+            allow_null=True,
+            strictly_positive=True,
+        )
+        stuck = top.number(
+            "stuck_worker_seconds",
+            DEFAULT_STUCK_WORKER_SECONDS,
+            minimum=0.0,
+            maximum=MAX_SECONDS,
+            strictly_positive=True,
+        )
         hash_name = top.choice("hash", DEFAULT_HASH_NAME, HASH_CHOICES)
         state_dir = top.path("state_dir", DEFAULT_STATE_DIR)
         metrics = self._metrics(top)
@@ -150,7 +167,9 @@ class ConfigBuilder:
         self.file.unknown_keys(items, CLUSTER_KEYS, "cluster")
         section = Section(self.file, items, "cluster")
         shared = section.value_in("shared", DEFAULT_SHARED, SHARED_CHOICES, "auto, true or false")
-        interval = section.number("poll_interval", DEFAULT_CLUSTER_POLL_INTERVAL, minimum=0.0, strictly_positive=True)
+        interval = section.number(
+            "poll_interval", DEFAULT_CLUSTER_POLL_INTERVAL, minimum=0.0, maximum=MAX_SECONDS, strictly_positive=True
+        )
         assert interval is not None
         return ClusterSettings(shared=shared, poll_interval=interval)
 

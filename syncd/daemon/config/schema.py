@@ -23,6 +23,12 @@ DEFAULT_CONFIG_PATH = Path("/etc/syncd/syncd.yaml")
 
 # top level
 DEFAULT_WORKERS = 2
+# Each conversion may hold up to ~208 MiB of buffers and run up to 8 threads (engine/write/onepass.py); past
+# this many at once a machine gains nothing and a unit's MemoryMax and TasksMax are long passed.
+MAX_WORKERS = 32
+# Any duration in the config: a week. Longer ones are typing mistakes, and past ~290 years the waits they
+# become fail outright (time_t).
+MAX_SECONDS = 7 * 24 * 3600.0
 DEFAULT_SETTLE_SECONDS = 1.0
 DEFAULT_UNLEASED_SETTLE_SECONDS = UNLEASED_SETTLE_SECONDS  # a file whose writer nothing can see (readiness.py)
 DEFAULT_STATE_DIR = "./state"  # relative paths resolve against the config file's directory

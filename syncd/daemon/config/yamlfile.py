@@ -199,11 +199,14 @@ class Section:
             return default
         return value
 
-    def integer(self, name: str, default: int, minimum: int) -> int:
+    def integer(self, name: str, default: int, minimum: int, maximum: int | None = None) -> int:
         def accept(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+            if not isinstance(v, int) or isinstance(v, bool):
+                return False
+            return v >= minimum and (maximum is None or v <= maximum)
 
-        return self._get(name, default, accept, f"an integer >= {minimum}")
+        bound = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        return self._get(name, default, accept, bound)
 
     def number(
         self,
@@ -211,6 +214,7 @@ class Section:
         default: float | None,
         *,
         minimum: float,
+        maximum: float | None = None,
         allow_null: bool = False,
         strictly_positive: bool = False,
     ) -> float | None:
@@ -219,9 +223,12 @@ class Section:
                 return allow_null
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
                 return False
+            if maximum is not None and v > maximum:
+                return False
             return v > minimum if strictly_positive else v >= minimum
 
         bound = f"> {minimum:g}" if strictly_positive else f">= {minimum:g}"
+        bound += f" and <= {maximum:g}" if maximum is not None else ""
         expected = f"a number {bound}" + (" or null" if allow_null else "")
         value = self._get(name, default, accept, expected)
         return None if value is None else float(value)

@@ -348,9 +348,15 @@ def _runs(moves: list[Move]) -> Iterator[list[Move]]:
         yield run
 
 
+# Threads of one pass, at most: a pass is bound by memory bandwidth and the disk well before this, and on a
+# machine of a hundred cores more threads would only take tasks from a unit's TasksMax (each of the daemon's
+# workers runs its own pass).
+MAX_PASS_THREADS = 8
+
+
 def default_workers() -> int:
-    """The cores this process may run on (taskset and cgroups included)."""
-    return max(1, len(os.sched_getaffinity(0)))
+    """The cores this process may run on (taskset and cgroups included), up to MAX_PASS_THREADS."""
+    return max(1, min(MAX_PASS_THREADS, len(os.sched_getaffinity(0))))
 
 
 @dataclass
