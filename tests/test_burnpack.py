@@ -14,11 +14,11 @@ import pytest
 from conftest import ASTERINAS_BPK as ASTERINAS
 from conftest import CORPUS as _CORPUS_DIR
 from conftest import MNIST_BPK as MNIST
-from formatgen import bpk_bytes, bytes_spec, cbor_text, descriptor, specs_from_reader, write_bpk
+from formatgen import bpk_bytes, bpk_data_start, bytes_spec, cbor_text, descriptor, specs_from_reader, write_bpk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from syncd.errors import FormatError
+from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats import open_checkpoint
 from syncd.formats.burnpack import (
     LAYOUT_ALIGNED,
@@ -314,6 +314,18 @@ def test_packed_file_is_detected_as_packed(tmp_path: Path) -> None:
         assert reader.header.facts["layout"] == LAYOUT_PACKED
         assert reader.read("b") == b"\x00\x00\x80\x3f"
         assert reader.tensor("b").offset == 10 + size + 3
+
+
+def test_aligned_file_cut_short_by_its_metadata_padding_is_truncated_not_packed(tmp_path: Path) -> None:
+    """Such a file ends exactly where a packed (0.19) file of the same table would; read as packed, every
+    tensor came from the wrong bytes. Its gap before the second, 256-aligned tensor says it is not packed."""
+    specs = [bytes_spec("a", "F32", (2,), b"\x00" * 4 + b"\x80\x3f" * 2), bytes_spec("b", "U8", (2,), b"de")]
+    blob = write_bpk(tmp_path / "new.bpk", specs, layout=LAYOUT_ALIGNED)
+    padding = bpk_data_start(blob) - 10 - struct.unpack_from("<I", blob, 6)[0]
+    assert padding > 0
+    (tmp_path / "cut.bpk").write_bytes(blob[:-padding])
+    with pytest.raises(IncompleteFileError, match="File truncated"):
+        BurnpackReader(tmp_path / "cut.bpk")
 
 
 def test_packed_file_with_aligned_metadata_end_is_detected_as_packed(tmp_path: Path) -> None:

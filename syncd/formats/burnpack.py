@@ -125,12 +125,24 @@ class BurnpackReader(TensorFileReader):
             if unaligned == aligned and any(d.start % TENSOR_ALIGNMENT for d in descriptors):
                 return LAYOUT_PACKED, unaligned
             return LAYOUT_ALIGNED, aligned
-        if unaligned != aligned and unaligned + max_end == self.file_size:
+        if unaligned != aligned and unaligned + max_end == self.file_size and _back_to_back(descriptors):
             return LAYOUT_PACKED, unaligned
         last = max(descriptors, key=lambda d: d.end).name if descriptors else None  # the tensor that runs past
         raise self._short(
             f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes", last
         )
+
+
+def _back_to_back(descriptors: list[_Descriptor]) -> bool:
+    """Whether the tensors lie end to end from 0, as Burn 0.19 packs them: the only layout a packed file can
+    have. An aligned file cut short by exactly its metadata padding also ends where a packed one would, but
+    its gaps before 256-aligned starts give it away (read as packed, every tensor would be the wrong bytes)."""
+    cursor = 0
+    for start, end in sorted((d.start, d.end) for d in descriptors if d.end > d.start):
+        if start != cursor:
+            return False
+        cursor = end
+    return True
 
 
 def read_document(fd: int, file_size: int, path: str) -> tuple[Any, int, int]:
