@@ -364,6 +364,30 @@ def test_a_large_legitimate_tensor_table_is_still_decoded(tmp_path: Path) -> Non
     assert len(raw) > DECODE_SCAN_ABOVE and decoded_cost(raw) < DECODE_BUDGET
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".bpk"])
+def test_text_made_four_times_larger_by_one_wide_character_is_priced_at_that_width(tmp_path: Path, suffix: str) -> None:
+    """CPython keeps a whole str at its widest character's width: 40 MiB of ASCII metadata after one emoji
+    (written as it is, or as JSON's escape) decodes to 160 MiB of text, and again as the value taken out of
+    it (a 99 MB header took 1.2 GB, past the service's MemoryMax, so it was killed at every restart).
+    Refused before decoding; the same bytes without the emoji are decoded."""
+    from syncd.formats.burnpack import decoded_cost as bpk_cost
+    from syncd.formats.safetensors import decoded_cost as st_cost
+
+    for emoji in ("", "\N{GRINNING FACE}"):
+        metadata = {"note": emoji + "x" * (40 << 20)}
+        raw = bpk_bytes({}, metadata=metadata) if suffix == ".bpk" else st_bytes({"__metadata__": metadata})
+        path = tmp_path / f"m{len(emoji)}{suffix}"
+        path.write_bytes(raw)
+        if not emoji:
+            with open_checkpoint(path) as reader:
+                assert reader.header.metadata == metadata
+            continue
+        header = raw[8 : 8 + int.from_bytes(raw[:8], "little")] if suffix == ".safetensors" else raw[10:]
+        assert (st_cost if suffix == ".safetensors" else bpk_cost)(header) > 4 * (40 << 20)
+        with pytest.raises(FormatError, match=r"could need \d+ MiB to decode"):
+            open_checkpoint(path)
+
+
 def test_read_metadata_takes_the_metadata_alone_and_refuses_what_comes_before_the_table(tmp_path: Path) -> None:
     """The daemon asks a file what it says of itself (`syncd.source`) before converting it: the metadata, read
     without going through a table its reader refuses here, but with every check that comes before the table."""

@@ -26,6 +26,7 @@ from syncd.formats.fileio import (
     pread_exact,
     pwrite_all,
     refuse_costly_decode,
+    text_width,
     write_tensors,
     write_zeros,
 )
@@ -233,6 +234,8 @@ def decoded_cost(raw: bytes, budget: int = DECODE_BUDGET) -> int:
         i += 1 + width
         major = head >> 5
         cost += _item_cost(major, arg, end)
+        if major == 3:  # a long text, which decodes at the width of its widest character
+            cost += (text_width(raw, i, i + arg) - 1) * arg
         if major in (2, 3):
             i += arg
     return cost

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -109,6 +110,19 @@ def open_regular_file(path: str | os.PathLike[str], within: str | os.PathLike[st
 # list). Headers larger than DECODE_SCAN_ABOVE are priced first and refused past DECODE_BUDGET.
 DECODE_SCAN_ABOVE = 1 << 20
 DECODE_BUDGET = 128 << 20
+
+# UTF-8 lead bytes of code points CPython stores in 4 bytes (U+10000 and up) and in 2 (U+0100 to U+FFFF).
+_FOUR_BYTE_CHARS = re.compile(rb"[\xf0-\xf4]")
+_TWO_BYTE_CHARS = re.compile(rb"[\xc4-\xef]")
+
+
+def text_width(raw: bytes, start: int = 0, end: int | None = None) -> int:
+    """Bytes per character of the str that `raw[start:end]`, UTF-8, decodes to: CPython stores a whole str at the
+    width of its widest character, so one emoji in 100 MB of ASCII makes 400 MB of text."""
+    stop = len(raw) if end is None else end
+    if _FOUR_BYTE_CHARS.search(raw, start, stop) is not None:
+        return 4
+    return 2 if _TWO_BYTE_CHARS.search(raw, start, stop) is not None else 1
 
 
 def refuse_costly_decode(raw: bytes, price: Callable[[bytes], int], what: str, path: str) -> None:

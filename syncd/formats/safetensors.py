@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,14 @@ from syncd.formats.dtypes import (
     byte_length,
     plain_byte_length,
 )
-from syncd.formats.fileio import TensorFileReader, pread_exact, pwrite_all, refuse_costly_decode, write_tensors
+from syncd.formats.fileio import (
+    TensorFileReader,
+    pread_exact,
+    pwrite_all,
+    refuse_costly_decode,
+    text_width,
+    write_tensors,
+)
 from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec, tensor_info
 
 # the safetensors library's limit on the JSON header
@@ -105,10 +113,24 @@ def _refuse_duplicate_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def decoded_cost(raw: bytes) -> int:
-    """An upper estimate of what json.loads needs for `raw`, from its structural characters."""
+    """An upper estimate of what json.loads needs for `raw`, from its structural characters; text wider than
+    Latin-1 is charged at its width twice, the decoded header and the strings taken out of it."""
     containers = raw.count(b"[") + raw.count(b"{")
     strings = raw.count(b'"') // 2
-    return 64 * containers + 8 * raw.count(b",") + 56 * strings + 100 * raw.count(b":") + len(raw)
+    wide = 2 * (max(text_width(raw), _escaped_width(raw)) - 1) * len(raw)
+    return 64 * containers + 8 * raw.count(b",") + 56 * strings + 100 * raw.count(b":") + len(raw) + wide
+
+
+# JSON escapes of a surrogate (half of a character past U+FFFF) and of any character past U+00FF
+_ESCAPED_FOUR = re.compile(rb"\\u[dD][89abAB]")
+_ESCAPED_TWO = re.compile(rb"\\u(?!00)")
+
+
+def _escaped_width(raw: bytes) -> int:
+    """text_width for what `\\u` escapes in JSON text decode to."""
+    if _ESCAPED_FOUR.search(raw) is not None:
+        return 4
+    return 2 if _ESCAPED_TWO.search(raw) is not None else 1
 
 
 def parse_header_json(raw: bytes, path: str) -> dict[str, Any]:
