@@ -337,3 +337,28 @@ def test_a_broken_bpk_naming_its_namesake_is_not_taken_for_an_output(
     run.wait_for("skipped", [source])
     assert [r["status"] for r in run.records() if r.get("source") == str(source)] == ["skipped"], run.log_text()
     stop_cleanly(run)
+
+
+def test_an_output_published_beside_its_source_is_not_converted_into_a_mirror_set_up_later(tmp_path: Path) -> None:
+    """The watch wrote model.bpk beside model.safetensors, then was given a mirror: model.bpk is still the
+    daemon's own output of the model.safetensors beside it, not a checkpoint to convert into the mirror
+    (where it made a stale model.safetensors beside the new model.bpk, for good)."""
+    from syncd.daemon.config import Watch
+    from syncd.daemon.statuses import Status
+    from syncd.daemon.sync import Syncer
+    from syncd.daemon.synclog import SyncLog
+    from syncd.engine.hashing import DEFAULT_HASH
+
+    runs, mirror = tmp_path / "runs", tmp_path / "mirror"
+    runs.mkdir()
+    mirror.mkdir()
+    syncer = Syncer(StateDB(tmp_path / "state"), SyncLog(tmp_path / "log"), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+    source = runs / "model.safetensors"
+    write_file(source, checkpoint(1))
+    beside = Watch(path=runs, direction="both")
+    assert syncer.process(beside, source, closed=True).status is Status.CONVERTED
+    mirrored = Watch(path=runs, direction="both", mirror=mirror)
+    write_file(source, checkpoint(2))
+    assert syncer.process(mirrored, source, closed=True).status is Status.CONVERTED
+    assert syncer.process(mirrored, runs / "model.bpk", closed=True).status is None
+    assert sorted(path.name for path in mirror.iterdir()) == ["model.bpk"]

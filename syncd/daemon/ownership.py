@@ -290,7 +290,9 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
     try:
         named = read_metadata(source, watch.path).get(carry.SOURCE)
         if named == carry.file_label(dest.name):
-            if not os.path.lexists(dest):
+            # the file it names, beside it: the destination itself, unless the watch's outputs now go to a
+            # mirror (an output published beside its source before then names that source, still there)
+            if not os.path.lexists(source.parent / dest.name):
                 return False
         elif not _is_conversion_of(watch, source, named):
             return False
