@@ -643,10 +643,32 @@ def test_a_format_pt_file_is_never_taken_for_burn_layout(tmp_path: Path) -> None
     assert plan_conversion(table, to_layout="burn").source_layout == "burn"
 
 
+def test_a_norm_named_gamma_by_its_name_alone_never_shows_burn_layout() -> None:
+    """x-transformers' RMSNorm holds `gamma`, as Burn's RmsNorm does: in a file of bias-free Linears with no
+    metadata that was all that showed a layout, so a PyTorch file was read as Burn's and no Linear was
+    transposed (exit 0). Nothing else showing it, the conversion is refused, saying what would settle it."""
+    table = [
+        TensorRef("attn.norm.gamma", "F32", (16,)),
+        TensorRef("attn.qkv_proj.weight", "F32", (48, 16)),
+        TensorRef("attn.out_proj.weight", "F32", (16, 16)),
+        TensorRef("final_norm.gamma", "F32", (16,)),
+    ]
+    for to_layout in ("burn", "pytorch"):
+        with pytest.raises(LayoutAmbiguityError, match="nothing shows whether the file is in pytorch or burn"):
+            plan_conversion(table, to_layout=to_layout)
+    with pytest.raises(LayoutAmbiguityError, match="whether the gamma of these norms is Burn's name"):
+        plan_conversion([table[0], table[3]], to_layout="pytorch")
+    # anything else that shows the layout settles it, and the norms' names must agree
+    biased = [*table, TensorRef("attn.qkv_proj.bias", "F32", (48,))]
+    assert plan_conversion(biased, to_layout="burn").source_layout == "pytorch"
+    stated = plan_conversion(table, to_layout="pytorch", source_layout="burn")
+    assert [e.target for e in stated.entries if "norm" in e.target] == ["attn.norm.weight", "final_norm.weight"]
+
+
 def test_layer_scale_gamma_is_left_as_it_is_in_both_directions() -> None:
     burn_side = [TensorRef("blocks.0.norm1.gamma", "F32", (8,)), TensorRef("blocks.0.ls1.gamma", "F32", (8,))]
     torch_side = [TensorRef("blocks.0.norm1.weight", "F32", (8,)), TensorRef("blocks.0.ls1.gamma", "F32", (8,))]
-    to_torch = plan_conversion(burn_side, to_layout="pytorch")
+    to_torch = plan_conversion(burn_side, to_layout="pytorch", source_layout="burn")
     to_burn = plan_conversion(torch_side, to_layout="burn")
     assert [e.target for e in to_torch.entries] == [t.name for t in torch_side]
     assert [e.target for e in to_burn.entries] == [t.name for t in burn_side]

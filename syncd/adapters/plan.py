@@ -305,12 +305,20 @@ def _decide_layout(
         if against:
             raise _contradiction_error(stated, origin, against)
         return stated, f"{stated} ({origin})"
+    conventional = [e for e in evidence if _named_by_convention(e, kinds)]
+    evidence = [e for e in evidence if e not in conventional]
     strong = [e for e in evidence if e.strong]
     if len({e.layout for e in strong}) > 1:
         raise _conflict_error(strong, evidence, kinds)
     decided = strong or evidence
     if len({e.layout for e in decided}) > 1:
         raise _conflict_error(evidence, evidence, kinds)
+    if not decided and conventional:
+        shown = ", ".join(_label(e.module) for e in conventional[:_LIST_LIMIT])
+        return None, (
+            f"{NEUTRAL} (only Burn's norm names show one, in {shown}, norms by their names alone: a PyTorch "
+            "module may name its parameter gamma too)"
+        )
     if not decided:
         return None, f"{NEUTRAL} (nothing in the file shows a layout)"
     layout = decided[0].layout
@@ -321,6 +329,15 @@ def _decide_layout(
 
 
 _METADATA = "(metadata)"
+
+
+def _named_by_convention(evidence: Evidence, kinds: dict[str, ModuleKind]) -> bool:
+    """Burn's names in a module taken for a norm by its name alone (a lone 1-D `gamma` in `*norm*`): Burn's
+    RmsNorm, or a PyTorch module of its own that calls its parameter gamma (x-transformers' RMSNorm). It
+    agrees with the file's layout or is outranked, but never shows it alone: a PyTorch file read as Burn's
+    keeps every Linear untransposed, exit 0."""
+    kind = kinds.get(evidence.module)
+    return evidence.layout == BURN and kind is not None and kind.by == BY_NAME
 
 
 def _deducible(evidence: Evidence, layout: str, kinds: dict[str, ModuleKind]) -> bool:
@@ -415,9 +432,13 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
     if source == target:
         return  # identity: nothing depends on the undecided kinds
     undecided = [kind for _, kind in classified if kind.kind == UNKNOWN]
-    # Without a layout, every Linear weight might or might not need its transpose.
+    # Without a layout, every Linear weight might or might not need its transpose, and a norm's gamma its
+    # rename (a norm by its name alone says no layout: _named_by_convention).
     layoutless = [m for m, k in classified if source is None and k.kind == LINEAR]
-    if not undecided and not layoutless:
+    unnamed = [
+        m for m, k in classified if source is None and k.kind in NORM_KINDS and _BURN_NORM_LEAVES & m.params.keys()
+    ]
+    if not undecided and not layoutless and not unnamed:
         return
     parts = []
     if undecided:
@@ -432,6 +453,12 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
             f"nothing shows whether the file is in pytorch or burn layout, which decides whether "
             f"these Linear weights are transposed: {_clip(listed)}; pass --layout pytorch|burn"
         )
+    if unnamed:
+        listed = ", ".join(_label(m.path) for m in unnamed)
+        parts.append(
+            f"nothing shows whether the gamma of these norms is Burn's name for PyTorch's weight: {_clip(listed)}; "
+            "pass --layout pytorch|burn"
+        )
     lines = _suggested_lines(classified)
     needs_layout = source is None and (layoutless or any(k.options[0] == LINEAR for k in undecided))
     suggestion = _map_yaml(lines, PYTORCH if needs_layout else None)
@@ -439,7 +466,7 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
     details += [
         f"  {m.params['weight'].name}: Linear weight {list(m.shape('weight'))}, layout unknown" for m in layoutless
     ]
-    names = [k.path for k in undecided] + [m.path for m in layoutless]
+    names = [k.path for k in undecided] + [m.path for m in layoutless + unnamed]
     raise _ambiguity(f"cannot convert to {target} layout: " + "; also ".join(parts), suggestion, names, details)
 
 
