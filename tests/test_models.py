@@ -388,6 +388,33 @@ def test_a_round_trip_names_norms_gamma_beta_where_the_pytorch_file_did(tmp_path
     assert any("as its PyTorch source named them" in line for line in returned.decisions), returned.decisions
 
 
+def test_a_config_without_architectures_gives_the_base_models_types_under_the_heads_prefix(tmp_path: Path) -> None:
+    """A config made in code names no class (`architectures` null), so the base model is built; the weights of
+    the model with a head name it with its prefix (`luke.`). Its bias-free Linear named like an embedding
+    (`entity_embedding_dense`) was then decided by that name, kept [out, in], exit 0."""
+    torch.manual_seed(0)
+    config = hf.LukeConfig(
+        vocab_size=96,
+        entity_vocab_size=50,
+        hidden_size=32,
+        entity_emb_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    model = hf.LukeForEntityClassification(config)
+    assert config.architectures is None
+    config.save_pretrained(tmp_path)
+    save_file(_bare_state(model), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    result = convert(ConvertRequest(source=tmp_path / "model.safetensors"))
+    assert any("module types from the model definition LukeModel" in line for line in result.decisions)
+    dense = model.luke.entity_embeddings.entity_embedding_dense.weight.detach()
+    found = read_bpk(tmp_path / "model.bpk").tensors["luke.entity_embeddings.entity_embedding_dense.weight"]
+    assert (found.shape, found.data) == ((256, 32), transposed(dense.numpy().tobytes(), (32, 256), 4))
+
+
 def test_gpt2_conv1d_is_kept_and_the_decisions_name_their_sources(tmp_path: Path) -> None:
     torch.manual_seed(1)
     model = _gpt2()

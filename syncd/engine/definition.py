@@ -185,7 +185,9 @@ def _saved_module_kinds(model: Any, torch: Any) -> dict[str, str]:
     for path in _split_expert_linears(model, torch, own):
         kinds.setdefault(path, LINEAR)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    if prefix and hasattr(model, prefix):  # the base model saved alone drops its prefix, and the reverse
+    # the base model saved alone drops its prefix, and the reverse: a model with a head saved its base model's
+    # paths under the prefix, which the base model built alone (a config.json with no `architectures`) lacks
+    if prefix:
         for path, kind in list(kinds.items()):
             other = path.removeprefix(prefix + ".") if path.startswith(prefix + ".") else f"{prefix}.{path}"
             kinds.setdefault(other, kind)
