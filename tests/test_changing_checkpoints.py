@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.synclog import SyncLog
+from syncd.engine import convert as engine_convert
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.engine.hashing import DEFAULT_HASH
 from syncd.errors import SyncdError, VerificationError
@@ -217,3 +219,51 @@ def test_a_file_saved_again_while_it_is_read_is_looked_at_later_not_refused(tmp_
     assert not (tmp_path / "sync.log.jsonl").exists() or "refused" not in (tmp_path / "sync.log.jsonl").read_text()
     assert syncer.process(watch, source, closed=True).status is Status.REFUSED  # the version there now is bad
     assert not source.with_suffix(".bpk").exists()
+
+
+@pytest.mark.parametrize("when", ["before-reading", "before-writing", "after-writing"])
+def test_a_checkpoint_rotated_away_while_it_converts_is_no_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """A trainer keeping its last N checkpoints removes a whole checkpoint directory while syncd converts it
+    (HF Trainer's save_total_limit): the output's directory is gone too. Nothing failed that anyone could fix
+    or that a retry could do: no `error` line ("will retry", `syncd retry` of a path that no longer exists),
+    no failure in the state (`syncd status`' recent failures)."""
+    tree = tmp_path / "tree"
+    checkpoint = tree / "checkpoint-20"
+    checkpoint.mkdir(parents=True)
+    source = checkpoint / "model.safetensors"
+    save_file(_state(0), source)
+    log = tmp_path / "sync.log.jsonl"
+    syncer = Syncer(StateDB(tmp_path / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+
+    def rotate() -> None:
+        if checkpoint.exists():
+            shutil.rmtree(checkpoint)
+
+    def rotated_away_when_written(done: int, total: int) -> None:
+        if done == total:
+            rotate()
+
+    def progress_for(_path: Path) -> Callable[[int, int], None] | None:
+        # asked for as the conversion starts, right after every check the daemon makes before it
+        if when == "before-reading":
+            rotate()
+            return None
+        return rotated_away_when_written
+
+    syncer.progress_for = progress_for
+    if when == "before-writing":  # the source read and planned, its output's scratch file not made yet
+        clear_scratch = engine_convert.remove_stale_scratch_of
+
+        def rotated_first(dest: Path) -> list[Path]:
+            rotate()
+            return clear_scratch(dest)
+
+        monkeypatch.setattr(engine_convert, "remove_stale_scratch_of", rotated_first)
+    outcome = syncer.process(Watch(path=tree, direction="safetensors->bpk"), source, closed=True)
+    assert not checkpoint.exists()
+    assert (outcome.status, outcome.retry_in) == (None, None)
+    assert not log.exists() or log.read_text() == ""
+    row = syncer.state.get(source)
+    assert row is None or row.error is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -210,3 +211,19 @@ def test_writes_in_progress_and_syncds_own_scratch_files_queue_no_events(tmp_pat
     about = [(type(e).__name__, os.path.basename(os.fsdecode(e.src_path))) for e in queued]
     assert not [name for _, name in about if is_scratch_name(name)], about
     assert [kind for kind, name in about if name == "model.safetensors"] == ["FileCreatedEvent", "FileClosedEvent"]
+
+
+def test_a_directory_removed_while_the_tree_is_walked_is_not_reported(tmp_path: Path) -> None:
+    """A trainer rotating its checkpoint directories away during a scan: a directory gone by the time the
+    walk reaches it is nothing to report (it was a `skipped ... not scanned` line, one per rotation)."""
+    from syncd.daemon.watcher import walk_files
+
+    (tmp_path / "latest.safetensors").write_bytes(b"")
+    (tmp_path / "checkpoint-10").mkdir()
+    (tmp_path / "checkpoint-10" / "model.safetensors").write_bytes(b"")
+    reported: list[tuple[Path, str]] = []
+    walk = walk_files(tmp_path, recursive=True, on_limit=lambda path, why: reported.append((path, why)))
+    assert next(walk) == tmp_path / "latest.safetensors"  # the root listed; checkpoint-10 not yet
+    shutil.rmtree(tmp_path / "checkpoint-10")
+    assert list(walk) == []
+    assert reported == []

@@ -132,6 +132,10 @@ class Readiness:
         """A conversion failed: was the file simply not ready (changed while read, shorter than its header says
         while still growing, unreadable while a writer not known to be done may still be at it)? None: it
         was ready, the failure is to be reported."""
+        if not os.path.lexists(path):
+            # removed while it was converted (a trainer rotating its checkpoints away, directory and all): the
+            # failure that came of it (the output's directory gone too) is nobody's to fix, nothing to retry
+            return NotYet(None, f"{path} was removed while it was converted: {one_line(exc)}", logging.INFO)
         if isinstance(exc, SyncdError) and exc.kind == "busy":
             # changed, replaced or removed while we read it: never published; looked at again once quiet
             return NotYet(self.busy_retry if os.path.lexists(path) else None, one_line(exc), logging.INFO)

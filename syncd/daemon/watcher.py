@@ -263,6 +263,10 @@ def walk_files(
         directory, depth = stack.pop()
         try:
             entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            # removed since it was seen (a trainer rotating its checkpoint directories): nothing left to scan
+            log.debug("%s is gone: not scanned", directory)
+            continue
         except OSError as exc:
             log.warning("cannot list %s: %s", directory, exc.strerror)
             if on_limit is not None:
