@@ -350,3 +350,31 @@ def test_sniffing_goes_by_content(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match="Invalid magic number") as info:
         open_checkpoint(fake)
     assert info.value.path == str(fake)
+
+
+@pytest.mark.parametrize("shape", [[2**40, 2**40, 0], [2**31, 2**31, 2**31, 0], [0, 2**40, 2**40], [2**32, 2**31, 0]])
+def test_a_zero_size_shape_is_refused_exactly_where_the_library_refuses_it(tmp_path: Path, shape: list[int]) -> None:
+    """The library multiplies a shape's dimensions in order in 64 bits and refuses an overflow on the way, even
+    where a 0 comes later: syncd reads what it reads, and never writes a file it refuses (a .bpk tensor
+    [2^40, 2^40, 0], which Burn takes, made a .safetensors the library would not open, exit 0)."""
+    path = tmp_path / "z.safetensors"
+    header = json.dumps({"z": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    try:
+        safetensors.safe_open(str(path), "np").keys()
+        library_reads = True
+    except Exception:
+        library_reads = False
+    if library_reads:
+        with open_checkpoint(path) as reader:
+            assert reader.tensor("z").shape == tuple(shape)
+    else:
+        with pytest.raises(FormatError, match="passes 2\\^64"):
+            open_checkpoint(path)
+    spec = TensorSpec("z", "F32", tuple(shape), 0, lambda sink: None)
+    if library_reads:
+        write_st(tmp_path / "w.safetensors", [spec])
+        safetensors.safe_open(str(tmp_path / "w.safetensors"), "np").keys()
+    else:
+        with pytest.raises(FormatError, match="cannot be held in safetensors"):
+            write_st(tmp_path / "w.safetensors", [spec])

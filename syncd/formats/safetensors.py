@@ -211,7 +211,13 @@ def parse_entries(document: dict[str, Any], data_start: int, path: str) -> list[
                         break
                     size *= dim
                 start, end = offsets if len(offsets) == 2 else (None, None)
-                if type(start) is int and type(end) is int and 0 <= start <= end < U64_LIMIT and size == end - start:
+                if (
+                    type(start) is int
+                    and type(end) is int
+                    and 0 <= start <= end < U64_LIMIT
+                    and size == end - start
+                    and (size or not _overflows(shape))  # (only a shape holding a 0 can overflow on the way)
+                ):
                     append(info((name, known[0], tuple(shape), data_start + start, size, None, raw)))
                     continue
         append(parse_entry(name, entry, data_start, path))
@@ -237,7 +243,7 @@ def _plain_entry(name: str, entry: Any, data_start: int) -> TensorInfo | None:
     start, end = offsets
     if dtype is None or type(start) is not int or type(end) is not int or not 0 <= start <= end < U64_LIMIT:
         return None
-    if plain_byte_length(dtype, entry["shape"]) != end - start:
+    if plain_byte_length(dtype, entry["shape"]) != end - start or (end == start and _overflows(entry["shape"])):
         return None
     return TensorInfo(name, dtype, tuple(entry["shape"]), data_start + start, end - start, None, raw)
 
@@ -261,10 +267,26 @@ def _checked_entry(name: str, entry: Any, data_start: int, path: str) -> TensorI
     start, end = offsets
     if end < start:
         raise fail(f"data_offsets end {end} < start {start}")
+    if _overflows(shape):
+        raise fail(f"shape {shape}: {_OVERFLOW}")
     expected = byte_length(dtype, tuple(shape))
     if expected != end - start:
         raise fail(f"declares {end - start} bytes but its shape {shape} and dtype {entry['dtype']} need {expected}")
     return TensorInfo(name, dtype, tuple(shape), data_start + start, end - start, None, entry["dtype"])
+
+
+_OVERFLOW = "the product of its dimensions passes 2^64 on the way, which the safetensors library refuses"
+
+
+def _overflows(shape: Sequence[int]) -> bool:
+    """The library multiplies the dimensions in order in 64 bits and refuses an overflow, even where a later
+    0 makes the product 0 (`[2^40, 2^40, 0]`): the one way a zero-size tensor's shape is refused."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+        if numel >= U64_LIMIT:
+            return True
+    return False
 
 
 def check_coverage(tensors: list[TensorInfo], buffer_len: int, data_start: int, path: str) -> None:
@@ -311,8 +333,12 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
         if spec.name == "__metadata__":
             raise FormatError("a tensor cannot be named __metadata__")
         seen.add(spec.name)
-        if plain_byte_length(spec.dtype, spec.shape) == spec.nbytes:
+        if plain_byte_length(spec.dtype, spec.shape) == spec.nbytes and (spec.nbytes or not _overflows(spec.shape)):
             continue  # the common case, in a few cheap tests
+        if _overflows(spec.shape):
+            raise FormatError(
+                f"its shape {list(spec.shape)} cannot be held in safetensors: {_OVERFLOW}", tensor=spec.name
+            )
         expected = byte_length(spec.dtype, tuple(spec.shape))
         if expected != spec.nbytes:
             raise FormatError(
