@@ -267,8 +267,9 @@ def _checked_entry(name: str, entry: Any, data_start: int, path: str) -> TensorI
     start, end = offsets
     if end < start:
         raise fail(f"data_offsets end {end} < start {start}")
-    if _overflows(shape):
-        raise fail(f"shape {shape}: {_OVERFLOW}")
+    if end == start and _overflows(shape):  # (a size other than 0 is checked against the shape below)
+        shown = shape if len(shape) <= 8 else [*shape[:8], "..."]
+        raise fail(f"shape {shown}: {_OVERFLOW}")
     expected = byte_length(dtype, tuple(shape))
     if expected != end - start:
         raise fail(f"declares {end - start} bytes but its shape {shape} and dtype {entry['dtype']} need {expected}")
