@@ -286,6 +286,10 @@ def test_parse_since() -> None:
     assert parse_since("2025-01-01T00:00:00Z") == datetime(2025, 1, 1, tzinfo=UTC)
     assert parse_since("2025-01-01T00:00:00+02:00") == datetime(2024, 12, 31, 22, tzinfo=UTC)
     assert parse_since("2025-01-01 00:00").tzinfo is not None  # local time
+    # past the start of datetime's range (it raised OverflowError, an internal error): everything
+    earliest = datetime.min.replace(tzinfo=UTC)
+    assert parse_since("3000000d", now) == parse_since("999999999999999999999s", now) == earliest
+    assert parse_since("0001-01-01") <= datetime(1, 1, 2, tzinfo=UTC)
 
 
 def test_bad_since_is_a_usage_error_not_a_traceback(sample_log: Path) -> None:

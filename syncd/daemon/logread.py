@@ -34,14 +34,20 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     match = _RELATIVE_SINCE.match(text)
     if match:
         now = now or datetime.now(UTC)
-        return now - timedelta(seconds=float(match.group(1)) * _SINCE_UNITS[match.group(2)])
+        try:
+            return now - timedelta(seconds=float(match.group(1)) * _SINCE_UNITS[match.group(2)])
+        except (OverflowError, ValueError):  # past year 1 (timedelta's and datetime's range)
+            return datetime.min.replace(tzinfo=UTC)
     iso = text.strip()
     try:
         moment = datetime.fromisoformat(iso[:-1] + "+00:00" if iso.endswith("Z") else iso)
     except ValueError:
         raise UsageError(f"--since: expected a duration like 30s, 15m, 1h, 2d or an ISO time, got {text!r}") from None
-    # a time without an offset means the reader's local time, as with journalctl --since
-    return moment if moment.tzinfo else moment.astimezone()
+    try:
+        # a time without an offset means the reader's local time, as with journalctl --since
+        return moment if moment.tzinfo else moment.astimezone()
+    except (OverflowError, ValueError):  # 0001-01-01, whose local time has no UTC time: every record is newer
+        return datetime.min.replace(tzinfo=UTC)
 
 
 def parse_statuses(values: Iterable[str] | None) -> frozenset[str] | None:
