@@ -67,6 +67,13 @@ def test_an_output_name_without_a_format_suffix_is_refused(tmp_path: Path) -> No
     assert not out.exists()
     assert run_cli("convert", MNIST_BPK, "-o", tmp_path).returncode == 0  # a directory still takes the default name
     assert (tmp_path / "mnist_web.safetensors").exists()
+    # a name ending in / is a directory, which must exist (it was written as a file of that name)
+    missing = f"{tmp_path}/new/"
+    assert_one_line_error(run_cli("convert", MNIST_BPK, "-o", missing), 2, missing, "no such directory")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new").mkdir()
+    assert run_cli("convert", MNIST_BPK, "-o", missing).returncode == 0
+    assert (tmp_path / "new" / "mnist_web.safetensors").exists()
 
 
 def test_inspect_of_a_sharded_sets_directory_describes_the_set(tmp_path: Path) -> None:

@@ -125,7 +125,9 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
         type=Path,
         help="the checkpoint to convert: a .bpk or .safetensors file, or a sharded set's index or directory",
     )
-    convert.add_argument("-o", "--output", type=Path, help="destination (default: SOURCE with the other extension)")
+    convert.add_argument(
+        "-o", "--output", type=_output_path, help="destination (default: SOURCE with the other extension)"
+    )
     convert.add_argument(
         "--to", choices=list(BY_SHORT), help="output format (default: from -o's extension, else the other one)"
     )
@@ -184,6 +186,15 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     convert.add_argument("--json", action="store_true", help="print the result (or the error) as JSON")
     convert.add_argument("-v", "--verbose", action="store_true", help="print every layout decision")
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _output_path(text: str) -> Path:
+    """-o as a Path; one ending in `/` names a directory, which must exist (Path drops the slash, and the
+    output was written as a file of that name)."""
+    path = Path(text)
+    if text.endswith("/") and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    return path
 
 
 def _command_word(argv: list[str]) -> str:
