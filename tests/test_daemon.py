@@ -445,6 +445,8 @@ def test_on_exists(make_daemon: Callable[..., DaemonRun], on_exists: str) -> Non
     if on_exists == "overwrite":
         assert after.st_ino != before.st_ino
         model.check_bpk(foreign)
+        # what was lost says so: the line tells it from a first conversion
+        assert run.records()[-1]["reason"] == "replaced the file that was there, not syncd's (on_exists: overwrite)"
     else:
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
         assert foreign.read_bytes() == MNIST_BPK.read_bytes()

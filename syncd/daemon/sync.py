@@ -504,7 +504,9 @@ class Syncer:
             bytes=result.bytes,
             duration_ms=round((time.monotonic() - started) * 1000, 1),
             layout=[f"{result.source_layout} -> {result.target_layout}", *result.decisions],
-            reason=_dropped_reason(result.dropped, result.restored),
+            reason=_converted_reason(
+                result, replaced_theirs=status is Status.CONVERTED and result.status == "replaced"
+            ),
         )
         return Outcome(status)
 
@@ -591,12 +593,16 @@ def classify(exc: BaseException) -> tuple[Status, bool]:
     return Status.ERROR, exc.transient
 
 
-def _dropped_reason(dropped: list[str], restored: list[str]) -> str | None:
+def _converted_reason(result: ConvertResult, *, replaced_theirs: bool) -> str | None:
+    """What a conversion's line says beside its status: a file someone else made replaced (on_exists:
+    overwrite: the audit trail of what was lost), tensors carried or restored."""
     parts = []
-    if dropped:
-        parts.append(f"carried in metadata (no Burn slot): {', '.join(dropped)}")
-    if restored:
-        parts.append(f"restored from metadata: {', '.join(restored)}")
+    if replaced_theirs:
+        parts.append("replaced the file that was there, not syncd's (on_exists: overwrite)")
+    if result.dropped:
+        parts.append(f"carried in metadata (no Burn slot): {', '.join(result.dropped)}")
+    if result.restored:
+        parts.append(f"restored from metadata: {', '.join(result.restored)}")
     return "; ".join(parts) or None
 
 
