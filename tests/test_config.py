@@ -422,3 +422,14 @@ def test_the_shipped_example_config_is_valid_from_a_clone() -> None:
     assert config.watches[0].path == (REPO / "config" / "runs").resolve()
     assert config.state_dir == (REPO / "config" / "state").resolve()
     assert check_config(example) == []
+
+
+def test_a_state_dir_that_is_a_file_and_a_log_path_that_is_a_directory_are_refused(tmp_path: Path, runs: Path) -> None:
+    """check-config called both valid; the daemon then failed at start with `File exists` naming neither
+    setting, or ran with no sync log, an error line per record."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    path = write_config(tmp_path, "watches:\n  - path: runs\nstate_dir: afile\n")
+    assert error_of(path) == f"{path}:3: state_dir: {tmp_path}/afile exists and is not a directory"
+    path = write_config(tmp_path, "watches:\n  - path: runs\nlog:\n  path: adir\n")
+    assert error_of(path) == f"{path}:4: log.path: {tmp_path}/adir is a directory, not a file to log to"

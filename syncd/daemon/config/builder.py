@@ -102,6 +102,8 @@ class ConfigBuilder:
         )
         hash_name = top.choice("hash", DEFAULT_HASH_NAME, HASH_CHOICES)
         state_dir = top.path("state_dir", DEFAULT_STATE_DIR)
+        if state_dir is not None and os.path.lexists(state_dir) and not os.path.isdir(state_dir):
+            self.file.problem(top.node("state_dir"), "state_dir", f"{state_dir} exists and is not a directory")
         metrics = self._metrics(top)
         log = self._log(top)
         cluster = self._cluster(top)
@@ -150,6 +152,8 @@ class ConfigBuilder:
         section = Section(self.file, items, "log")
         path = section.path("path", DEFAULT_LOG_PATH)
         assert path is not None
+        if os.path.isdir(path):
+            self.file.problem(section.node("path"), "log.path", f"{path} is a directory, not a file to log to")
         return LogSettings(
             path=path,
             max_bytes=section.integer("max_bytes", DEFAULT_LOG_MAX_BYTES, minimum=0),
