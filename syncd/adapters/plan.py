@@ -451,13 +451,14 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
         listed = ", ".join(f"{m.params['weight'].name} {list(m.shape('weight'))}" for m in layoutless)
         parts.append(
             f"nothing shows whether the file is in pytorch or burn layout, which decides whether "
-            f"these Linear weights are transposed: {_clip(listed)}; pass --layout pytorch|burn"
+            f"these Linear weights are transposed: {_clip(listed)}; pass --layout pytorch|burn "
+            "(a watch: layout: pytorch|burn)"
         )
     if unnamed:
         listed = ", ".join(_label(m.path) for m in unnamed)
         parts.append(
             f"nothing shows whether the gamma of these norms is Burn's name for PyTorch's weight: {_clip(listed)}; "
-            "pass --layout pytorch|burn"
+            "pass --layout pytorch|burn (a watch: layout: pytorch|burn)"
         )
     lines = _suggested_lines(classified)
     needs_layout = source is None and (layoutless or any(k.options[0] == LINEAR for k in undecided))
