@@ -98,6 +98,31 @@ def test_every_dtype_torch_saves_is_read_bit_for_bit(tmp_path: Path) -> None:
     }
 
 
+def test_a_checkpoint_saved_without_crcs_is_read(tmp_path: Path) -> None:
+    """torch's `compute_crc32 = False` (a faster save) writes 0 as every entry's CRC, and torch reads the file;
+    syncd refused it as damaged. A CRC that is there is still checked."""
+    from torch.utils.serialization import config
+
+    state = {"fc.weight": torch.randn(3, 4), "fc.bias": torch.randn(3)}
+    config.save.compute_crc32 = False  # (torch's config module cannot be monkeypatched back)
+    try:
+        torch.save(state, tmp_path / "nocrc.pt")
+    finally:
+        config.save.compute_crc32 = True
+    with zipfile.ZipFile(tmp_path / "nocrc.pt") as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}
+    with open_checkpoint(tmp_path / "nocrc.pt") as reader:
+        assert reader.read("fc.weight") == tensor_bytes(state["fc.weight"])
+    torch.save(state, tmp_path / "crc.pt")
+    data = bytearray((tmp_path / "crc.pt").read_bytes())
+    at = data.index(b"byteorder") + len(b"byteorder")
+    pkl = data.index(b"little", at)
+    data[pkl : pkl + 6] = b"LITTLE"  # the byteorder record, changed under its CRC
+    (tmp_path / "damaged.pt").write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="does not match its CRC: damaged"):
+        open_checkpoint(tmp_path / "damaged.pt")
+
+
 @pytest.mark.parametrize("dtype", sorted(REFUSED_DTYPES, key=str))
 def test_a_dtype_neither_format_holds_is_refused_by_name(tmp_path: Path, dtype: torch.dtype) -> None:
     source = tmp_path / "odd.pt"
