@@ -313,6 +313,16 @@ def test_a_training_checkpoint_is_read_from_its_usual_key_and_says_what_it_left(
     assert_safetensors_equal(tmp_path / "ckpt.safetensors", model.state_dict())
 
 
+def test_tensors_in_a_list_below_the_top_are_said_not_converted(tmp_path: Path) -> None:
+    """Burn's store reads dicts only: tensors in a list (`encoder.layers: [t, t]`) are not converted. At the top
+    that was said; one level down they went without a word, exit 0. A number down there is no tensor lost."""
+    source = tmp_path / "ckpt.pt"
+    torch.save({"encoder": {"norm": torch.ones(4), "layers": [torch.ones(2), torch.zeros(2)], "step": 3}}, source)
+    with open_checkpoint(source) as reader:
+        assert [t.name for t in reader.tensors] == ["encoder.norm"]
+        assert reader.header.facts["left"] == ["encoder.layers (2 tensors)"]
+
+
 def test_a_top_level_key_is_taken_as_asked_and_a_missing_one_is_refused(tmp_path: Path) -> None:
     model = small_mlp()
     source = tmp_path / "ckpt.pt"

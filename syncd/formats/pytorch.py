@@ -1205,8 +1205,10 @@ def _collect(node: dict, prefix: str, found: Found, path: str, depth: int) -> No
             found.tensors[name] = value
         elif isinstance(value, dict):
             _collect(value, f"{name}.", found, path, depth + 1)
-        elif prefix == "":
-            found.left.append(_left(key, value, found, path))
+        elif prefix == "" or _count_tensors(value, found, path):
+            # what is not converted is said: every top-level value, and tensors deeper down in a list or
+            # tuple (`encoder.layers: [t, t]`; Burn's store reads dicts only), by their full name
+            found.left.append(_left(name if name is not None else key, value, found, path))
 
 
 def _left(key: Any, value: Any, found: Found, path: str) -> str:
