@@ -160,3 +160,29 @@ def test_check_config_warns_about_unreadable_checkpoints_and_unwritable_director
     assert "syncd@WRITER.service" in warnings[0]
     assert f"user daemon cannot write 1 output director(ies), e.g. {runs}" in warnings[1]
     assert proc.stdout.splitlines()[-1].endswith("valid (1 watch)")
+
+
+def test_as_root_an_output_takes_its_sources_owner_as_it_takes_its_mode(tmp_path: Path) -> None:
+    """A daemon (or `syncd convert`) running as root made a trainer's 0600 checkpoint into a root-owned 0600
+    output the trainer could not read. As root, an output (a set: every file) now takes its source's owner and
+    group, as it takes its mode bits."""
+    from daemonutil import NOBODY
+
+    from syncd.engine.convert import ConvertRequest, convert
+
+    assert os.geteuid() == 0, "the suite runs as root (README)"
+    source = tmp_path / "mnist.safetensors"
+    shutil.copyfile(REPO / "tests" / "data" / "fixtures" / "pytorch" / "mnist.safetensors", source)
+    os.chmod(source, 0o600)
+    os.chown(source, NOBODY, NOBODY)
+    convert(ConvertRequest(source=source))
+    out = os.stat(tmp_path / "mnist.bpk")
+    assert (out.st_uid, out.st_gid, stat.S_IMODE(out.st_mode)) == (NOBODY, NOBODY, 0o600)
+    shards = tmp_path / "set"
+    shards.mkdir()
+    convert(ConvertRequest(source=tmp_path / "mnist.bpk", dest=shards, shard_size=1 << 20, always_index=True))
+    files = sorted(shards.iterdir())
+    assert len(files) == 3  # two shards and the index
+    assert {(os.stat(f).st_uid, os.stat(f).st_gid, stat.S_IMODE(os.stat(f).st_mode)) for f in files} == {
+        (NOBODY, NOBODY, 0o600)
+    }

@@ -46,6 +46,7 @@ from syncd.engine.publish import (
     open_scratch,
     publish,
     remove_stale_scratch_of,
+    source_owner,
 )
 from syncd.engine.sets import set_paths, write_set
 from syncd.engine.source import Source, open_source
@@ -533,7 +534,7 @@ def _write_one_pass(c: Conversion) -> tuple[PublishResult, int]:
     """One output file: planned, written in one pass over the source (a set: its shards in the index's order),
     which gives the source hash; checked without reading the data back, the hash filled in, then published."""
     mode = os.fstat(c.source.primary.fd).st_mode & 0o777
-    with open_scratch(c.dest, mode) as scratch:
+    with open_scratch(c.dest, mode, owner=source_owner(c.source.primary.fd)) as scratch:
         try:
             header, size, starts = _laid_out(c)
             written = write_planned(
@@ -612,6 +613,7 @@ def _write_set(c: Conversion) -> tuple[list[PublishResult], list[Path], int]:
         c.shards,
         c.directory,
         mode=os.fstat(c.source.primary.fd).st_mode & 0o777,
+        owner=source_owner(c.source.primary.fd),
         replace=c.request.overwrite,
         write_shard=lambda scratch, header, size, placed: _write_shard(c, scratch, header, size, placed, progress),
         before_publish=c.source.check_unchanged,

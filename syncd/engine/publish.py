@@ -69,6 +69,7 @@ __all__ = [
     "remove_if_unchanged",
     "remove_stale_scratch_of",
     "scratch_target",
+    "source_owner",
     "abandon_open_scratches",
 ]
 
@@ -131,11 +132,12 @@ class PublishResult:
 class Scratch:
     """An open scratch file for `dest`. Use as a context manager: leaving it unpublished removes the file."""
 
-    def __init__(self, path: Path, fd: int, dest: Path, dir_fd: int = -1) -> None:
+    def __init__(self, path: Path, fd: int, dest: Path, dir_fd: int = -1, owner: tuple[int, int] | None = None) -> None:
         self.path = path
         self.fd = fd
         self.dest = dest
         self.dir_fd = dir_fd  # its directory, wherever that is moved meanwhile
+        self.owner = owner  # (uid, gid) the file is given right before it is published, if any
         self.published = False
 
     def unlink(self) -> bool:
@@ -188,11 +190,14 @@ def ensure_destination_free(dest: Path) -> None:
     raise _already_exists(dest)
 
 
-def open_scratch(dest: Path, mode: int = 0o644, within: Path | None = None) -> Scratch:
+def open_scratch(
+    dest: Path, mode: int = 0o644, within: Path | None = None, owner: tuple[int, int] | None = None
+) -> Scratch:
     """Create a fresh scratch file beside `dest` whose permission bits are exactly `mode & 0o777`. `within`: the
     directory `dest`'s must lie in, as it resolves (a set's shard named `sub/...` beside its index, where
     `sub` could be a symlink planted to lead anywhere); checked on the directory as opened, which is where
-    the scratch is made and linked from."""
+    the scratch is made and linked from. `owner`: (uid, gid) given to the file as it is published (a scratch
+    file stays this process's own until then, so a stale one is still known for ours)."""
     dest = Path(dest)
     try:
         dir_fd = os.open(dest.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -210,7 +215,7 @@ def open_scratch(dest: Path, mode: int = 0o644, within: Path | None = None) -> S
         except OSError as e:
             os.close(dir_fd)
             raise SyncdError.from_os_error("cannot create a scratch file beside it", str(dest), e) from e
-        scratch = Scratch(path, fd, dest, dir_fd)
+        scratch = Scratch(path, fd, dest, dir_fd, owner)
         with _open_lock:
             _open_scratches.add(path)
         try:
@@ -248,6 +253,8 @@ def publish(
     every case.
     """
     try:
+        if scratch.owner is not None:
+            _give_owner(scratch)
         _fsync_file(scratch)
         if before_placing is not None:
             before_placing()
@@ -264,6 +271,24 @@ def publish(
     if result.status != "in_sync":
         _fsync_directory(scratch.dest)
     return result
+
+
+def _give_owner(scratch: Scratch) -> None:
+    assert scratch.owner is not None
+    try:
+        os.fchown(scratch.fd, *scratch.owner)
+    except OSError as e:
+        raise SyncdError.from_os_error("cannot give the output its source's owner", str(scratch.dest), e) from e
+
+
+def source_owner(fd: int) -> tuple[int, int] | None:
+    """As root, the owner and group an output takes from its source (as it takes its mode bits): a trainer's
+    0600 checkpoint converted by a daemon running as root is still the trainer's to read. None otherwise (an
+    output is its writer's, as any file)."""
+    if os.geteuid() != 0:
+        return None
+    info = os.fstat(fd)
+    return info.st_uid, info.st_gid
 
 
 def abandon_open_scratches() -> list[Path]:

@@ -53,6 +53,7 @@ def write_set(
     directory: Path,
     *,
     mode: int,
+    owner: tuple[int, int] | None = None,
     replace: bool,
     write_shard: Callable[[Scratch, bytes, int, list[tuple[TensorSpec, int]]], None],
     before_publish: Callable[[], None] = lambda: None,
@@ -85,13 +86,13 @@ def write_set(
     with ExitStack() as stack:
         scratches: list[Scratch] = []
         for file, names in layout.files:
-            scratch = stack.enter_context(open_scratch(directory / file, mode, within=directory))
+            scratch = stack.enter_context(open_scratch(directory / file, mode, within=directory, owner=owner))
             shard_specs = [by_name[name] for name in names]
             plan = plan_safetensors(shard_specs, layout.metadata_of(file))
             write_shard(scratch, plan.header, plan.file_size, list(zip(shard_specs, plan.starts, strict=True)))
             scratches.append(scratch)
         if layout.with_index:
-            index = stack.enter_context(open_scratch(directory / layout.index_name, mode))
+            index = stack.enter_context(open_scratch(directory / layout.index_name, mode, owner=owner))
             _write(index, lambda fd: pwrite_all(fd, layout.index_bytes(), 0))
             scratches.append(index)
         before_publish()
