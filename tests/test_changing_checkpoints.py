@@ -267,3 +267,30 @@ def test_a_checkpoint_rotated_away_while_it_converts_is_no_failure(
     assert not log.exists() or log.read_text() == ""
     row = syncer.state.get(source)
     assert row is None or row.error is None
+
+
+@pytest.mark.parametrize(("on_exists", "status"), [("skip", Status.SKIPPED), ("error", Status.CONFLICT)])
+def test_a_destination_that_appears_while_converting_is_decided_by_on_exists(
+    tmp_path: Path, on_exists: str, status: Status
+) -> None:
+    """Another writer's file (another source of the same output: model.pt beside model.safetensors) put at the
+    destination while the conversion ran: with on_exists: skip it is skipped, as a file found there before
+    would have been (it was a `conflict`, with advice about --overwrite); with error, a conflict. Never
+    replaced."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    source, dest = tree / "model.safetensors", tree / "model.bpk"
+    save_file(_state(0), source)
+    log = tmp_path / "sync.log.jsonl"
+    syncer = Syncer(StateDB(tmp_path / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+
+    def theirs_appears_when_written(done: int, total: int) -> None:
+        if done == total and not dest.exists():
+            dest.write_bytes(b"another writer's model.bpk")
+
+    syncer.progress_for = lambda _path: theirs_appears_when_written
+    watch = Watch(path=tree, direction="safetensors->bpk", on_exists=on_exists)
+    assert syncer.process(watch, source, closed=True).status is status
+    assert dest.read_bytes() == b"another writer's model.bpk"
+    said = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["status"] for r in said] == [status.value]

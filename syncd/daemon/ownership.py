@@ -61,7 +61,8 @@ def set_destination(watch: Watch, index: Path) -> Path:
 class Action(StrEnum):
     """What the conversion may do about its destination."""
 
-    CREATE = "create"  # publish only where nothing is (a file appearing meanwhile is a conflict)
+    # publish only where nothing is (a file appearing meanwhile: skipped with on_exists: skip, else a conflict)
+    CREATE = "create"
     REPLACE = "replace"  # replace syncd's own earlier output, provided it is still exactly `replace_if`
     OVERWRITE = "overwrite"  # replace someone else's file (on_exists: overwrite)
     IN_SYNC = "in_sync"  # the destination already holds this source's conversion: nothing to write

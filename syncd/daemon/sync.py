@@ -330,6 +330,14 @@ class Syncer:
                 if result is None:
                     reason = "destination exists and is not this source's conversion (on_exists: skip)"
                     return self._skipped(path, version, base, reason + self._adopt_hint(dest))
+            elif decision.action is Action.CREATE and job.watch.on_exists == "skip":
+                # a destination that appeared while converting (another writer; another source of the same
+                # output, model.pt beside model.safetensors) is skipped as one found before would have been
+                try:
+                    result = self._run_engine(job, decision, claim)
+                except ConflictError:
+                    reason = "destination appeared while converting and is not this source's conversion"
+                    return self._skipped(path, version, base, reason + " (on_exists: skip)")
             else:
                 result = self._run_engine(job, decision, claim)
             published = _as_placed(dest, result)
