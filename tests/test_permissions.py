@@ -152,13 +152,17 @@ def test_check_config_warns_about_unreadable_checkpoints_and_unwritable_director
         proc = run_cli("check-config", run.config_path, "--user", OTHER.pw_name)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 2, proc.stdout
+    assert len(warnings) == 4, proc.stdout
+    # the daemon's own files first (state and log left in root's directory, as a syncd@USER config copied
+    # from the service's with state_dir unchanged would): the daemon could not start, or log nothing
+    assert warnings[0].endswith(f"user daemon cannot write state_dir {run.root}/state (nor create it in {run.root})")
+    assert warnings[1].endswith(f"user daemon cannot write the sync log's directory {run.root}")
     assert (
         f"user daemon cannot read 1 checkpoint(s), e.g. {runs / 'private.safetensors'} (owner root, mode 0600)"
-        in (warnings[0])
+        in (warnings[2])
     )
-    assert "syncd@WRITER.service" in warnings[0]
-    assert f"user daemon cannot write 1 output director(ies), e.g. {runs}" in warnings[1]
+    assert "syncd@WRITER.service" in warnings[2]
+    assert f"user daemon cannot write 1 output director(ies), e.g. {runs}" in warnings[3]
     assert proc.stdout.splitlines()[-1].endswith("valid (1 watch)")
 
 

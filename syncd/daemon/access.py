@@ -32,16 +32,41 @@ class _Findings:
 
 
 def access_warnings(config: Config, user: str | None = None) -> list[str]:
-    """One line per problem the user would have with the watched trees; empty when none."""
+    """One line per problem the user would have with the daemon's own files and the watched trees; empty
+    when none."""
     name = user or pwd.getpwuid(os.geteuid()).pw_name
     if user is not None and _uid_of(user) != os.geteuid():
-        results = _as_user(user, config)
+        own, results = _as_user(user, config)
     else:
-        results = [_check_watch(watch) for watch in config.watches]
-    lines = []
+        own, results = _check_own_files(config), [_check_watch(watch) for watch in config.watches]
+    lines = [f"warning: {config.path}: user {name} {problem}" for problem in own]
     for watch, found in zip(config.watches, results, strict=True):
         lines += _describe(config.path, watch, name, found)
     return lines
+
+
+def _check_own_files(config: Config) -> list[str]:
+    """What the daemon itself needs: to read its configuration, to write its state directory and its sync
+    log (a `syncd@USER` config copied from the service's, state_dir left at /var/lib/syncd)."""
+    problems = []
+    if not os.access(config.path, os.R_OK):
+        problems.append("cannot read the configuration itself")
+    for what, directory in (("state_dir", config.state_dir), ("the sync log's directory", config.log.path.parent)):
+        existing = _nearest_existing(directory)
+        if not os.access(existing, os.W_OK | os.X_OK):
+            made = "" if existing == directory else f" (nor create it in {existing})"
+            problems.append(f"cannot write {what} {directory}{made}")
+    if os.path.lexists(config.log.path) and not os.access(config.log.path, os.W_OK):
+        problems.append(f"cannot write the sync log {config.log.path}")
+    return problems
+
+
+def _nearest_existing(directory: Path) -> Path:
+    """`directory`, or the nearest directory above it that exists (where the daemon would create it)."""
+    for candidate in (directory, *directory.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return directory
 
 
 def _uid_of(user: str) -> int:
@@ -109,7 +134,7 @@ def _check_watch(watch: Watch) -> _Findings:
     return found
 
 
-def _as_user(user: str, config: Config) -> list[_Findings]:
+def _as_user(user: str, config: Config) -> tuple[list[str], list[_Findings]]:
     """Run the checks in a child process that has become `user` (root only)."""
     if os.geteuid() != 0:
         raise UsageError(f"--user {user}: checking as another user needs root (or run it as {user})")
@@ -123,7 +148,7 @@ def _as_user(user: str, config: Config) -> list[_Findings]:
             os.setgroups(os.getgrouplist(entry.pw_name, entry.pw_gid))
             os.setgid(entry.pw_gid)
             os.setuid(entry.pw_uid)
-            report = [_check_watch(watch).__dict__ for watch in config.watches]
+            report = {"own": _check_own_files(config), "watches": [_check_watch(w).__dict__ for w in config.watches]}
             with os.fdopen(write_end, "w") as pipe:
                 json.dump(report, pipe)
             code = 0
@@ -135,4 +160,5 @@ def _as_user(user: str, config: Config) -> list[_Findings]:
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0 or not data:
         raise UsageError(f"--user {user}: the access check as that user failed")
-    return [_Findings(**item) for item in json.loads(data)]
+    report = json.loads(data)
+    return report["own"], [_Findings(**item) for item in report["watches"]]
