@@ -42,7 +42,9 @@ from syncd.formats.table import CheckpointHeader, TensorInfo
 # Limits: those of the other readers where they mean the same thing (Burn's tensor count, the safetensors
 # header's size for the pickle, the decode budget), and bounds no real checkpoint comes near.
 MAX_TENSOR_COUNT = 100_000
-MAX_ENTRIES = 2 * MAX_TENSOR_COUNT + 64  # a storage per tensor at most, plus the archive's own records
+# a storage per tensor at most, for the model and an optimizer's state beside it (Adam keeps three tensors per
+# parameter: exp_avg, exp_avg_sq and its step), plus the archive's own records
+MAX_ENTRIES = 4 * MAX_TENSOR_COUNT + 64
 MAX_PICKLE_SIZE = 100_000_000
 MAX_CENTRAL_DIRECTORY = 64 << 20
 MAX_OPS = 20_000_000  # opcodes interpreted (each costs CPU time: this bounds it to seconds)
