@@ -17,6 +17,7 @@ from pathlib import Path
 
 import cbor2
 import pytest
+from conftest import MNIST_BPK
 from formatgen import bpk_bytes, bpk_data_start, cbor_head, cbor_text, descriptor, run_isolated, st_bytes, st_entry
 
 from syncd.errors import FormatError
@@ -313,6 +314,18 @@ def test_fifo_does_not_block(name: str, tmp_path: Path) -> None:
     assert report.get("error_type") == "FormatError", report
     assert report["error"]["str"] == f"{path}: not a regular file"
     assert report["elapsed"] < TIME_LIMIT
+
+
+def test_a_loop_of_symlinks_is_called_one(tmp_path: Path) -> None:
+    """Followed (the command line follows a symlink), a loop is no file; it was said to be a symlink not
+    followed, which is what a watched tree's symlink gets."""
+    os.symlink(tmp_path / "b.bpk", tmp_path / "a.bpk")
+    os.symlink(tmp_path / "a.bpk", tmp_path / "b.bpk")
+    with pytest.raises(FormatError, match="a.bpk: is a loop of symlinks$"):
+        open_checkpoint(tmp_path / "a.bpk")
+    os.symlink(MNIST_BPK, tmp_path / "c.bpk")
+    with pytest.raises(FormatError, match="c.bpk: is a symlink; not following it$"):
+        open_checkpoint(tmp_path / "c.bpk", within=tmp_path)
 
 
 def test_directory_and_missing_file(tmp_path: Path) -> None:

@@ -91,8 +91,9 @@ def open_regular_file(path: str | os.PathLike[str], within: str | os.PathLike[st
     except IsADirectoryError:
         raise FormatError("is a directory, not a checkpoint file", str(path)) from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise FormatError("is a symlink; not following it", str(path)) from None
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW's refusal, or (followed) a loop of symlinks
+            why = "is a symlink; not following it" if within is not None else "is a loop of symlinks"
+            raise FormatError(why, str(path)) from None
         raise _read_error(f"cannot open: {exc.strerror}", str(path), exc) from exc
     try:
         info = os.fstat(fd)
