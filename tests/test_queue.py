@@ -253,6 +253,16 @@ def test_a_path_is_worked_on_with_the_watch_of_its_latest_event(
     assert [watch for path, watch in calls if path == b] == [before, after]
 
 
+def test_a_path_being_worked_on_is_pending_but_not_queued(make_queue: Callable[..., WorkQueue]) -> None:
+    """`syncd status` said `queued: 1` beside the one file it showed converting, and listed nothing waiting."""
+    queue, work = busy_with(make_queue, a)
+    assert (queue.pending(), queue.queued(), queue.waiting(5)) == (1, 0, [])
+    queue.put(RUNS, b, closed=True)
+    assert (queue.pending(), queue.queued()) == (2, 1)
+    work.release(a)
+    finished(queue, 2)
+
+
 def test_events_for_a_path_being_worked_on_bring_it_back_once_after_and_never_alongside(
     make_queue: Callable[..., WorkQueue], clock: ManualClock
 ) -> None:

@@ -93,8 +93,15 @@ class WorkQueue:
         return True
 
     def pending(self) -> int:
+        """Paths waiting or being worked on (what the queue's capacity counts)."""
         with self._cond:
             return len(self._items) + len(self._busy)
+
+    def queued(self) -> int:
+        """Paths waiting, not those being worked on: what `syncd status` counts as queued, beside what it
+        shows converting."""
+        with self._cond:
+            return len(self._items)
 
     def waiting(self, limit: int) -> list[tuple[Path, float]]:
         """The `limit` waiting paths due first, each with its due time (on the queue's clock): what `syncd status`

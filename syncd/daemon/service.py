@@ -280,7 +280,7 @@ class Daemon:
                     self._scan(watch, root)
 
     def _status(self, state: str = "running") -> str:
-        queued, waiting = self.queue.pending(), self.queue.waiting(SHOWN_WAITING)
+        queued, waiting = self.queue.queued(), self.queue.waiting(SHOWN_WAITING)
         line = self.activity.tick(queued, state=state, waiting=waiting)
         return f"watching {len(self.config.watches)} tree(s); {line}"
 
