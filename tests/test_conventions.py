@@ -323,3 +323,23 @@ def test_a_pt_file_gets_contiguous_indices_by_default_as_burns_pytorchstore_does
     assert {k: v.data for k, v in read_safetensors(tmp_path / "back.safetensors").tensors.items()} == {
         k: v.contiguous().numpy().tobytes() for k, v in state.items()
     }
+
+
+def test_names_that_misled_a_bias_free_weight_into_the_wrong_kind() -> None:
+    """A model's own top-level `query` (EoMT's learned queries, an nn.Embedding) was taken for an attention's
+    query Linear and transposed; LUKE's `entity_embedding_dense` and Gemma3n's `embedding_projection`, Linears,
+    for embeddings by their first word, and kept [out, in]. Exit 0 each, with only a note."""
+    from syncd.adapters import LayoutAmbiguityError, TensorRef, plan_conversion
+    from syncd.adapters.evidence import matrix_name_kind
+
+    assert matrix_name_kind("query") is None  # undecided: refused with the map that settles it
+    assert matrix_name_kind("encoder.layers.0.attention.query") == ("Linear", "query")
+    assert matrix_name_kind("luke.entity_embeddings.entity_embedding_dense") == ("Linear", "*_dense")
+    assert matrix_name_kind("embedding_projection") == ("Linear", "*_projection")
+    table = [
+        TensorRef("query.weight", "F32", (10, 32)),
+        TensorRef("encoder.proj.weight", "F32", (32, 64)),
+        TensorRef("encoder.proj.bias", "F32", (32,)),
+    ]
+    with pytest.raises(LayoutAmbiguityError, match="query"):
+        plan_conversion(table, to_layout="burn")

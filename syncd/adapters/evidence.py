@@ -27,6 +27,8 @@ TABLE_FILE = "architectures.yaml"
 LINEAR_NAMES = (
     "*_proj",
     "proj",
+    "*_projection",  # Gemma3n's embedding_projection: a Linear, whatever its first word says
+    "*_dense",  # LUKE's entity_embedding_dense, likewise
     "*qkv*",
     "lm_head",
     "fc*",
@@ -71,10 +73,17 @@ def _named(path: str, patterns: tuple[str, ...]) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(last, p)), None)
 
 
+# An attention's projections, named so inside it; a model's own top-level `query` is its learned queries, an
+# Embedding (EoMT, VideoMT: `self.query = nn.Embedding(num_queries, hidden)`).
+_ATTENTION_NAMES = frozenset({"query", "key", "value"})
+
+
 def matrix_name_kind(path: str) -> tuple[str, str] | None:
     """(kind, pattern) a bias-free 2-D weight's module name says, Linear names first (`embed_proj` projects)."""
     for kind, patterns in ((LINEAR, LINEAR_NAMES), (EMBEDDING, EMBEDDING_NAMES)):
         pattern = _named(path, patterns)
+        if pattern in _ATTENTION_NAMES and "." not in path:
+            return None
         if pattern is not None:
             return kind, pattern
     return None
