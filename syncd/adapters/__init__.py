@@ -67,8 +67,9 @@ Rules, in order
       weight -> a convolution; 2-D weight + 1-D bias fitting one of its dims -> Linear; 1-D weight + bias of the
       same length -> a norm (LayerNorm/GroupNorm/InstanceNorm, all renamed);
    e. naming conventions (evidence.py) for what the tensors leave open: a bias-free 2-D weight (`*_proj`,
-      `*qkv*`, `fc*`, `dense`, `*_dense`, `query` (not at the top)... -> Linear; `embed*`, `*_emb`, `*embedding*`, `wte`, `wpe`, `shared`
-      -> Embedding), a lone 1-D weight or gamma (`*norm*`, `ln_*` -> RmsNorm; `ls1`, `*layer_scale*` -> Other,
+      `*qkv*`, `fc*`, `dense`, `*_dense`, `query` (not at the top)... -> Linear; `embed*`, `*_emb`,
+      `*embedding*`, `wte`, `wpe`, `shared` -> Embedding), a lone 1-D weight or gamma (`*norm*`, `ln_*` ->
+      RmsNorm; `ls1`, `*layer_scale*` -> Other,
       a LayerScale; `act`, `*prelu*` -> PRelu); a lone 1-element weight is a PRelu. A convention never
       overrules the rest of the file: in a decoder-only language model (config.json's `*ForCausalLM`,
       `*LMHeadModel`), a bias-free [vocab, hidden] weight at the top of the module tree beside an embedding
