@@ -454,25 +454,6 @@ def test_on_exists(make_daemon: Callable[..., DaemonRun], on_exists: str) -> Non
     stop_cleanly(run)
 
 
-def test_a_tree_removed_and_made_again_is_watched_again(make_daemon: Callable[..., DaemonRun]) -> None:
-    """`rm -rf runs && mkdir runs`, as a training job cleaning its output does: the new directory is no watch's,
-    so its checkpoints waited for the safety rescan (10 minutes). The daemon says the tree went, watches the new
-    one, and converts what is saved into it."""
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir("runs")
-    run.start()
-    shutil.rmtree(runs)
-    said = lambda text: any(text in r.get("reason", "") for r in run.records())  # noqa: E731
-    wait_until(lambda: said("the watched tree is gone"), 30, "the tree's removal said")
-    runs.mkdir()
-    wait_until(lambda: said("the watched tree is back"), 30, "the new tree watched")
-    model = Linear(12)
-    write_file(runs / "a.safetensors", model.bytes())
-    run.wait_for("converted", [runs / "a.safetensors"])
-    model.check_bpk(runs / "a.bpk")
-    stop_cleanly(run)
-
-
 def test_mirror_output(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon([{"path": "runs", "output": {"mirror": "out"}}])
     runs, out = run.watch_dir("runs"), run.watch_dir("out")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import stat
 import threading
 import time
 from pathlib import Path
@@ -74,7 +73,6 @@ class Daemon:
         self._rescan_lock = threading.Lock()
         self._next_safety_rescan: float | None = None
         self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
-        self._roots: dict[Path, tuple[int, int] | None] = {}  # each tree's directory as watched (_check_roots)
 
     # -- wiring
 
@@ -132,7 +130,6 @@ class Daemon:
         self.syncer.claim_retry_max = self.config.cluster.poll_interval
         self.watcher = Watcher(self.config, self, self.shared)
         self.watcher.start()
-        self._roots = {watch.path: _identity(watch.path) for watch in self.config.watches}
         interval = self.config.rescan_interval
         self._next_safety_rescan = None if interval is None else time.monotonic() + interval
 
@@ -207,7 +204,6 @@ class Daemon:
             if self._retry:
                 self._retry = False
                 self._look_again()
-            self._check_roots()
             self._run_rescans()
             if self._workers_healthy():
                 notify.watchdog()
@@ -229,35 +225,6 @@ class Daemon:
         if not stuck:
             self._stuck_reported.clear()
         return not stuck
-
-    def _check_roots(self) -> None:
-        """A tree removed and made again (`rm -rf runs && mkdir runs`, a training job cleaning its output) is a
-        new directory, which no watch of the old one sees: its files waited for the safety rescan (10 minutes
-        by default). Each tree's directory is looked at every tick; a new one is watched again and scanned."""
-        changed = {path: now for path, was in self._roots.items() if (now := _identity(path)) != was}
-        if not changed:
-            return
-        for path, now in changed.items():
-            self._roots[path] = now
-            if now is None:
-                self.synclog.log(
-                    Status.WARNING,
-                    watch=str(path),
-                    reason="the watched tree is gone; it is watched again as soon as it is back",
-                )
-        if None in self._roots.values():
-            return  # a tree still missing cannot be watched: every tree is watched again once all are there
-        try:
-            self._apply(self.config)
-        except Exception as exc:  # another daemon took the new directory, or it went again meanwhile
-            self.synclog.log(Status.ERROR, reason=f"cannot watch the trees again: {one_line(exc)}")
-            self._roots = dict.fromkeys(self._roots)  # tried again at the next tick
-            return
-        for path in changed:
-            self.synclog.log(
-                Status.WARNING, watch=str(path), reason="the watched tree is back (made anew); watching it"
-            )
-            self._request_rescan(path)
 
     def _run_rescans(self) -> None:
         if self._next_safety_rescan is not None and time.monotonic() >= self._next_safety_rescan:
@@ -372,15 +339,6 @@ class Daemon:
     def request_reload(self, *_: object) -> None:
         self._reload = True
         self._wake.set()
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    """The directory at `path` (device, inode), or None where there is none."""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
 
 
 def _file_stamp(path: Path) -> FileStamp | None:
