@@ -227,3 +227,6 @@ def test_a_directory_removed_while_the_tree_is_walked_is_not_reported(tmp_path: 
     shutil.rmtree(tmp_path / "checkpoint-10")
     assert list(walk) == []
     assert reported == []
+    shutil.rmtree(tmp_path)  # the watched tree itself gone: said
+    assert list(walk_files(tmp_path, recursive=True, on_limit=lambda path, why: reported.append((path, why)))) == []
+    assert reported == [(tmp_path, "not scanned: cannot list the directory (No such file or directory)")]

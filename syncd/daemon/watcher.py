@@ -263,9 +263,14 @@ def walk_files(
         directory, depth = stack.pop()
         try:
             entries = list(os.scandir(directory))
-        except (FileNotFoundError, NotADirectoryError):
-            # removed since it was seen (a trainer rotating its checkpoint directories): nothing left to scan
-            log.debug("%s is gone: not scanned", directory)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            if directory != root:
+                # removed since it was seen (a trainer rotating its checkpoint directories): nothing to scan
+                log.debug("%s is gone: not scanned", directory)
+                continue
+            log.warning("cannot list %s: %s", directory, exc.strerror)  # the watched tree itself: said
+            if on_limit is not None:
+                on_limit(directory, f"not scanned: cannot list the directory ({exc.strerror})")
             continue
         except OSError as exc:
             log.warning("cannot list %s: %s", directory, exc.strerror)
