@@ -680,22 +680,54 @@ def test_a_norm_named_gamma_by_its_name_alone_never_shows_burn_layout() -> None:
         TensorRef("attn.out_proj.weight", "F32", (16, 16)),
         TensorRef("final_norm.gamma", "F32", (16,)),
     ]
+    safetensors = FileContext(container="safetensors")
     for to_layout in ("burn", "pytorch"):
         with pytest.raises(LayoutAmbiguityError, match="nothing shows whether the file is in pytorch or burn"):
-            plan_conversion(table, to_layout=to_layout)
-    with pytest.raises(LayoutAmbiguityError, match="whether the gamma of these norms is Burn's name"):
-        plan_conversion([table[0], table[3]], to_layout="pytorch")
+            plan_conversion(table, to_layout=to_layout, context=safetensors)
+    with pytest.raises(LayoutAmbiguityError, match="whether the gamma, beta or alpha of these modules are Burn's"):
+        plan_conversion([table[0], table[3]], to_layout="pytorch", context=safetensors)
+    # in Burn's own format the names are Burn's (a Llama saved by Burn as .bpk, no record: as before)
+    bpk = plan_conversion(table, to_layout="pytorch", context=FileContext(container="burnpack"))
+    assert bpk.source_layout == "burn" and {e.target for e in bpk.entries} >= {"attn.norm.weight"}
+    # a LayerNorm of its own with gamma and beta, a Snake activation's alpha: no more Burn's than a lone gamma
+    for module in (["ln.gamma", "ln.beta"], ["act.alpha"]):
+        tensors = [TensorRef(name, "F32", (16,)) for name in module] + [table[2]]
+        with pytest.raises(LayoutAmbiguityError, match="nothing shows whether the file is in pytorch or burn"):
+            plan_conversion(tensors, to_layout="burn", context=FileContext(container="safetensors"))
+        assert (
+            plan_conversion(tensors, to_layout="pytorch", context=FileContext(container="burnpack")).source_layout
+            == "burn"
+        )
     # anything else that shows the layout settles it, and the norms' names must agree
     biased = [*table, TensorRef("attn.qkv_proj.bias", "F32", (48,))]
-    assert plan_conversion(biased, to_layout="burn").source_layout == "pytorch"
-    stated = plan_conversion(table, to_layout="pytorch", source_layout="burn")
+    assert plan_conversion(biased, to_layout="burn", context=safetensors).source_layout == "pytorch"
+    stated = plan_conversion(table, to_layout="pytorch", source_layout="burn", context=safetensors)
     assert [e.target for e in stated.entries if "norm" in e.target] == ["attn.norm.weight", "final_norm.weight"]
+
+
+def test_a_burn_saved_bpk_whose_only_evidence_is_its_norms_gamma_converts(tmp_path: Path) -> None:
+    """Burn's own Llama saved as .bpk (RmsNorm gamma, bias-free Linears [in, out], no record of syncd's): its
+    names are Burn's, as they were before names of a .safetensors stopped deciding alone."""
+    from formatgen import bytes_spec, write_bpk
+
+    weight = bytes(range(48)) * 4  # [16, 3] F32 as Burn stores a Linear(16 -> 3): [in, out]
+    write_bpk(
+        tmp_path / "llama.bpk",
+        [
+            bytes_spec("layers.0.norm.gamma", "F32", (3,), bytes(12)),
+            bytes_spec("layers.0.q_proj.weight", "F32", (16, 3), weight),
+        ],
+    )
+    result = convert(ConvertRequest(source=tmp_path / "llama.bpk", dest=tmp_path / "llama.safetensors"))
+    assert result.source_layout == "burn"
+    out = read_safetensors(tmp_path / "llama.safetensors").tensors
+    assert out["layers.0.q_proj.weight"].shape == (3, 16) and "layers.0.norm.weight" in out
 
 
 def test_layer_scale_gamma_is_left_as_it_is_in_both_directions() -> None:
     burn_side = [TensorRef("blocks.0.norm1.gamma", "F32", (8,)), TensorRef("blocks.0.ls1.gamma", "F32", (8,))]
     torch_side = [TensorRef("blocks.0.norm1.weight", "F32", (8,)), TensorRef("blocks.0.ls1.gamma", "F32", (8,))]
-    to_torch = plan_conversion(burn_side, to_layout="pytorch", source_layout="burn")
+    to_torch = plan_conversion(burn_side, to_layout="pytorch")
     to_burn = plan_conversion(torch_side, to_layout="burn")
     assert [e.target for e in to_torch.entries] == [t.name for t in torch_side]
     assert [e.target for e in to_burn.entries] == [t.name for t in burn_side]

@@ -116,6 +116,9 @@ class FileContext:
     notes: tuple[str, ...] = ()  # what the convert layer found while gathering (e.g. an unreadable config.json)
     definition: ModelDefinition | None = None  # the module types of the model config.json names, if built
     gamma_beta: frozenset[str] = frozenset()  # norms a syncd-made file records as named gamma/beta in PyTorch
+    # the format the file is in ("burnpack", "safetensors", "pytorch"): Burn's own format is written by Burn,
+    # whose names (gamma, beta, alpha) then show its layout; in the others a PyTorch module may use them too
+    container: str | None = None
 
 
 class PlanEntry(NamedTuple):

@@ -75,6 +75,10 @@ class _Step(NamedTuple):
 
 
 _BURN_NORM_LEAVES = frozenset({"gamma", "beta"})
+_BURN_LEAVES = _BURN_NORM_LEAVES | {"alpha"}
+# FileContext.container of the formats not Burn's own (syncd/formats/registry.py); None (a table planned on
+# its own, not read from a file) counts as Burn's
+FOREIGN_FORMATS = frozenset({"safetensors", "pytorch"})
 _step = functools.partial(tuple.__new__, _Step)  # _step((target, transpose))
 _DROPPED = _Step(None)
 
@@ -305,7 +309,7 @@ def _decide_layout(
         if against:
             raise _contradiction_error(stated, origin, against)
         return stated, f"{stated} ({origin})"
-    conventional = [e for e in evidence if _named_by_convention(e, kinds)]
+    conventional = [e for e in evidence if _burn_names_alone(e, kinds, context.container)]
     evidence = [e for e in evidence if e not in conventional]
     strong = [e for e in evidence if e.strong]
     if len({e.layout for e in strong}) > 1:
@@ -316,8 +320,8 @@ def _decide_layout(
     if not decided and conventional:
         shown = ", ".join(_label(e.module) for e in conventional[:_LIST_LIMIT])
         return None, (
-            f"{NEUTRAL} (only Burn's norm names show one, in {shown}, norms by their names alone: a PyTorch "
-            "module may name its parameter gamma too)"
+            f"{NEUTRAL} (only Burn's parameter names show one, in {shown}: in a {context.container or 'file'} "
+            "that is not Burn's own format, a PyTorch module may name its parameters gamma, beta or alpha too)"
         )
     if not decided:
         return None, f"{NEUTRAL} (nothing in the file shows a layout)"
@@ -331,13 +335,22 @@ def _decide_layout(
 _METADATA = "(metadata)"
 
 
-def _named_by_convention(evidence: Evidence, kinds: dict[str, ModuleKind]) -> bool:
-    """Burn's names in a module taken for a norm by its name alone (a lone 1-D `gamma` in `*norm*`): Burn's
-    RmsNorm, or a PyTorch module of its own that calls its parameter gamma (x-transformers' RMSNorm). It
-    agrees with the file's layout or is outranked, but never shows it alone: a PyTorch file read as Burn's
-    keeps every Linear untransposed, exit 0."""
+def _burn_names_alone(evidence: Evidence, kinds: dict[str, ModuleKind], container: str | None) -> bool:
+    """Burn's parameter names (`gamma`, `beta`, `alpha`) of a module whose kind its tensors or its name
+    suggest, in a file not in Burn's own format: Burn's norm or PRelu, or a PyTorch module of its own that
+    names its parameters so (x-transformers' RMSNorm `gamma`, a LayerNorm with `gamma`/`beta`, a Snake
+    activation's `alpha`). Such evidence agrees with the file's layout or is outranked, but never shows it
+    alone: a PyTorch file read as Burn's keeps every Linear untransposed, exit 0. In a .bpk, written by Burn,
+    the names are Burn's."""
     kind = kinds.get(evidence.module)
-    return evidence.layout == BURN and kind is not None and kind.by == BY_NAME
+    return (
+        container in FOREIGN_FORMATS
+        and evidence.layout == BURN
+        and evidence.strong
+        and kind is not None
+        and kind.by in (BY_NAME, BY_SHAPE)
+        and kind.kind != BATCH_NORM  # gamma and beta beside running stats: Burn's BatchNorm, no one else's
+    )
 
 
 def _deducible(evidence: Evidence, layout: str, kinds: dict[str, ModuleKind]) -> bool:
@@ -436,7 +449,7 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
     # rename (a norm by its name alone says no layout: _named_by_convention).
     layoutless = [m for m, k in classified if source is None and k.kind == LINEAR]
     unnamed = [
-        m for m, k in classified if source is None and k.kind in NORM_KINDS and _BURN_NORM_LEAVES & m.params.keys()
+        m for m, k in classified if source is None and k.kind in (*NORM_KINDS, PRELU) and _BURN_LEAVES & m.params.keys()
     ]
     if not undecided and not layoutless and not unnamed:
         return
@@ -457,7 +470,8 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
     if unnamed:
         listed = ", ".join(_label(m.path) for m in unnamed)
         parts.append(
-            f"nothing shows whether the gamma of these norms is Burn's name for PyTorch's weight: {_clip(listed)}; "
+            f"nothing shows whether the gamma, beta or alpha of these modules are Burn's names for PyTorch's: "
+            f"{_clip(listed)}; "
             "pass --layout pytorch|burn (a watch: layout: pytorch|burn)"
         )
     lines = _suggested_lines(classified)

@@ -31,6 +31,7 @@ def gather_context(
     map_states_every_module: bool = False,
     tensor_count: int | None = None,
     gamma_beta: frozenset[str] = frozenset(),
+    container: str | None = None,
 ) -> FileContext:
     """`map_states_every_module`: the user's module map has a rule for every module of the checkpoint, so the
     model's definition, the evidence after the map, could decide nothing: it is not built (building it imports
@@ -48,6 +49,7 @@ def gather_context(
         notes=tuple(n for n in (note, definition_note) if n),
         definition=definition,
         gamma_beta=gamma_beta,
+        container=container,
     )
 
 

@@ -339,6 +339,7 @@ def _adapt(
             mapped,
             len(source.tensors),
             carried.gamma_beta,
+            source.header.format,
         )
         adapted = plan_conversion(
             refs,
