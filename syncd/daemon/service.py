@@ -10,8 +10,10 @@ the scratch files of any it abandons, and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -64,7 +66,7 @@ class Daemon:
         self.watcher: Watcher | None = None
         self._trees = TreeLocks()  # one daemon per tree (not shared with other nodes)
         self.shared: dict[Path, str] = {}  # watches other nodes write to -> their filesystem's name
-        self._wake = threading.Event()
+        self._wake = Wakeup()
         self._stop = False
         self._reload = False
         self._retry = False
@@ -339,6 +341,28 @@ class Daemon:
     def request_reload(self, *_: object) -> None:
         self._reload = True
         self._wake.set()
+
+
+class Wakeup:
+    """Wakes the main loop, from worker threads and from signal handlers alike: a byte in a pipe.
+    threading.Event would not do: a handler runs in the main thread between two of its bytecodes, and an
+    Event's set() from inside the main thread's own clear() or wait() waits for the lock it already holds
+    (a burst of SIGHUPs hung the daemon for good)."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is woken already
+            os.write(self._write, b"\0")
+
+    def wait(self, timeout: float) -> None:
+        select.select([self._read], [], [], timeout)
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # drained
+            while os.read(self._read, 4096):
+                pass
 
 
 def _file_stamp(path: Path) -> FileStamp | None:
