@@ -132,6 +132,13 @@ def test_an_output_edited_with_its_metadata_kept_is_never_adopted_nor_replaced(
     # the daemon looks at the source again and finds a file that is not its output of it
     assert next_line_for(run, source, seen) == REFUSAL[on_exists], run.log_text()
     seen = len(lines_for(run, source))
+    if on_exists == "skip":
+        # with its record there, no state was lost: no advice to adopt (the next save would then replace the
+        # user's edit; a set's, delete its shards); without it, adopting is what a lost state asks for
+        (said,) = [r for r in run.records() if r["status"] == "skipped"]
+        lost = then is after_a_restart_without_state
+        assert ("--adopt" in said["reason"]) is lost, said["reason"]
+        assert ("its record shows" in said["reason"]) is not lost, said["reason"]
 
     write_file(source, burnpack(2, tmp_path / "work"))  # the trainer saves again
     assert next_line_for(run, source, seen) == REFUSAL[on_exists], run.log_text()

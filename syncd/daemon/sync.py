@@ -329,7 +329,7 @@ class Syncer:
                 result, decision = self._verify(job, claim)
                 if result is None:
                     reason = "destination exists and is not this source's conversion (on_exists: skip)"
-                    return self._skipped(path, version, base, reason + self._adopt_hint(dest))
+                    return self._skipped(path, version, base, reason + self._adopt_hint(path, dest, claim))
             elif decision.action is Action.CREATE and job.watch.on_exists == "skip":
                 # a destination that appeared while converting (another writer; another source of the same
                 # output, model.pt beside model.safetensors) is skipped as one found before would have been
@@ -386,10 +386,16 @@ class Syncer:
         for path in remove_stale_scratch_of(dest, min_age=0.0):
             self.synclog.log(Status.REMOVED, source=str(path), reason="a scratch file of a syncd that died")
 
-    def _adopt_hint(self, dest: Path) -> str:
+    def _adopt_hint(self, source: Path, dest: Path, claim: claims.Claim | None) -> str:
         """Said of a destination that names its source (a set: that lists the files the daemon writes) but
         holds other bytes: a user's edit, or syncd's output of an earlier version of the source saved while no
-        record was kept (docs/daemon.md)."""
+        record was kept (docs/daemon.md). Where a record of syncd's publish of it is still there (the state's,
+        the claim's), no state was lost: the record shows the file changed since, someone's edit, and
+        adopting it would make the next conversion replace it (a set's: delete its shards)."""
+        row = self.state.get(source)
+        recorded = row is not None and row.dest is not None and os.fsencode(row.dest) == os.fsencode(dest)
+        if recorded or (claim is not None and claim.published() is not None):
+            return "; it changed since syncd published it (its record shows), so it is someone else's now"
         config = f" -c {self.config_path}" if self.config_path else ""
         what = "it is a set" if is_set_index(dest) else "it names this source"
         return (
