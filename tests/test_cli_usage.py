@@ -71,6 +71,7 @@ def test_an_output_name_without_a_format_suffix_is_refused(tmp_path: Path) -> No
     missing = f"{tmp_path}/new/"
     assert_one_line_error(run_cli("convert", MNIST_BPK, "-o", missing), 2, missing, "no such directory")
     assert not (tmp_path / "new").exists()
+    assert_one_line_error(run_cli("convert", MNIST_BPK, "-o", f"{tmp_path}/new/."), 2, "no such directory")
     (tmp_path / "new").mkdir()
     assert run_cli("convert", MNIST_BPK, "-o", missing).returncode == 0
     assert (tmp_path / "new" / "mnist_web.safetensors").exists()

@@ -153,6 +153,7 @@ def test_bad_enum_names_file_line_key_and_choices(tmp_path: Path, runs: Path) ->
         ("state_dir: 5", "state_dir: expected a path (a non-empty string), got 5"),
         ("log: {level: loud}", "log.level: expected one of debug, info, warning, error, got 'loud'"),
         ("log: {max_bytes: -5}", "log.max_bytes: expected an integer >= 0, got -5"),
+        ("log: {backups: 1000000000000}", "log.backups: expected an integer >= 0 and <= 1000, got 1000000000000"),
         ("log: {colour: red}", "log.colour: unknown key"),
         ("log: [1]", "log: expected a mapping, got a list"),
         ("worker: 3", "worker: unknown key (did you mean 'workers'?)"),
@@ -433,3 +434,7 @@ def test_a_state_dir_that_is_a_file_and_a_log_path_that_is_a_directory_are_refus
     assert error_of(path) == f"{path}:3: state_dir: {tmp_path}/afile exists and is not a directory"
     path = write_config(tmp_path, "watches:\n  - path: runs\nlog:\n  path: adir\n")
     assert error_of(path) == f"{path}:4: log.path: {tmp_path}/adir is a directory, not a file to log to"
+    path = write_config(tmp_path, "watches:\n  - path: runs\nstate_dir: afile/sub\n")  # below a file
+    assert error_of(path) == f"{path}:3: state_dir: {tmp_path}/afile exists and is not a directory"
+    path = write_config(tmp_path, "watches:\n  - path: runs\nlog:\n  path: afile/log.jsonl\n")
+    assert error_of(path) == f"{path}:4: log.path: {tmp_path}/afile exists and is not a directory"

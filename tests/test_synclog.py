@@ -290,6 +290,7 @@ def test_parse_since() -> None:
     earliest = datetime.min.replace(tzinfo=UTC)
     assert parse_since("3000000d", now) == parse_since("999999999999999999999s", now) == earliest
     assert parse_since("0001-01-01") <= datetime(1, 1, 2, tzinfo=UTC)
+    assert parse_since("9999-12-31T23:59:59") >= datetime(9999, 12, 31, tzinfo=UTC)  # nothing, in any zone
 
 
 def test_bad_since_is_a_usage_error_not_a_traceback(sample_log: Path) -> None:

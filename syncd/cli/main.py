@@ -192,7 +192,7 @@ def _output_path(text: str) -> Path:
     """-o as a Path; one ending in `/` names a directory, which must exist (Path drops the slash, and the
     output was written as a file of that name)."""
     path = Path(text)
-    if text.endswith("/") and not path.is_dir():
+    if text.endswith(("/", "/.")) and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: no such directory")
     return path
 

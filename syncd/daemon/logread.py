@@ -46,8 +46,8 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     try:
         # a time without an offset means the reader's local time, as with journalctl --since
         return moment if moment.tzinfo else moment.astimezone()
-    except (OverflowError, ValueError):  # 0001-01-01, whose local time has no UTC time: every record is newer
-        return datetime.min.replace(tzinfo=UTC)
+    except (OverflowError, ValueError):  # a local time at either end of the range, past UTC's: all or nothing
+        return (datetime.max if moment.year == datetime.max.year else datetime.min).replace(tzinfo=UTC)
 
 
 def parse_statuses(values: Iterable[str] | None) -> frozenset[str] | None:

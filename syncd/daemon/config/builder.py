@@ -42,6 +42,7 @@ from syncd.daemon.config.schema import (
     DEFAULT_WORKERS,
     LOG_KEYS,
     LOG_LEVELS,
+    MAX_LOG_BACKUPS,
     MAX_SECONDS,
     MAX_WORKERS,
     METRICS_SUFFIX,
@@ -102,8 +103,8 @@ class ConfigBuilder:
         )
         hash_name = top.choice("hash", DEFAULT_HASH_NAME, HASH_CHOICES)
         state_dir = top.path("state_dir", DEFAULT_STATE_DIR)
-        if state_dir is not None and os.path.lexists(state_dir) and not os.path.isdir(state_dir):
-            self.file.problem(top.node("state_dir"), "state_dir", f"{state_dir} exists and is not a directory")
+        if state_dir is not None and (blocked := _not_a_directory(state_dir)) is not None:
+            self.file.problem(top.node("state_dir"), "state_dir", f"{blocked} exists and is not a directory")
         metrics = self._metrics(top)
         log = self._log(top)
         cluster = self._cluster(top)
@@ -154,10 +155,12 @@ class ConfigBuilder:
         assert path is not None
         if os.path.isdir(path):
             self.file.problem(section.node("path"), "log.path", f"{path} is a directory, not a file to log to")
+        elif (blocked := _not_a_directory(path.parent)) is not None:
+            self.file.problem(section.node("path"), "log.path", f"{blocked} exists and is not a directory")
         return LogSettings(
             path=path,
             max_bytes=section.integer("max_bytes", DEFAULT_LOG_MAX_BYTES, minimum=0),
-            backups=section.integer("backups", DEFAULT_LOG_BACKUPS, minimum=0),
+            backups=section.integer("backups", DEFAULT_LOG_BACKUPS, minimum=0, maximum=MAX_LOG_BACKUPS),
             level=section.choice("level", DEFAULT_LOG_LEVEL, LOG_LEVELS),
         )
 
@@ -418,3 +421,12 @@ def _duplicate_patterns(file: YamlFile, node: yaml.Node, key: str) -> None:
         if pattern in seen:
             file.problem(key_node, f"{key}[{pattern!r}]", "duplicate key (the earlier one would be ignored)")
         seen.add(pattern)
+
+
+def _not_a_directory(directory: Path) -> Path | None:
+    """The first of `directory` and the directories above it that exists, when it is not a directory (a
+    state_dir `./afile/sub` under a file `afile`): the daemon could not create or use it."""
+    for candidate in (directory, *directory.parents):
+        if os.path.lexists(candidate):
+            return None if os.path.isdir(candidate) else candidate
+    return None

@@ -29,6 +29,8 @@ MAX_WORKERS = 32
 # Any duration in the config: a week. Longer ones are typing mistakes, and past ~290 years the waits they
 # become fail outright (time_t).
 MAX_SECONDS = 7 * 24 * 3600.0
+# rotating renames every backup, under the sync log's lock: a billion of them held every worker's log line
+MAX_LOG_BACKUPS = 1000
 DEFAULT_SETTLE_SECONDS = 1.0
 DEFAULT_UNLEASED_SETTLE_SECONDS = UNLEASED_SETTLE_SECONDS  # a file whose writer nothing can see (readiness.py)
 DEFAULT_STATE_DIR = "./state"  # relative paths resolve against the config file's directory
