@@ -378,3 +378,13 @@ def test_a_zero_size_shape_is_refused_exactly_where_the_library_refuses_it(tmp_p
     else:
         with pytest.raises(FormatError, match="cannot be held in safetensors"):
             write_st(tmp_path / "w.safetensors", [spec])
+
+
+def test_a_zero_size_dimension_torch_cannot_load_is_never_written(tmp_path: Path) -> None:
+    """[2^64 - 1, 1, 0]: the library reads it, torch does not (a shape is signed 64-bit there), and torch is
+    the client a .safetensors is written for."""
+    spec = TensorSpec("z", "F32", (2**64 - 1, 1, 0), 0, lambda sink: None)
+    with pytest.raises(FormatError, match="2\\^63 or more, which PyTorch cannot load"):
+        write_st(tmp_path / "w.safetensors", [spec])
+    write_st(tmp_path / "ok.safetensors", [TensorSpec("z", "F32", (2**62, 1, 0), 0, lambda sink: None)])
+    assert safetensors.torch.load_file(tmp_path / "ok.safetensors")["z"].shape == (2**62, 1, 0)

@@ -276,6 +276,7 @@ def _checked_entry(name: str, entry: Any, data_start: int, path: str) -> TensorI
     return TensorInfo(name, dtype, tuple(shape), data_start + start, end - start, None, entry["dtype"])
 
 
+TORCH_DIM_LIMIT = 1 << 63  # torch reads a shape as signed 64-bit integers
 _OVERFLOW = "the product of its dimensions passes 2^64 on the way, which the safetensors library refuses"
 
 
@@ -339,6 +340,11 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
         if _overflows(spec.shape):
             raise FormatError(
                 f"its shape {list(spec.shape)} cannot be held in safetensors: {_OVERFLOW}", tensor=spec.name
+            )
+        if any(dim >= TORCH_DIM_LIMIT for dim in spec.shape):  # (only a zero-size tensor gets this far)
+            raise FormatError(
+                f"its shape {list(spec.shape)} has a dimension of 2^63 or more, which PyTorch cannot load",
+                tensor=spec.name,
             )
         expected = byte_length(spec.dtype, tuple(spec.shape))
         if expected != spec.nbytes:
