@@ -35,7 +35,7 @@ from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint, read_metadata
 from syncd.formats.fileio import FileStamp
 from syncd.formats.registry import BY_NAME, READ_ONLY, format_for_path
-from syncd.formats.shards import INDEX_SUFFIX, is_set_index, read_index, set_stem
+from syncd.formats.shards import BIN_INDEX_SUFFIX, INDEX_SUFFIX, is_set_index, read_index, set_stem
 
 # the failure recorded for a source whose destination holds a file not proven syncd's (`syncd retry --adopt`)
 DESTINATION_EXISTS = "destination exists"
@@ -311,7 +311,12 @@ def _is_conversion_of(watch: Watch, source: Path, named: object) -> bool:
     if not isinstance(named, str) or not named or "/" in named or named in (".", ".."):
         return False
     original = source.parent / named
-    if carry.file_label(original.name) != named or not os.path.lexists(original) or not is_candidate(watch, original):
+    if carry.file_label(original.name) != named or not os.path.lexists(original):
+        return False
+    if original.name.endswith(BIN_INDEX_SUFFIX):  # a pytorch_model-*.bin set's index: its .bpk, likewise
+        member = original.with_name(set_stem(original) + ".bin")  # (the watch takes the set by its shards' names)
+        return is_candidate(watch, member) and set_destination(watch, original) == source
+    if not is_candidate(watch, original):
         return False
     from_format = format_for_path(original)
     if from_format is None or from_format not in READ_ONLY:
