@@ -35,7 +35,7 @@ from typing import Any
 
 from syncd.errors import FormatError, IncompleteFileError
 from syncd.formats.dtypes import ITEMSIZE
-from syncd.formats.fileio import DECODE_BUDGET, TensorFileReader, pread_exact, preadinto_exact
+from syncd.formats.fileio import DECODE_BUDGET, TensorFileReader, pread_exact, preadinto_exact, text_width
 from syncd.formats.pytorch_facts import NAME, ZIP_MAGIC
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
@@ -46,6 +46,7 @@ MAX_TENSOR_COUNT = 100_000
 # parameter: exp_avg, exp_avg_sq and its step), plus the archive's own records
 MAX_ENTRIES = 4 * MAX_TENSOR_COUNT + 64
 MAX_PICKLE_SIZE = 100_000_000
+_WIDTH_CHECKED_ABOVE = 1 << 16  # a text's width is looked at past this length (most are a few bytes)
 MAX_CENTRAL_DIRECTORY = 64 << 20
 MAX_OPS = 20_000_000  # opcodes interpreted (each costs CPU time: this bounds it to seconds)
 MAX_RANK = 64
@@ -422,7 +423,9 @@ class _Interpreter:
 
     def text(self, n: int) -> str:
         raw = self.take(n)  # first: a length past the end of the pickle is that, not a large string
-        self.budget.charge(56 + n)
+        # CPython keeps a str at its widest character's width: one emoji makes 90 MB of ASCII 360 MB
+        width = text_width(self.raw, self.pos - n, self.pos) if n > _WIDTH_CHECKED_ABOVE else 1
+        self.budget.charge(56 + n * width)
         try:
             return str(raw, "utf-8")
         except UnicodeDecodeError:
