@@ -149,3 +149,31 @@ def test_retry_by_someone_who_cannot_write_the_state_says_what_it_needs(tmp_path
         assert "readonly" not in line
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.root
+def test_status_by_someone_who_may_not_read_it_is_no_stopped_daemon(tmp_path: Path) -> None:
+    """`syncd status` exits 1 when the daemon does not run, which a monitoring check reads as down; a caller
+    who may not read the status file got that 1 too, about a daemon running fine."""
+    assert os.geteuid() == 0, "this test runs `syncd status` as another user: run the suite as root, as CI does"
+    root = Path(tempfile.mkdtemp(prefix="syncd-status-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        config = _config(root)
+        (root / "state").mkdir(mode=0o755)
+        (root / "state" / "status.json").write_text("{}")
+        os.chmod(root / "state" / "status.json", 0o640)  # the service's group reads it; others do not
+        runnable_by_others()
+        proc = subprocess.run(
+            [sys.executable, "-m", "syncd", "status", "-c", str(config)],
+            env=cli_env(),
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert_one_line_error(proc, 2, "status.json", "permission denied", "service's group")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -29,7 +29,7 @@ EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM, as 
 EXIT_CODES = """exit status:
   0    success
   1    bad input, a refused or failed conversion; for `status`: the daemon does not run
-  2    usage or configuration error
+  2    usage or configuration error; for `status`: its status file is not the caller's to read
   3    the destination already exists (convert without --overwrite)
   130  interrupted (Ctrl-C)
   143  terminated (SIGTERM); like Ctrl-C, it leaves no scratch file"""

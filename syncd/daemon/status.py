@@ -27,7 +27,7 @@ from syncd.daemon import metrics
 from syncd.daemon.statuses import FAILURES, LIFECYCLE, SUCCESSES, Status
 from syncd.daemon.synclog import utc_timestamp
 from syncd.engine.progress import ProgressCallback, ProgressState, describe, human_bytes
-from syncd.errors import SyncdError
+from syncd.errors import SyncdError, UsageError
 
 log = logging.getLogger("syncd")
 
@@ -226,8 +226,10 @@ def read_status(state_dir: Path) -> dict[str, Any]:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SyncdError("no status file: the daemon has not run with this configuration", str(path)) from None
-    except PermissionError:
-        raise SyncdError("permission denied (members of the service's group may read it)", str(path)) from None
+    except PermissionError:  # exit 2, not `status`'s 1 ("the daemon does not run"), which a monitor would believe
+        raise UsageError(
+            "permission denied: run it as root or as a member of the service's group, who may read it", str(path)
+        ) from None
     except (OSError, ValueError) as exc:
         raise SyncdError(f"unreadable status file: {exc}", str(path)) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("counts"), dict):
