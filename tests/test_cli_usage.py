@@ -35,6 +35,21 @@ def _config(root: Path) -> Path:
     return config
 
 
+def _as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+    """`syncd ARGS` run as the user nobody (the suite runs as root), from this checkout."""
+    runnable_by_others()
+    return subprocess.run(
+        [sys.executable, "-m", "syncd", *args],
+        env=cli_env(),
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def _failed(root: Path, name: str) -> Path:
     """A source the state database remembers as failed (as a refused conversion leaves it)."""
     source = root / "runs" / name
@@ -134,17 +149,7 @@ def test_retry_by_someone_who_cannot_write_the_state_says_what_it_needs(tmp_path
         source = _failed(root, "bad.safetensors")
         os.chmod(root / "state", 0o755)  # readable, as the service's group reads it; writable by its owner only
         os.chmod(root / "state" / "state.sqlite3", 0o644)
-        runnable_by_others()
-        proc = subprocess.run(
-            [sys.executable, "-m", "syncd", "retry", "-c", str(config), str(source)],
-            env=cli_env(),
-            user=NOBODY,
-            group=NOBODY,
-            extra_groups=[],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _as_nobody("retry", "-c", str(config), str(source))
         line = assert_one_line_error(proc, 1, "state database", "root", "sudo -u root syncd retry -c")
         assert "readonly" not in line
     finally:
@@ -163,17 +168,7 @@ def test_status_by_someone_who_may_not_read_it_is_no_stopped_daemon(tmp_path: Pa
         (root / "state").mkdir(mode=0o755)
         (root / "state" / "status.json").write_text("{}")
         os.chmod(root / "state" / "status.json", 0o640)  # the service's group reads it; others do not
-        runnable_by_others()
-        proc = subprocess.run(
-            [sys.executable, "-m", "syncd", "status", "-c", str(config)],
-            env=cli_env(),
-            user=NOBODY,
-            group=NOBODY,
-            extra_groups=[],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _as_nobody("status", "-c", str(config))
         assert_one_line_error(proc, 2, "status.json", "permission denied", "service's group")
     finally:
         shutil.rmtree(root, ignore_errors=True)
