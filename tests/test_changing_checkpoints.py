@@ -34,15 +34,27 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     return {"fc.weight": torch.randn(64, 32), "fc.bias": torch.randn(64), "norm.weight": torch.randn(64)}
 
 
+def _saved_in(directory: Path, seed: int = 0) -> Path:
+    """`directory` (made with its parents) holding a trainer's model.safetensors: its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "model.safetensors"
+    save_file(_state(seed), source)
+    return source
+
+
+def _syncer(tmp_path: Path) -> tuple[Syncer, Path]:
+    """The daemon's decisions in this process, with their own state and sync log (whose path is returned)."""
+    log = tmp_path / "sync.log.jsonl"
+    return Syncer(StateDB(tmp_path / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH), log
+
+
 def test_a_directory_moved_away_mid_conversion_is_retried_not_refused(tmp_path: Path) -> None:
     """The written file is checked through its open descriptor, so moving its directory does not make it
     'not read back'; the source no longer at its path is a transient condition, and once the directory is back
     the same conversion succeeds."""
     tree = tmp_path / "tree"
     exp = tree / "exp"
-    exp.mkdir(parents=True)
-    source = exp / "model.safetensors"
-    save_file(_state(0), source)
+    source = _saved_in(exp)
     away = tmp_path / "away"
     moved: list[bool] = []
 
@@ -203,10 +215,8 @@ def test_a_file_saved_again_while_it_is_read_is_looked_at_later_not_refused(tmp_
     version, once looked at, is refused if it is bad. The daemon's decisions run in this process; the save
     comes between the daemon's look at the file and the conversion opening it (its progress seam)."""
     runs = tmp_path / "runs"
-    runs.mkdir()
-    source = runs / "model.safetensors"
-    save_file(_state(1), source)
-    syncer = Syncer(StateDB(tmp_path / "state"), SyncLog(tmp_path / "sync.log.jsonl"), 0.0, DEFAULT_HASH)
+    source = _saved_in(runs, seed=1)
+    syncer, _ = _syncer(tmp_path)
     watch = Watch(path=runs, direction="safetensors->bpk")
 
     def saved_again(path: Path) -> None:
@@ -231,11 +241,8 @@ def test_a_checkpoint_rotated_away_while_it_converts_is_no_failure(
     no failure in the state (`syncd status`' recent failures)."""
     tree = tmp_path / "tree"
     checkpoint = tree / "checkpoint-20"
-    checkpoint.mkdir(parents=True)
-    source = checkpoint / "model.safetensors"
-    save_file(_state(0), source)
-    log = tmp_path / "sync.log.jsonl"
-    syncer = Syncer(StateDB(tmp_path / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+    source = _saved_in(checkpoint)
+    syncer, log = _syncer(tmp_path)
 
     def rotate() -> None:
         if checkpoint.exists():
@@ -278,11 +285,8 @@ def test_a_destination_that_appears_while_converting_is_decided_by_on_exists(
     would have been (it was a `conflict`, with advice about --overwrite); with error, a conflict. Never
     replaced."""
     tree = tmp_path / "tree"
-    tree.mkdir()
-    source, dest = tree / "model.safetensors", tree / "model.bpk"
-    save_file(_state(0), source)
-    log = tmp_path / "sync.log.jsonl"
-    syncer = Syncer(StateDB(tmp_path / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+    source, dest = _saved_in(tree), tree / "model.bpk"
+    syncer, log = _syncer(tmp_path)
 
     def theirs_appears_when_written(done: int, total: int) -> None:
         if done == total and not dest.exists():
