@@ -476,6 +476,8 @@ SCALARS = {
     "neg_zero": Scalar("Float", -0.0),
     "inf": Scalar("Float", float("-inf")),
     "nan": Scalar("Float", float("nan")),
+    "neg_nan": Scalar("Float", -float("nan")),
+    "nan_payload": Scalar("Float", struct.unpack(">d", bytes.fromhex("fff4000000000abc"))[0]),  # signalling
     "epoch": Scalar("Int", -3),
     "big": Scalar("UInt", (1 << 64) - 1),
     "done": Scalar("Bool", True),
@@ -787,6 +789,8 @@ _COUNTER = '{"x":{"dtype":"I64","shape":[],"data":"AQAAAAAAAAA="}}'  # x: I64 sc
         ("syncd.dtypes", '{"w":"Bool(U32)"}', "syncd metadata says Bool(U32) but the tensor is F32"),
         ("syncd.dtypes", '{"w":"Complex"}', "unexpected carried dtype"),
         ("syncd.scalars", '{"s":["Decimal","1"]}', "unknown scalar kind"),
+        ("syncd.scalars", '{"s":["Float","nan:3ff0000000000000"]}', "bad NaN scalar"),  # 1.0's bits
+        ("syncd.scalars", '{"s":["Float","nan:7ff8"]}', "bad NaN scalar"),
         ("syncd.dropped", '{"c":{"dtype":"I64","shape":[2],"data":"AQAAAAAAAAA="}}', "does not match its data"),
         ("syncd.data_order", '{"w":1}', "not a list of names"),
     ],

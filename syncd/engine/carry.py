@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ PRECISION = "syncd.precision"
 
 # Burn dtypes whose safetensors form loses what they are (docs/burn-format.md#dtypes): restored from DTYPES.
 LOSSY_IN_SAFETENSORS = frozenset(["Flex32", "Bool", "Bool(U8)", "Bool(U32)"])
+NAN_PREFIX = "nan:"  # then the IEEE 754 binary64 bits, big-endian hex
 MAX_DROPPED_BYTES = 1 << 16  # carried tensors are counters and flags, never weights
 
 
@@ -89,9 +92,11 @@ def encode_scalars(scalars: dict[str, Scalar]) -> str:
 
 
 def _scalar_text(scalar: Scalar) -> str:
-    """Floats as hex: exact, including -0.0, inf and nan payload-free values; bools as true/false."""
+    """Floats as hex: exact, -0.0 and inf included; a NaN by its bits, since `float.hex` gives its sign and
+    payload as plain "nan"; bools as true/false."""
     if scalar.kind == "Float":
-        return float(scalar.value).hex()
+        value = float(scalar.value)
+        return NAN_PREFIX + struct.pack(">d", value).hex() if math.isnan(value) else value.hex()
     return str(scalar.value).lower() if scalar.kind == "Bool" else str(scalar.value)
 
 
@@ -318,7 +323,7 @@ def _text_map(value: Any, key: str) -> dict[str, str] | None:
 def _scalar(value: Any) -> Scalar:
     kind, text = value
     if kind == "Float":
-        return Scalar(kind, float.fromhex(text))
+        return Scalar(kind, _float_from_text(text))
     if kind == "Bool":
         if text not in ("true", "false"):
             raise ValueError(f"bad Bool scalar {text!r}")
@@ -326,6 +331,16 @@ def _scalar(value: Any) -> Scalar:
     if kind in ("Int", "UInt"):
         return Scalar(kind, int(text))
     raise ValueError(f"unknown scalar kind {kind!r}")
+
+
+def _float_from_text(text: str) -> float:
+    if not text.startswith(NAN_PREFIX):
+        return float.fromhex(text)  # "nan" too, as syncd wrote a NaN before it kept the bits
+    bits = bytes.fromhex(text[len(NAN_PREFIX) :])
+    value = struct.unpack(">d", bits)[0] if len(bits) == 8 else 0.0
+    if not math.isnan(value):
+        raise ValueError(f"bad NaN scalar {text[:40]!r}")
+    return float(value)
 
 
 def _dropped(value: Any) -> tuple[str, tuple[int, ...], bytes]:
