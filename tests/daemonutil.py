@@ -94,10 +94,10 @@ def mentioning(records: list[dict[str, Any]], text: str) -> list[dict[str, Any]]
     return [r for r in records if text in json.dumps(r)]
 
 
-def runnable_by_others() -> None:
+def runnable_by_others(*also: Path) -> None:
     """Let other users reach this checkout and the interpreter (o+x along their paths): a daemon started
-    as another user runs the code from here."""
-    for path in (REPO, Path(sys.executable).resolve().parent, Path(sys.prefix)):
+    as another user runs the code from here. `also`: more directories they must reach."""
+    for path in (REPO, Path(sys.executable).resolve().parent, Path(sys.prefix), *also):
         for directory in [path, *path.parents]:
             mode = os.stat(directory).st_mode
             if not mode & stat.S_IXOTH:

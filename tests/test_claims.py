@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from daemonutil import NOBODY
+from daemonutil import NOBODY, runnable_by_others
 
 from syncd.daemon.claims import (
     CLAIM_SUFFIX,
@@ -289,3 +289,37 @@ def test_cluster_shared_and_poll_interval_are_read(tmp_path: Path, value: str) -
 def test_a_bad_cluster_setting_is_named_with_its_line(tmp_path: Path, cluster: str, expected: str) -> None:
     problems = check_config(config_with(tmp_path, cluster))
     assert len(problems) == 1 and expected in problems[0], problems
+
+
+# takes the lock on the file argv[1] as a user who may read it would: flock needs no write access
+LOCKER = "import fcntl, os, sys; fcntl.flock(os.open(sys.argv[1], os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+
+
+@pytest.mark.root
+def test_no_other_user_can_hold_a_claim_to_keep_its_output_from_being_converted(tmp_path: Path) -> None:
+    runnable_by_others(tmp_path)
+    new, old = tmp_path / "new.bpk", tmp_path / "old.bpk"
+    claim_path(old).write_bytes(b"")
+    os.chmod(claim_path(old), 0o644)  # as syncd made claim files before
+    previous = os.umask(0)
+    try:
+        for dest in (new, old):
+            claim = try_claim(dest)
+            assert claim is not None
+            claim.release()
+    finally:
+        os.umask(previous)
+    for dest in (new, old):
+        assert os.stat(claim_path(dest)).st_mode & 0o777 == 0o600
+        locker = subprocess.run(
+            [sys.executable, "-c", LOCKER, os.fspath(claim_path(dest))],
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+        )
+        assert locker.returncode != 0 and "PermissionError" in locker.stderr
+        claim = try_claim(dest)
+        assert claim is not None
+        claim.release()

@@ -213,19 +213,28 @@ def try_claim(dest: Path) -> Claim | None:
     Raises ClaimError when the filesystem gives no locks, OSError when the claim file cannot be made."""
     path = claim_path(dest)
     while True:
-        fd = os.open(path, _FLAGS, 0o644)
+        fd = os.open(path, _FLAGS, 0o600)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise OSError(errno.EINVAL, "the claim file is not a regular file", os.fspath(path))
             if not _lock(fd, path):
                 os.close(fd)
                 return None
             if _names(path, fd):
+                _keep_private(fd, info)
                 return Claim(path, fd)
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # removed (or replaced) between our open and our lock: take the one there now
+
+
+def _keep_private(fd: int, info: os.stat_result) -> None:
+    """A claim file only its syncd may open: flock needs no write access, so any user who could read it could
+    hold its lock and keep the output from being converted, unseen. (Older syncds made them 0644.)"""
+    if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) & 0o077:
+        os.fchmod(fd, 0o600)
 
 
 def records_of(dest: Path) -> tuple[Published | None, Published | None]:
