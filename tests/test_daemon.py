@@ -469,6 +469,60 @@ def test_on_exists(make_daemon: Callable[..., DaemonRun], on_exists: str) -> Non
     stop_cleanly(run)
 
 
+def said(run: DaemonRun, text: str) -> bool:
+    return any(text in record.get("reason", "") for record in run.records())
+
+
+def test_a_tree_removed_and_made_again_is_watched_again_and_the_others_all_along(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    """`rm -rf runs && mkdir runs`, as a job cleaning its output does: the new directory is no watch's, so every
+    checkpoint saved into it waited for the safety rescan (10 minutes). The daemon says the tree went, watches the
+    new one, converts what is saved into it, and never stops watching its other trees meanwhile."""
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}, {"path": "other"}])
+    runs, other = run.watch_dir("runs"), run.watch_dir("other")
+    run.start()
+    shutil.rmtree(runs)
+    wait_until(lambda: said(run, "the watched tree is gone"), 30, "the tree's removal said")
+    first = Linear(11)
+    write_file(other / "a.safetensors", first.bytes())
+    run.wait_for("converted", [other / "a.safetensors"])
+    runs.mkdir()
+    wait_until(lambda: said(run, "the watched tree is back"), 30, "the new tree watched")
+    for epoch in range(2):  # the second save is seen by the new watch, not by a scan of the new tree
+        model = Linear(12 + epoch)
+        write_file(runs / "a.safetensors", model.bytes())
+        run.wait_for("converted" if epoch == 0 else "updated", [runs / "a.safetensors"])
+        model.check_bpk(runs / "a.bpk")
+    first.check_bpk(other / "a.bpk")
+    stop_cleanly(run)
+
+
+def test_a_tree_made_anew_that_another_daemon_holds_is_watched_once_it_lets_go(
+    make_daemon: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """The new directory may already be another daemon's (two daemons on one tree convert each other's outputs
+    back and forth): it is not watched nor scanned, said once, and taken when the other daemon ends."""
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
+    runs = run.watch_dir("runs")
+    run.start()
+    (tmp_path / "d1").mkdir()
+    other = make_daemon([{"path": str(runs.parent / "runs.new"), "direction": "safetensors->bpk"}])
+    other.start()
+    (runs.parent / "runs.old").mkdir()
+    os.rename(runs, runs.parent / "runs.old" / "runs")
+    os.rename(runs.parent / "runs.new", runs)  # the other daemon's tree (its lock is on the directory)
+    wait_until(lambda: said(run, "another syncd watches this tree"), 30, "the refusal said")
+    stop_cleanly(other, other.root)
+    wait_until(lambda: said(run, "the watched tree is back"), 30, "the tree taken")
+    model = Linear(12)
+    write_file(runs / "a.safetensors", model.bytes())
+    run.wait_for("converted", [runs / "a.safetensors"])
+    model.check_bpk(runs / "a.bpk")
+    assert len(mentioning(run.records(), "cannot be watched")) == 1, run.log_text()
+    stop_cleanly(run)
+
+
 def test_mirror_output(make_daemon: Callable[..., DaemonRun]) -> None:
     run = make_daemon([{"path": "runs", "output": {"mirror": "out"}}])
     runs, out = run.watch_dir("runs"), run.watch_dir("out")

@@ -15,6 +15,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -75,6 +76,8 @@ class Daemon:
         self._rescan_lock = threading.Lock()
         self._next_safety_rescan: float | None = None
         self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
+        self._roots: dict[Path, tuple[int, int] | None] = {}  # each tree's directory as last seen (_check_roots)
+        self._unwatched: set[Path] = set()  # trees not watched now: gone, or taken by another daemon meanwhile
 
     # -- wiring
 
@@ -132,6 +135,8 @@ class Daemon:
         self.syncer.claim_retry_max = self.config.cluster.poll_interval
         self.watcher = Watcher(self.config, self, self.shared)
         self.watcher.start()
+        self._roots = {watch.path: _identity(watch.path) for watch in self.config.watches}
+        self._unwatched = set()
         interval = self.config.rescan_interval
         self._next_safety_rescan = None if interval is None else time.monotonic() + interval
 
@@ -206,6 +211,7 @@ class Daemon:
             if self._retry:
                 self._retry = False
                 self._look_again()
+            self._check_roots()
             self._run_rescans()
             if self._workers_healthy():
                 notify.watchdog()
@@ -228,6 +234,49 @@ class Daemon:
             self._stuck_reported.clear()
         return not stuck
 
+    def _check_roots(self) -> None:
+        """A tree removed and made again (`rm -rf runs && mkdir runs`, a job cleaning its output) is a new
+        directory, which the watch of the removed one never sees: its checkpoints waited for the safety rescan,
+        every one of them. Each tree's directory is looked at every tick; a new one is locked, watched and
+        scanned, the other trees' watches untouched."""
+        for watch in self.config.watches:
+            now = _identity(watch.path)
+            was = self._roots.get(watch.path)
+            if now == was and watch.path not in self._unwatched:
+                continue
+            if now is None:
+                if was is not None:
+                    self._roots[watch.path] = None
+                    self._unwatch(watch, "the watched tree is gone; it is watched again as soon as it is back")
+                continue
+            self._rewatch(watch, now, announce=now != was)
+
+    def _unwatch(self, watch: Watch, reason: str, status: Status = Status.WARNING) -> None:
+        if self.watcher is not None:
+            self.watcher.unwatch(watch)
+        self._unwatched.add(watch.path)
+        self.synclog.log(status, watch=str(watch.path), reason=reason)
+
+    def _rewatch(self, watch: Watch, now: tuple[int, int], announce: bool) -> None:
+        """Watch a tree's new directory; while another daemon holds it (taken meanwhile), try again every tick,
+        said once."""
+        self._roots[watch.path] = now
+        try:
+            if watch.path not in self.shared:
+                self._trees.refresh(watch.path)
+            if self.watcher is not None:
+                self.watcher.rewatch(watch)
+        except (SyncdError, OSError) as exc:
+            if announce or watch.path not in self._unwatched:
+                reason = f"the watched tree was made anew but cannot be watched: {one_line(exc)}"
+                self._unwatch(watch, reason, Status.ERROR)
+            return
+        self._unwatched.discard(watch.path)
+        self.synclog.log(
+            Status.WARNING, watch=str(watch.path), reason="the watched tree is back (made anew); watching it"
+        )
+        self._request_rescan(watch.path)
+
     def _run_rescans(self) -> None:
         if self._next_safety_rescan is not None and time.monotonic() >= self._next_safety_rescan:
             # events can be lost without an overflow (a watch added a moment late, a filesystem that does not
@@ -245,6 +294,8 @@ class Daemon:
             roots, self._rescan = self._rescan, set()
         for root in roots:
             for watch in self.config.watches:
+                if watch.path in self._unwatched:
+                    continue  # gone, or another daemon's now
                 if root == watch.path or (watch.recursive and root.is_relative_to(watch.path)):
                     self._scan(watch, root)
 
@@ -363,6 +414,15 @@ class Wakeup:
         with contextlib.suppress(BlockingIOError):  # drained
             while os.read(self._read, 4096):
                 pass
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The directory at `path` (device, inode), or None where there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
 
 
 def _file_stamp(path: Path) -> FileStamp | None:

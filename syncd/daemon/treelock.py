@@ -25,13 +25,15 @@ class TreeLocks:
 
     def __init__(self) -> None:
         self._held: dict[Path, int] = {}
+        self._roots: list[Path] = []
 
     def hold(self, roots: Iterable[Path]) -> None:
         """Hold exactly `roots`, and the directories above them (what was held before and is not is let go).
         Raises SyncdError naming the first tree another daemon's trees overlap; nothing is held then."""
         self.release()
+        self._roots = list(roots)
         try:
-            for directory, (mode, root) in sorted(_locks_for(roots).items()):
+            for directory, (mode, root) in sorted(_locks_for(self._roots).items()):
                 fd = _lock(directory, mode, root)
                 if fd is not None:
                     self._held[directory] = fd
@@ -39,10 +41,37 @@ class TreeLocks:
             self.release()
             raise
 
+    def refresh(self, tree: Path) -> None:
+        """Hold the directories of `tree` (one of the roots held) that were made anew since they were locked: a
+        lock on a removed directory holds nothing, and another daemon could take the new one. The other trees'
+        locks are kept all along. Raises SyncdError where another daemon took it first."""
+        real = Path(os.path.realpath(tree))
+        for directory, (mode, root) in sorted(_locks_for(self._roots).items()):
+            if directory != real and directory not in real.parents:
+                continue
+            held = self._held.get(directory)
+            if held is not None and _same_directory(held, directory):
+                continue
+            fd = _lock(directory, mode, root)
+            if held is not None:
+                os.close(held)
+                del self._held[directory]
+            if fd is not None:
+                self._held[directory] = fd
+
     def release(self) -> None:
         for fd in self._held.values():
             os.close(fd)  # drops the lock
         self._held.clear()
+        self._roots = []
+
+
+def _same_directory(fd: int, directory: Path) -> bool:
+    try:
+        now, held = os.stat(directory), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _locks_for(roots: Iterable[Path]) -> dict[Path, tuple[int, Path]]:

@@ -188,6 +188,7 @@ class Watcher:
         self.shared = shared  # the paths of the watches other nodes write to as well
         self.observers: list[BaseObserver] = []
         self.polled: list[Watch] = []
+        self._of_watch: dict[Path, list[BaseObserver]] = {}  # each watch's observers, to stop them alone
         self.on_queued: Callable[[FileSystemEvent], None] | None = None
 
     def _queued(self, event: FileSystemEvent) -> None:
@@ -197,6 +198,21 @@ class Watcher:
     def start(self) -> None:
         for watch in self.config.watches:
             self._start_watch(watch)
+
+    def unwatch(self, watch: Watch) -> None:
+        """Stop watching one tree (its directory is gone, or another daemon holds it); the others go on."""
+        observers = self._of_watch.pop(watch.path, [])
+        for observer in observers:
+            observer.stop()
+        for observer in observers:
+            observer.join(timeout=2)
+            self.observers.remove(observer)
+        self.polled = [polled for polled in self.polled if polled.path != watch.path]
+
+    def rewatch(self, watch: Watch) -> None:
+        """Watch one tree anew: its directory was made again, and the old watch saw the one removed."""
+        self.unwatch(watch)
+        self._start_watch(watch)
 
     def _start_watch(self, watch: Watch) -> None:
         interval = self.config.polling_interval_for(watch)
@@ -228,6 +244,7 @@ class Watcher:
         if added < wanted:
             observer.stop()
             self.observers.remove(observer)
+            self._of_watch[watch.path].remove(observer)
             return f"watch limit reached: {added} of {wanted} directories watched (fs.inotify.max_user_watches)"
         return None
 
@@ -242,6 +259,7 @@ class Watcher:
             observer.stop()
             raise
         self.observers.append(observer)
+        self._of_watch.setdefault(watch.path, []).append(observer)
         return observer
 
     def stop(self) -> None:
@@ -250,6 +268,7 @@ class Watcher:
         for observer in self.observers:
             observer.join(timeout=2)
         self.observers.clear()
+        self._of_watch.clear()
 
 
 def walk_files(
