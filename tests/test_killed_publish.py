@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from test_training_loop import checkpoint, conversion_of, write_file
 
+from syncd.daemon import sync as sync_module
 from syncd.daemon.claims import claim_path, try_claim
 from syncd.daemon.config import Watch
 from syncd.daemon.ownership import PLACED_UNRECORDED
@@ -290,3 +291,27 @@ def test_a_file_renamed_over_the_output_right_after_it_was_placed_is_never_taken
     save(source, 3)
     assert node.process(source) is Status.SKIPPED
     assert output.read_bytes() == users
+
+
+def test_a_claim_held_longer_than_any_conversion_is_said_once(
+    tmp_path: Path, runs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever holds an output's claim keeps it from being converted (a process that may open the claim file, a
+    dead node's lock an NFSv3 server keeps): said once it has been held past any conversion's length."""
+    source = runs / "model.safetensors"
+    save(source, seed=1)
+    holder = try_claim(runs / "model.bpk")
+    assert holder is not None
+    with holder:
+        patient = Node(tmp_path / "node-a", runs, shared=True)
+        assert patient.process(source) is None  # held: looked at again later, nothing said
+        monkeypatch.setattr(sync_module, "CLAIM_HELD_WARNING_SECONDS", 0.0)
+        node = Node(tmp_path / "node-b", runs, shared=True)
+        for _ in range(3):
+            assert node.process(source) is None
+        assert patient.lines() == []
+        (line,) = node.lines()
+        record = json.loads(line)
+        assert record["status"] == "warning" and record["source"] == str(source)
+        assert record["reason"].startswith(f"the output's claim {claim_path(runs / 'model.bpk')} has been held")
+    assert node.process(source) is Status.CONVERTED

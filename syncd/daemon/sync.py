@@ -79,6 +79,8 @@ log = logging.getLogger("syncd.sync")
 MAX_BACKOFF_SECONDS = 60.0
 STATE_RETRY_SECONDS = 5.0
 CLAIM_FIRST_RETRY = 0.25  # a claim held by someone else is tried again this soon, then less and less often
+# a claim held this long is said once: no conversion takes that long, so its holder is stuck or no syncd
+CLAIM_HELD_WARNING_SECONDS = 1800.0
 
 
 @dataclass
@@ -134,7 +136,8 @@ class Syncer:
         # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
         self.shared: frozenset[Path] = frozenset()
         self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
-        self._claim_waits: dict[Path, int] = {}  # output -> times its claim was found held in a row
+        # output -> times its claim was found held in a row, since when, whether that was said
+        self._claim_waits: dict[Path, tuple[int, float, bool]] = {}
         self._no_locks_said: set[Path] = set()
         self._collector = CollectorPause()  # off while converting, as `syncd convert` has it (collector.py)
 
@@ -299,7 +302,7 @@ class Syncer:
         except Exception as exc:
             return self._failed_or_later(path, version, exc, job.base, job.started, finished)
         if claim is _HELD:
-            return later(self._claim_wait(dest))
+            return later(self._claim_wait(job))
         if not isinstance(claim, claims.Claim):
             return self._decide_and_convert(job, None)
         with claim:
@@ -371,13 +374,24 @@ class Syncer:
             ) from exc
         return _HELD if claim is None else claim
 
-    def _claim_wait(self, dest: Path) -> float:
+    def _claim_wait(self, job: _Job) -> float:
         """Seconds until a claim held by someone else is tried again: soon at first (a conversion on this
-        node ends any moment), backing off to the cluster's poll interval."""
+        node ends any moment), backing off to the cluster's poll interval. A claim held for longer than any
+        conversion takes is said once: a holder that never lets go (a process of any user who may open the
+        claim file, a dead node's lock an NFSv3 server still keeps) would otherwise keep the output stale, unseen."""
         if len(self._claim_waits) > 10_000:
             self._claim_waits.clear()
-        tries = self._claim_waits.get(dest, 0)
-        self._claim_waits[dest] = tries + 1
+        now = time.monotonic()
+        tries, since, said = self._claim_waits.get(job.dest, (0, now, False))
+        if not said and now - since >= CLAIM_HELD_WARNING_SECONDS:
+            said = True
+            self.synclog.log(
+                Status.WARNING,
+                **job.base,
+                reason=f"the output's claim {claims.claim_path(job.dest)} has been held by another process for "
+                f"{(now - since) / 60:.0f} min; nothing is converted into it until it is let go",
+            )
+        self._claim_waits[job.dest] = (tries + 1, since, said)
         return min(self.claim_retry_max, CLAIM_FIRST_RETRY * 2.0**tries)
 
     def _remove_abandoned_scratch(self, dest: Path) -> None:
