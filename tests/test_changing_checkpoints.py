@@ -298,3 +298,21 @@ def test_a_destination_that_appears_while_converting_is_decided_by_on_exists(
     assert dest.read_bytes() == b"another writer's model.bpk"
     said = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["status"] for r in said] == [status.value]
+
+
+def test_a_set_saved_again_in_fewer_shards_is_waited_for_quietly(tmp_path: Path) -> None:
+    """save_pretrained removes the shards of the set it replaces before writing the new ones and, last, the new
+    index: meanwhile the old index lists shards that went. That is a save under way, not shards still to come."""
+    from hfsets import save_llama, tiny_llama
+
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    index = save_llama(watch.path / "llama", sharded=True)
+    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
+    (index.parent / "model-00003-of-00003.safetensors").unlink()  # save_pretrained's clean-up, before its writes
+    waiting = syncer.process(watch, index, closed=True)
+    assert waiting.status is None and waiting.retry_in is not None
+    assert [json.loads(line)["status"] for line in log.read_text().splitlines()] == ["converted"]
+    tiny_llama(1).save_pretrained(index.parent, max_shard_size="70KB")  # the save done: the new index last
+    assert len(set(json.loads(index.read_text())["weight_map"].values())) == 2
+    assert syncer.process(watch, index, closed=True).status is Status.UPDATED

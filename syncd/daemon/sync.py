@@ -233,11 +233,17 @@ class Syncer:
         info = stats[0]
         if not any(st.st_mtime_ns > info.st_mtime_ns for st in stats[1:]):
             return False
-        row = self.state.get(index)
-        converted = row.version if row is not None and row.status in SUCCESS_STATUSES else None
-        if converted is None or converted.ino != info.st_ino or info.st_mtime_ns > converted.mtime_ns:
+        if not self._converted_as_it_is(index, info):
             return False  # an index written since the last conversion (or never converted): the commit is there
         return min(self.readiness.age(None, index, st) for st in stats) < INCOMPLETE_GRACE_SECONDS
+
+    def _converted_as_it_is(self, index: Path, info: os.stat_result) -> bool:
+        """The index is the one this daemon converted the set with, not written since. (Shards it lists that
+        went are then a save of fewer shards under way -- save_pretrained removes the old ones first and writes
+        the new index last -- not shards still to come.)"""
+        row = self.state.get(index)
+        converted = row.version if row is not None and row.status in SUCCESS_STATUSES else None
+        return converted is not None and converted.ino == info.st_ino and info.st_mtime_ns <= converted.mtime_ns
 
     def _missing_shards(self, watch: Watch, index: Path, stats: list[os.stat_result], missing: list[Path]) -> Outcome:
         """A shard the index lists is not there. While the set keeps changing it is waited for quietly: one
@@ -248,7 +254,7 @@ class Syncer:
         quiet = min(self.readiness.age(None, index, st) for st in stats)
         if quiet < INCOMPLETE_GRACE_SECONDS:
             looks = self._missing.get(index, 0)
-            if looks == 0:
+            if looks == 0 and not self._converted_as_it_is(index, stats[0]):
                 self._warn(watch.path, index, f"waiting for {names}, which the index lists and which is not there yet")
             if len(self._missing) > 10_000:
                 self._missing.clear()
