@@ -705,6 +705,30 @@ def test_a_norm_named_gamma_by_its_name_alone_never_shows_burn_layout() -> None:
     assert [e.target for e in stated.entries if "norm" in e.target] == ["attn.norm.weight", "final_norm.weight"]
 
 
+def test_a_bias_matching_dim_1_never_shows_burn_layout_alone_in_a_pytorch_container() -> None:
+    """transformers' Conv1D (GPT-2's layers) keeps its weight [in, out] with a bias matching dim 1, as Burn's
+    Linear does: a PyTorch .safetensors of Conv1D layers and a bias-free nn.Linear, without `format: pt`, was
+    read as Burn's and the Linear left [out, in], exit 0. Nothing else showing the layout, it is refused."""
+    table = [
+        TensorRef("c_fc.weight", "F32", (8, 16)),
+        TensorRef("c_fc.bias", "F32", (16,)),
+        TensorRef("out_proj.weight", "F32", (8, 8)),
+    ]
+    for container in ("safetensors", "pytorch"):
+        with pytest.raises(LayoutAmbiguityError, match="nothing shows whether the file is in pytorch or burn"):
+            plan_conversion(table, to_layout="burn", context=FileContext(container=container))
+    # in Burn's own format it is Burn's Linear
+    bpk = plan_conversion(table, to_layout="pytorch", context=FileContext(container="burnpack"))
+    assert bpk.source_layout == "burn" and bpk.kinds["c_fc"] == "Linear"
+    # a Linear whose bias shows pytorch layout settles it, and the Conv1D layers are no conflict
+    head = [TensorRef("head.weight", "F32", (5, 8)), TensorRef("head.bias", "F32", (5,))]
+    mixed = plan_conversion([*table, *head], to_layout="burn", context=FileContext(container="safetensors"))
+    assert mixed.source_layout == "pytorch"
+    assert (mixed.kinds["c_fc"], mixed.kinds["head"], mixed.kinds["out_proj"]) == ("LinearInOut", "Linear", "Linear")
+    transposed = {e.source for e in mixed.entries if e.transpose}
+    assert transposed == {"head.weight", "out_proj.weight"}
+
+
 def test_a_burn_saved_bpk_whose_only_evidence_is_its_norms_gamma_converts(tmp_path: Path) -> None:
     """Burn's own Llama saved as .bpk (RmsNorm gamma, bias-free Linears [in, out], no record of syncd's): its
     names are Burn's, as they were before names of a .safetensors stopped deciding alone."""

@@ -309,7 +309,7 @@ def _decide_layout(
         if against:
             raise _contradiction_error(stated, origin, against)
         return stated, f"{stated} ({origin})"
-    conventional = [e for e in evidence if _burn_names_alone(e, kinds, context.container)]
+    conventional = [e for e in evidence if _shown_by_pytorch_too(e, kinds, context.container)]
     evidence = [e for e in evidence if e not in conventional]
     strong = [e for e in evidence if e.strong]
     if len({e.layout for e in strong}) > 1:
@@ -319,9 +319,20 @@ def _decide_layout(
         raise _conflict_error(evidence, evidence, kinds)
     if not decided and conventional:
         shown = ", ".join(_label(e.module) for e in conventional[:_LIST_LIMIT])
+        what = " and ".join(
+            text
+            for text, kept in (
+                (
+                    "a PyTorch module may name its parameters gamma, beta or alpha too",
+                    any(e.strong for e in conventional),
+                ),
+                ("transformers' Conv1D keeps its weight [in, out] too", any(not e.strong for e in conventional)),
+            )
+            if kept
+        )
         return None, (
-            f"{NEUTRAL} (only Burn's parameter names show one, in {shown}: in a {context.container or 'file'} "
-            "that is not Burn's own format, a PyTorch module may name its parameters gamma, beta or alpha too)"
+            f"{NEUTRAL} (only what a PyTorch file shows too points to burn, in {shown}: in a "
+            f"{context.container or 'file'} that is not Burn's own format, {what})"
         )
     if not decided:
         return None, f"{NEUTRAL} (nothing in the file shows a layout)"
@@ -335,22 +346,24 @@ def _decide_layout(
 _METADATA = "(metadata)"
 
 
-def _burn_names_alone(evidence: Evidence, kinds: dict[str, ModuleKind], container: str | None) -> bool:
-    """Burn's parameter names (`gamma`, `beta`, `alpha`) of a module whose kind its tensors or its name
-    suggest, in a file not in Burn's own format: Burn's norm or PRelu, or a PyTorch module of its own that
-    names its parameters so (x-transformers' RMSNorm `gamma`, a LayerNorm with `gamma`/`beta`, a Snake
-    activation's `alpha`). Such evidence agrees with the file's layout or is outranked, but never shows it
-    alone: a PyTorch file read as Burn's keeps every Linear untransposed, exit 0. In a .bpk, written by Burn,
-    the names are Burn's."""
+def _shown_by_pytorch_too(evidence: Evidence, kinds: dict[str, ModuleKind], container: str | None) -> bool:
+    """Evidence of burn layout that a PyTorch file shows as well, in a file not in Burn's own format:
+
+    * Burn's parameter names (`gamma`, `beta`, `alpha`) of a module whose kind its tensors or its name
+      suggest: Burn's norm or PRelu, or a PyTorch module of its own that names its parameters so
+      (x-transformers' RMSNorm `gamma`, a LayerNorm with `gamma`/`beta`, a Snake activation's `alpha`);
+    * a bias matching dim 1 of a weight its shapes alone call a Linear: Burn's Linear, or transformers'
+      Conv1D (GPT-2's layers), which a PyTorch file keeps [in, out] too.
+
+    Such evidence agrees with the file's layout or is outranked, but never shows it alone: a PyTorch file
+    read as Burn's keeps every Linear untransposed, exit 0. In a .bpk, written by Burn, it is Burn's."""
     kind = kinds.get(evidence.module)
-    return (
-        container in FOREIGN_FORMATS
-        and evidence.layout == BURN
-        and evidence.strong
-        and kind is not None
-        and kind.by in (BY_NAME, BY_SHAPE)
-        and kind.kind != BATCH_NORM  # gamma and beta beside running stats: Burn's BatchNorm, no one else's
-    )
+    if container not in FOREIGN_FORMATS or evidence.layout != BURN or kind is None:
+        return False
+    if not evidence.strong:
+        return _deducible(evidence, PYTORCH, kinds)
+    # gamma and beta beside running stats: Burn's BatchNorm, no one else's
+    return kind.by in (BY_NAME, BY_SHAPE) and kind.kind != BATCH_NORM
 
 
 def _deducible(evidence: Evidence, layout: str, kinds: dict[str, ModuleKind]) -> bool:
