@@ -230,3 +230,63 @@ def test_a_directory_removed_while_the_tree_is_walked_is_not_reported(tmp_path: 
     shutil.rmtree(tmp_path)  # the watched tree itself gone: said
     assert list(walk_files(tmp_path, recursive=True, on_limit=lambda path, why: reported.append((path, why)))) == []
     assert reported == [(tmp_path, "not scanned: cannot list the directory (No such file or directory)")]
+
+
+class _Told:
+    """A WatchListener keeping what it is told, and waking the test at each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Path, bool | None]] = []
+        self.changed = threading.Condition()
+
+    def _tell(self, what: str, path: Path, closed: bool | None = None) -> None:
+        with self.changed:
+            self.calls.append((what, path, closed))
+            self.changed.notify_all()
+
+    def wait_for(self, call: tuple[str, Path, bool | None]) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: call in self.calls, 30), self.calls
+
+    def on_file(self, watch: object, path: Path, closed: bool) -> None:
+        self._tell("file", path, closed)
+
+    def on_directory(self, watch: object, directory: Path) -> None:
+        self._tell("directory", directory)
+
+    def on_overflow(self, watch: object) -> None:
+        pass
+
+    def on_fallback(self, watch: object, reason: str) -> None:
+        raise AssertionError(reason)
+
+
+def test_a_polled_file_that_took_a_removed_directorys_inode_is_a_file(tmp_path: Path) -> None:
+    """A poll pairs a removed entry with a new one by inode: a checkpoint saved right after a checkpoint
+    directory was rotated away often takes its inode, and the poll calls that "the directory moved" to the
+    checkpoint's name. It was scanned as a directory ("not scanned: cannot list the directory"), never
+    converted until the safety rescan. Nor does a poll ever see a writer close: no poll event says it is done."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (tmp_path / "syncd.yaml").write_text("poll_interval: 0.1\nwatches:\n  - path: runs\n    poll: true\n")
+    told = _Told()
+    watcher = Watcher(load_config(tmp_path / "syncd.yaml"), told)
+    watcher.start()
+    reused = []
+    try:
+        for step in range(20):  # until ext4 gives the freed inode out again, as it mostly does at once
+            directory, latest = runs / f"checkpoint-{step}", runs / f"latest-{step}.safetensors"
+            (directory / "sub").mkdir(parents=True)
+            told.wait_for(("directory", directory / "sub", None))  # a poll has seen the tree
+            freed = {os.stat(directory).st_ino, os.stat(directory / "sub").st_ino}
+            data = checkpoint(step)
+            shutil.rmtree(directory)
+            latest.write_bytes(data)
+            told.wait_for(("file", latest, False))
+            if os.stat(latest).st_ino in freed:
+                reused.append(latest)
+                break
+    finally:
+        watcher.stop()
+    assert reused, "no file took a removed directory's inode"
+    assert not [call for call in told.calls if call[0] == "directory" and call[1].suffix == ".safetensors"]

@@ -90,11 +90,17 @@ class WatchListener(Protocol):
 
 
 class _Handler(FileSystemEventHandler):
-    """Turns one watch's watchdog events into listener calls, for candidate names only."""
+    """Turns one watch's watchdog events into listener calls, for candidate names only.
 
-    def __init__(self, watch: Watch, listener: WatchListener) -> None:
+    A poll's events are inferred by comparing two listings, pairing entries by inode: a file that took the
+    inode of a directory removed since is "a directory moved" there, and a file renamed over a name "moved"
+    as well as one written there while a removed file's inode came free. So a poll's events say only that a
+    name changed: never that its writer is done, nor what the name now is (which `_dispatch` looks at)."""
+
+    def __init__(self, watch: Watch, listener: WatchListener, polled: bool = False) -> None:
         self.watch = watch
         self.listener = listener
+        self.polled = polled
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         try:
@@ -104,8 +110,11 @@ class _Handler(FileSystemEventHandler):
 
     def _dispatch(self, event: FileSystemEvent) -> None:
         if isinstance(event, DirCreatedEvent | DirMovedEvent):
-            target = event.dest_path if isinstance(event, DirMovedEvent) else event.src_path
-            self.listener.on_directory(self.watch, Path(os.fsdecode(target)))
+            target = Path(os.fsdecode(event.dest_path if isinstance(event, DirMovedEvent) else event.src_path))
+            if _is_directory(target):
+                self.listener.on_directory(self.watch, target)
+            else:  # a file there now (one that took a removed directory's inode, as a poll sees it)
+                self._file(target, closed=False)
         elif isinstance(event, FileMovedEvent):
             self._file(event.dest_path, closed=True)
         elif isinstance(event, FileClosedEvent):
@@ -116,7 +125,14 @@ class _Handler(FileSystemEventHandler):
     def _file(self, raw_path: bytes | str, closed: bool) -> None:
         path = Path(os.fsdecode(raw_path))
         if is_candidate(self.watch, path):
-            self.listener.on_file(self.watch, path, closed)
+            self.listener.on_file(self.watch, path, closed and not self.polled)
+
+
+def _is_directory(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False  # gone again: a file event for it finds nothing
 
 
 def _is_own(event: FileSystemEvent) -> bool:
@@ -251,9 +267,8 @@ class Watcher:
     def _observe(self, watch: Watch, observer: BaseObserver) -> BaseObserver:
         observer.daemon = True
         try:
-            observer.schedule(
-                _Handler(watch, self.listener), os.fspath(watch.path), recursive=watch.recursive, event_filter=EVENTS
-            )
+            handler = _Handler(watch, self.listener, polled=isinstance(observer, PollingObserver))
+            observer.schedule(handler, os.fspath(watch.path), recursive=watch.recursive, event_filter=EVENTS)
             observer.start()
         except BaseException:
             observer.stop()
