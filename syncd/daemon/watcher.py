@@ -114,7 +114,7 @@ class _Handler(FileSystemEventHandler):
             if _is_directory(target):
                 self.listener.on_directory(self.watch, target)
             else:  # a file there now (one that took a removed directory's inode, as a poll sees it)
-                self._file(target, closed=False)
+                self._file(os.fspath(target), closed=False)
         elif isinstance(event, FileMovedEvent):
             self._file(event.dest_path, closed=True)
         elif isinstance(event, FileClosedEvent):
