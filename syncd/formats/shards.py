@@ -16,6 +16,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -516,10 +517,41 @@ class IndexFiles:
     Holds names only, for at most MAX_ENTRIES indexes (the least recently asked go first). Thread-safe."""
 
     MAX_ENTRIES = 256
+    MAX_DIRECTORIES = 4096
+    # a directory changed this recently may change again within its timestamp's granularity (a network
+    # filesystem's can be a second or more) without its stamp showing it: listed again rather than trusted
+    RECENT_NS = 2_000_000_000
 
     def __init__(self) -> None:
         self._files: OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...] | None]] = OrderedDict()
+        self._indexes: OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...]]] = OrderedDict()
         self._lock = threading.Lock()
+
+    def index_names(self, directory: str) -> tuple[str, ...] | None:
+        """The names of the set indexes in `directory`, listed once per version of the directory (its
+        identity, mtime and ctime), or None if it cannot be listed. Every file's event asks which index lists
+        it: listing a directory of N checkpoints for each of them cost N^2 (minutes for a pass over 6,000)."""
+        try:
+            info = os.stat(directory)
+        except OSError:
+            return None
+        version = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+        settled = time.time_ns() - max(info.st_mtime_ns, info.st_ctime_ns) > self.RECENT_NS
+        with self._lock:
+            known = self._indexes.get(directory)
+            if settled and known is not None and known[0] == version:
+                self._indexes.move_to_end(directory)
+                return known[1]
+        try:
+            names = tuple(sorted(n for n in os.listdir(directory) if is_set_index(n)))
+        except OSError:
+            return None
+        with self._lock:
+            self._indexes[directory] = (version, names)
+            self._indexes.move_to_end(directory)
+            while len(self._indexes) > self.MAX_DIRECTORIES:
+                self._indexes.popitem(last=False)
+        return names
 
     def files(self, index_path: str | os.PathLike[str]) -> tuple[str, ...] | None:
         """The names the index lists, or None if it does not read (gone, not an index, refused)."""
@@ -561,10 +593,15 @@ def index_listing(path: str | os.PathLike[str], known: IndexFiles | None = None)
     it is reported when it is converted, and a half-written one lists nothing yet. With `known`, each index
     is parsed once per version."""
     directory, name = os.path.split(os.path.abspath(path))
-    try:
-        candidates = sorted(n for n in os.listdir(directory) if is_set_index(n))
-    except OSError:
-        return None
+    if known is not None:
+        candidates = known.index_names(directory)
+        if candidates is None:
+            return None
+    else:
+        try:
+            candidates = tuple(sorted(n for n in os.listdir(directory) if is_set_index(n)))
+        except OSError:
+            return None
     for candidate in candidates:
         index_path = os.path.join(directory, candidate)
         if known is not None:
