@@ -316,3 +316,21 @@ def test_a_set_saved_again_in_fewer_shards_is_waited_for_quietly(tmp_path: Path)
     tiny_llama(1).save_pretrained(index.parent, max_shard_size="70KB")  # the save done: the new index last
     assert len(set(json.loads(index.read_text())["weight_map"].values())) == 2
     assert syncer.process(watch, index, closed=True).status is Status.UPDATED
+
+
+def test_a_set_that_does_not_read_is_refused_once_not_retried_as_changing(tmp_path: Path) -> None:
+    """A set's version is all its files': compared with the index's own stamp it always looked changed, so a
+    set whose files disagree was "changed while it was being read" and retried forever, never refused."""
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    directory = watch.path / "set"
+    directory.mkdir(parents=True)
+    for number, name in ((1, "a.weight"), (2, "b.weight")):
+        save_file({name: torch.ones(4, 3)}, directory / f"model-0000{number}-of-00002.safetensors")
+    index = directory / "model.safetensors.index.json"
+    shard = "model-00001-of-00002.safetensors"  # b.weight is not there
+    index.write_text(json.dumps({"metadata": {"total_size": 96}, "weight_map": {"a.weight": shard, "b.weight": shard}}))
+    assert syncer.process(watch, index, closed=True).status is Status.REFUSED
+    assert syncer.process(watch, index, closed=True).status is None  # said once
+    (line,) = log.read_text().splitlines()
+    assert json.loads(line)["status"] == "refused" and "b.weight" in json.loads(line)["error"]

@@ -128,10 +128,18 @@ class Readiness:
                 self._warn(watch_root, path, f"modification time {-age:.0f} s in the future; treated as now")
         return time.monotonic() - self._future[key]
 
-    def not_ready_after(self, path: Path, version: FileStamp, exc: BaseException, finished: bool) -> NotYet | None:
+    def not_ready_after(
+        self,
+        path: Path,
+        version: FileStamp,
+        exc: BaseException,
+        finished: bool,
+        changed: Callable[[], bool] | None = None,
+    ) -> NotYet | None:
         """A conversion failed: was the file simply not ready (changed while read, shorter than its header says
         while still growing, unreadable while a writer not known to be done may still be at it)? None: it
-        was ready, the failure is to be reported."""
+        was ready, the failure is to be reported. `changed`: whether the source is no longer `version` (a
+        set's version is all its files'; by default, `path`'s own stamp)."""
         if not os.path.lexists(path):
             # removed while it was converted (a trainer rotating its checkpoints away, directory and all): the
             # failure that came of it (the output's directory gone too) is nobody's to fix, nothing to retry
@@ -144,7 +152,7 @@ class Readiness:
             if wait is not None:
                 return NotYet(wait, f"{path} is not complete yet, looking again in {wait:.2f} s: {exc}")
         content_error = isinstance(exc, FormatError) and exc.kind == "input"
-        if content_error and changed_since(path, version):
+        if content_error and (changed() if changed is not None else changed_since(path, version)):
             # read while it was being saved again (a close seen is the previous save's): the error says
             # nothing about the version there now, which is looked at once it is quiet
             why = f"{path} changed while it was being read, looking again once it is quiet: {one_line(exc)}"

@@ -39,6 +39,7 @@ from syncd.daemon.readiness import (
     INCOMPLETE_MAX_RETRY,
     Readiness,
     anyone_writing,
+    changed_since,
     set_version,
 )
 from syncd.daemon.state import SUCCESS_STATUSES, StateDB
@@ -566,11 +567,22 @@ class Syncer:
     def _failed_or_later(
         self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float, finished: bool
     ) -> Outcome:
-        not_yet = self.readiness.not_ready_after(path, version, exc, finished)
+        not_yet = self.readiness.not_ready_after(
+            path, version, exc, finished, changed=lambda: self._set_changed_since(path, version)
+        )
         if not_yet is not None:
             log.log(not_yet.level, "%s", not_yet.why)
             return later(not_yet.retry_in)
         return self._failed(path, version, exc, base, started)
+
+    def _set_changed_since(self, path: Path, version: FileStamp) -> bool:
+        """`path` is no longer as stamped in `version`: for a set's index, the set (the index and every shard
+        it lists, as `set_version` stamps them: the index's own stamp never equals that)."""
+        if not is_set_index(path):
+            return changed_since(path, version)
+        stats = [_lstat(file) for file in [path, *_members(path, self._index_files)]]
+        present = [st for st in stats if st is not None]
+        return len(present) < len(stats) or set_version(present).changed(version)
 
     def _failed(self, path: Path, version: FileStamp, exc: BaseException, base: dict, started: float) -> Outcome:
         status, transient = classify(exc)
