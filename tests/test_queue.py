@@ -327,6 +327,24 @@ def test_a_worker_busy_with_one_path_too_long_is_reported_stuck(
     assert queue.stuck(0) == []
 
 
+def test_a_worker_making_progress_is_never_stuck_however_long_it_takes(
+    make_queue: Callable[..., WorkQueue], clock: ManualClock
+) -> None:
+    """A checkpoint that takes longer than the limit to convert is no hang: only time without progress counts."""
+    queue, work = busy_with(make_queue, a)
+    for _ in range(5):
+        clock.advance(20)
+        queue.progressed("syncd-worker-0")
+    clock.advance(30)
+    assert queue.stuck(30) == []
+    clock.advance(1)
+    assert queue.stuck(30) == [("syncd-worker-0", 31.0, a)]
+    queue.progressed("syncd-worker-1")  # (another worker's progress, or none's, changes nothing)
+    assert queue.stuck(30) == [("syncd-worker-0", 31.0, a)]
+    work.release(a)
+    finished(queue, 1)
+
+
 # ------------------------------------------------------------------------------------------ stopping
 
 

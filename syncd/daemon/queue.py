@@ -51,7 +51,8 @@ class WorkQueue:
         self._items: dict[tuple[Any, Path], _Item] = {}
         self._heap: list[tuple[float, int, tuple[Any, Path]]] = []
         self._busy: set[tuple[Any, Path]] = set()
-        self._since: dict[str, tuple[float, Path]] = {}  # worker thread name -> (started, path) while busy
+        # worker thread name -> (started, or last made progress; path) while busy
+        self._since: dict[str, tuple[float, Path]] = {}
         self._again: dict[tuple[Any, Path], _Item] = {}
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -153,8 +154,16 @@ class WorkQueue:
                 self._put(item.watch, item.path, item.closed, now + retry)
             self._cond.notify_all()
 
+    def progressed(self, worker: str) -> None:
+        """The work of the worker thread named `worker` moved on (bytes converted, told from any thread): it
+        is not stuck, however long it has had its path."""
+        with self._cond:
+            since = self._since.get(worker)
+            if since is not None:
+                self._since[worker] = (self._clock(), since[1])
+
     def stuck(self, limit: float) -> list[tuple[str, float, Path]]:
-        """Workers busy with one path for more than `limit` seconds: (worker, seconds, path)."""
+        """Workers busy with one path for more than `limit` seconds without progress: (worker, seconds, path)."""
         now = self._clock()
         with self._cond:
             return [(name, now - t, path) for name, (t, path) in self._since.items() if now - t > limit]

@@ -33,6 +33,7 @@ from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
 from syncd.daemon.treelock import TreeLocks
 from syncd.daemon.watcher import Watcher, walk_files
+from syncd.engine.progress import ProgressCallback
 from syncd.engine.publish import (
     SCRATCH_GRACE_SECONDS,
     abandon_open_scratches,
@@ -61,7 +62,7 @@ class Daemon:
         self.state = StateDB(config.state_dir)
         self.syncer = Syncer(self.state, self.synclog, config.settle_seconds, config.hash_name)
         self.syncer.set_settle_times(config.settle_seconds, config.unleased_settle_seconds)
-        self.syncer.progress_for = self.activity.progress_for
+        self.syncer.progress_for = self._progress_for
         self.syncer.config_path = config.path
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
@@ -85,6 +86,20 @@ class Daemon:
         with self.activity.working(path):
             outcome = self.syncer.process(watch, path, closed)
         return outcome.retry_in
+
+    def _progress_for(self, source: Path) -> ProgressCallback | None:
+        """The status line's progress of a conversion, which also tells the queue its worker is not stuck: a
+        checkpoint that takes longer than `stuck_worker_seconds` to convert is no hang (withholding the
+        watchdog pings got the daemon restarted, its conversion begun again, without end)."""
+        shown = self.activity.progress_for(source)
+        worker = threading.current_thread().name  # asked on the worker's thread; told from the pass's threads
+
+        def progress(done: int, total: int) -> None:
+            self.queue.progressed(worker)
+            if shown is not None:
+                shown(done, total)
+
+        return progress
 
     # the watcher's listener (syncd.daemon.watcher.WatchListener), called from observer threads
 
@@ -218,8 +233,8 @@ class Daemon:
             notify.status(self._status())
 
     def _workers_healthy(self) -> bool:
-        """False while a worker has been on one file longer than `stuck_worker_seconds`: the watchdog pings
-        stop, so systemd (WatchdogSec) restarts a daemon whose workers hang. Said once per stuck file."""
+        """False while a worker has been on one file for `stuck_worker_seconds` without progress: the watchdog
+        pings stop, so systemd (WatchdogSec) restarts a daemon whose workers hang. Said once per stuck file."""
         stuck = self.queue.stuck(self.config.stuck_worker_seconds)
         for worker, seconds, path in stuck:
             if (worker, path) not in self._stuck_reported:
@@ -227,7 +242,7 @@ class Daemon:
                 self.synclog.log(
                     Status.ERROR,
                     source=str(path),
-                    reason=f"{worker} busy with this file for {seconds:.0f} s (stuck_worker_seconds: "
+                    reason=f"{worker} on this file for {seconds:.0f} s without progress (stuck_worker_seconds: "
                     f"{self.config.stuck_worker_seconds:g}); watchdog pings withheld",
                 )
         if not stuck:
