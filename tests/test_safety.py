@@ -211,6 +211,33 @@ def _peak_rss_kib(pid: int) -> int:
 
 
 @pytest.mark.root
+def test_directories_the_daemon_may_not_read_made_and_removed_leave_its_tree_watched() -> None:
+    """watchdog took a directory it may not read for watched, under descriptor -1, which every such directory
+    shared: the second one's removal broke its reader thread, a traceback-like warning in the journal, and the
+    whole tree went unwatched, silently (a trainer making its run directories under umask 077)."""
+    runnable_by_others()
+    root = Path(tempfile.mkdtemp(prefix="syncd-nobody-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o777)
+        with DaemonRun(root / "d", [{"path": "runs"}], settle_seconds=0.1) as run:
+            os.chmod(run.root, 0o777)
+            runs = run.watch_dir()
+            os.chmod(runs, 0o777)
+            run.start(user=NOBODY)
+            for step in range(3):
+                (runs / "exp").mkdir(mode=0o700)  # root's, closed to the daemon
+                made = write_checkpoint(runs / f"after-mkdir-{step}.safetensors", seed=step, mode=0o644)
+                run.wait_for("converted", [made])
+                (runs / "exp").rmdir()
+                removed = write_checkpoint(runs / f"after-rmdir-{step}.safetensors", seed=step, mode=0o644)
+                run.wait_for("converted", [removed])
+            stop_cleanly(run)
+            assert "Warning" not in run.stderr(), run.stderr()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.parametrize("poll", [False, True], ids=["inotify", "polled"])
 def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tmp_path: Path, poll: bool) -> None:

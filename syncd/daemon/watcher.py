@@ -19,6 +19,7 @@ events are made, before watchdog's queue.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -37,6 +38,7 @@ from watchdog.events import (
     FileSystemEvent,
     FileSystemEventHandler,
 )
+from watchdog.observers import inotify_c
 from watchdog.observers.api import BaseObserver, EventEmitter
 from watchdog.observers.inotify import InotifyEmitter
 from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, InotifyFD
@@ -177,6 +179,17 @@ class _OverflowReportingInotify(InotifyFD):
         super().handle_event(event)  # first: watches are whole again before we rescan
         if event.is_queue_overflow:
             self._on_overflow()
+
+    def _get_or_create_watch(self, path: bytes, mask: inotify_c.Mask) -> inotify_c.Watch:
+        """watchdog takes a directory it may not read (EACCES) for watched, under descriptor -1, shared by
+        every such directory: the second one's bookkeeping broke the reader thread, and the whole tree went
+        unwatched, silently. Such a directory is refused here: not watched (the scans report it)."""
+        watch = super()._get_or_create_watch(path, mask)
+        if watch.wd == -1:
+            if not watch.callbacks:
+                self._watch_for_wd.pop(watch.wd, None)
+            raise PermissionError(errno.EACCES, "cannot watch the directory", os.fsdecode(path))
+        return watch
 
 
 class _InotifyObserver(BaseObserver):
