@@ -430,6 +430,7 @@ def test_a_second_daemon_on_the_same_tree_with_a_state_of_its_own_is_refused(
         write_file(source, _small_checkpoint())
         other.wait_for("converted", [source])
         stop_cleanly(other)
+        assert "Traceback" not in other.stderr(), other.stderr()  # the refusal is said in one line
     write_file(run.watch_dir() / "model.safetensors", _small_checkpoint())
     run.wait_for("converted", [run.watch_dir() / "model.safetensors"])
     assert [r["status"] for r in run.records()] == ["started", "converted"], run.log_text()

@@ -340,7 +340,8 @@ class Daemon:
         try:
             self._apply(new)
         except Exception as exc:
-            log.exception("reload failed")
+            if not isinstance(exc, SyncdError):  # a bug of ours: its traceback for the journal
+                log.exception("reload failed")
             self.synclog.log(
                 Status.ERROR,
                 config=str(self.config.path),
