@@ -175,6 +175,26 @@ def test_status_without_a_daemon_is_one_line(tmp_path: Path) -> None:
     assert len(proc.stderr.splitlines()) == 1
 
 
+def test_a_running_daemon_that_cannot_write_its_status_is_not_called_stopped(
+    run: DaemonRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full or read-only state directory: the status file goes stale while the daemon runs and retries.
+    `syncd status` said "not running" (exit 1), which invites a restart and hides the failure."""
+    from syncd.daemon import status as status_module
+
+    run.start()
+    wait_until((run.state_dir / STATUS_FILE).exists, 30, "the status file")
+    (run.state_dir / f".{STATUS_FILE}.{run.proc.pid}.tmp").mkdir()  # where each status is written first
+    wait_until(lambda: "cannot write the status file" in run.stderr(), 30, "the warning")
+    monkeypatch.setattr(status_module, "STALE_AFTER", 0.0)  # as if 30 s had passed since
+    doc = status_module.read_status(run.state_dir)
+    assert doc["alive"] is True and "stale_seconds" in doc
+    assert render_status(doc)[0].startswith("syncd: running, but its status is from ")
+    run.stop()
+    assert not status_module.read_status(run.state_dir)["alive"]  # stopped: said so
+    assert run.stderr().count("cannot write the status file") == 1
+
+
 def test_a_long_conversion_is_announced_and_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A real conversion held half-way by the test: the status file, STATUS= and the journal show it."""
     source = tmp_path / "big.safetensors"

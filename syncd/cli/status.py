@@ -14,6 +14,11 @@ from syncd.engine.progress import human_bytes, human_seconds
 
 def render_status(doc: dict[str, Any]) -> list[str]:
     state = "running" if doc["alive"] else f"not running (last status {doc.get('updated')}, {doc.get('state')})"
+    if doc["alive"] and "stale_seconds" in doc:
+        state = (
+            f"running, but its status is from {doc.get('updated')}: it cannot write its status file (a full or "
+            "read-only state directory? the journal says)"
+        )
     lines = [f"syncd: {state}; pid {doc.get('pid')}, started {doc.get('started')}, config {doc.get('config')}"]
     counts = doc["counts"]
     order = ("converted", "updated", "in_sync", "refused", "conflict", "error", "skipped")

@@ -80,6 +80,7 @@ class Activity:
         self._running: dict[int, Running] = {}  # by worker thread
         self._lock = threading.Lock()
         self._metrics_error: str | None = None
+        self._status_error: str | None = None
 
     # -- fed by the workers and the sync log
 
@@ -137,8 +138,12 @@ class Activity:
         self._announce(now)
         try:
             _write_atomically(self.path, json.dumps(doc, indent=1) + "\n")
-        except OSError as exc:  # a status nobody can read is no reason to stop converting
-            log.debug("cannot write %s: %s", self.path, exc)
+        except OSError as exc:  # a status nobody can read is no reason to stop converting; said once per cause
+            if self._status_error != str(exc):
+                self._status_error = str(exc)
+                log.warning("cannot write the status file %s: %s", self.path, exc.strerror or exc)
+        else:
+            self._status_error = None
         self._write_metrics(doc)
         return status_line(doc)
 
@@ -234,16 +239,29 @@ def read_status(state_dir: Path) -> dict[str, Any]:
         raise SyncdError(f"unreadable status file: {exc}", str(path)) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("counts"), dict):
         raise SyncdError("not a syncd status file", str(path))
-    doc["alive"] = doc.get("state") == "running" and _alive(doc)
+    running = doc.get("state") == "running" and _process_alive(doc)
+    updated = doc.get("updated_unix")
+    age = time.time() - updated if isinstance(updated, int | float) else None
+    doc["alive"] = running and (age is not None and age <= STALE_AFTER or _is_syncd(doc))
+    if doc["alive"] and (age is None or age > STALE_AFTER):
+        # the daemon runs but does not rewrite its status (a full or read-only state directory): not "not
+        # running", which invites a restart and hides the failure the journal tells
+        doc["stale_seconds"] = None if age is None else round(age)
     return doc
 
 
-def _alive(doc: dict[str, Any]) -> bool:
-    updated = doc.get("updated_unix")
-    if not isinstance(updated, (int, float)) or time.time() - updated > STALE_AFTER:
-        return False
+def _process_alive(doc: dict[str, Any]) -> bool:
     try:
         os.kill(int(doc.get("pid", 0)), 0)
-    except OSError as exc:
-        return exc.errno == errno.EPERM  # alive, as another user
+    except (OSError, ValueError, OverflowError) as exc:
+        return isinstance(exc, OSError) and exc.errno == errno.EPERM  # alive, as another user
     return True
+
+
+def _is_syncd(doc: dict[str, Any]) -> bool:
+    """The process of the status's pid still is a syncd (not another one that took its pid since)."""
+    try:
+        with open(f"/proc/{int(doc.get('pid', 0))}/cmdline", "rb") as cmdline:
+            return b"syncd" in cmdline.read()
+    except (OSError, ValueError):
+        return False
