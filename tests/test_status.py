@@ -171,7 +171,7 @@ def test_status_without_a_daemon_is_one_line(tmp_path: Path) -> None:
     with DaemonRun(tmp_path / "d") as never_started:
         proc = run_cli("status", "-c", never_started.config_path)
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.strip().endswith("no status file: the daemon has not run with this configuration")
+    assert "no status file: the daemon has not run with this configuration" in proc.stderr
     assert len(proc.stderr.splitlines()) == 1
 
 
@@ -193,6 +193,25 @@ def test_a_running_daemon_that_cannot_write_its_status_is_not_called_stopped(
     run.stop()
     assert not status_module.read_status(run.state_dir)["alive"]  # stopped: said so
     assert run.stderr().count("cannot write the status file") == 1
+
+
+def test_status_and_log_of_a_running_daemon_whose_config_has_a_typo_since(run: DaemonRun) -> None:
+    """They need the state and the log's places only: a typo elsewhere, which the running daemon refused at its
+    reload, made both exit 2 on a healthy daemon (a monitor's check failed, the log was out of reach)."""
+    _populate(run)
+    run.start()
+    wait_until((run.state_dir / STATUS_FILE).exists, 30, "the status file")
+    run.wait_for("converted", [run.watch_dir("runs") / "mnist.bpk"])
+    text = run.config_path.read_text()
+    run.config_path.write_text(text.replace("watches:", "recursve: true\nwatches:", 1))
+    assert run_cli("check-config", "-c", run.config_path).returncode != 0
+    shown = run_cli("status", "-c", run.config_path)
+    assert shown.returncode == 0 and shown.stdout.startswith("syncd: running"), shown.stderr
+    log = run_cli("log", "-c", run.config_path)
+    assert log.returncode == 0 and "converted" in log.stdout, log.stderr
+    run.config_path.write_text(text.replace("state_dir:", "state_dir: [", 1))  # where the state is: unknown
+    assert run_cli("status", "-c", run.config_path).returncode == 2
+    run.stop()
 
 
 def test_a_long_conversion_is_announced_and_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

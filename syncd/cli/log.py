@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from syncd.daemon.config import DEFAULT_CONFIG_PATH, load_config
+from syncd.daemon.config import DEFAULT_CONFIG_PATH, load_locations
 from syncd.daemon.logread import (
     Entry,
     LineParser,
@@ -173,7 +173,10 @@ def show_log(
     path = Path(log_path)
     files = log_files(path)
     if not files and not follow:
-        message = f"{path}: no sync log yet (the daemon writes it when it starts)"
+        message = (
+            f"{path}: no sync log yet (the daemon writes it when it starts; a log.path changed since it started takes "
+            "effect at its restart)"
+        )
         return _error(out if as_json else err, as_json, message, 1)
     parser = LineParser()
     printer = _Printer(out, as_json, log_filter)
@@ -287,7 +290,7 @@ def run_log_command(args: argparse.Namespace, out: TextIO | None = None, err: Te
     log_path = args.file
     if log_path is None:
         try:
-            config = load_config(args.config or DEFAULT_CONFIG_PATH, check_filesystem=False)
+            config = load_locations(args.config or DEFAULT_CONFIG_PATH)
         except SyncdError as exc:
             return _error((out or sys.stdout) if args.json else err, args.json, str(exc), exc.exit_code)
         log_path = config.log.path

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from syncd.daemon.config import load_config
+from syncd.daemon.config import load_locations
 from syncd.daemon.status import read_status
 from syncd.engine.progress import human_bytes, human_seconds
 
@@ -44,7 +44,7 @@ def render_status(doc: dict[str, Any]) -> list[str]:
 def run_status_command(config_path: Path, as_json: bool = False, out: TextIO | None = None) -> int:
     """`syncd status -c FILE`: 0 when the daemon runs, 1 when its last status says it does not."""
     out = out or sys.stdout
-    config = load_config(config_path, check_filesystem=False)
+    config = load_locations(config_path)
     doc = read_status(config.state_dir)
     if as_json:
         out.write(json.dumps(doc) + "\n")

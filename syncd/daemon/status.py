@@ -230,7 +230,11 @@ def read_status(state_dir: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise SyncdError("no status file: the daemon has not run with this configuration", str(path)) from None
+        raise SyncdError(
+            "no status file: the daemon has not run with this configuration (a state_dir changed since the daemon "
+            "started takes effect at its restart)",
+            str(path),
+        ) from None
     except PermissionError:  # exit 2, not `status`'s 1 ("the daemon does not run"), which a monitor would believe
         raise UsageError(
             "permission denied: run it as root or as a member of the service's group, who may read it", str(path)

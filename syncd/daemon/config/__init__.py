@@ -49,6 +49,7 @@ __all__ = [
     "Watch",
     "check_config",
     "load_config",
+    "load_locations",
     "validate",
 ]
 
@@ -70,6 +71,23 @@ def load_config(path: str | os.PathLike[str], *, check_filesystem: bool = True) 
             )
         raise error
     assert config is not None
+    return config
+
+
+def load_locations(path: str | os.PathLike[str]) -> Config:
+    """The config at `path` as `syncd status` and `syncd log` need it: where the state and the sync log are.
+    A problem elsewhere in the file (a typo the running daemon refused at its last reload) does not hide what
+    the daemon is doing; a problem in `state_dir` or `log` does, as does a file that does not read at all."""
+    try:
+        file = YamlFile(Path(path))
+        root = file.load()
+        config = None if root is None else ConfigBuilder(file, check_filesystem=False).build(root)
+    except (RecursionError, ValueError, TypeError, OverflowError, MemoryError):
+        config = None
+    if config is None:
+        return load_config(path, check_filesystem=False)  # says what is wrong
+    if [p for p in file.problems if p.key is None or p.key.startswith(("state_dir", "log"))]:
+        return load_config(path, check_filesystem=False)
     return config
 
 
