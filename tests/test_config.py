@@ -62,6 +62,18 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path, runs: Path) -> 
     assert config.polling_interval_for(watch) is None
 
 
+def test_the_example_config_sets_every_setting_there_is() -> None:
+    """config/syncd.yaml says it documents every setting: each key the schema knows is written in it."""
+    import yaml
+
+    from syncd.daemon.config.schema import CLUSTER_KEYS, LOG_KEYS, TOP_LEVEL_KEYS, WATCH_KEYS
+
+    example = yaml.safe_load((REPO / "config" / "syncd.yaml").read_text())
+    assert set(example) == set(TOP_LEVEL_KEYS)
+    assert set(example["log"]) == set(LOG_KEYS) and set(example["cluster"]) == set(CLUSTER_KEYS)
+    assert set(example["watches"][0]) == set(WATCH_KEYS)
+
+
 def test_full_config_is_read_and_relative_paths_resolve_against_the_config_dir(
     tmp_path: Path, runs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
