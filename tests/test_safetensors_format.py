@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -388,3 +389,35 @@ def test_a_zero_size_dimension_torch_cannot_load_is_never_written(tmp_path: Path
         write_st(tmp_path / "w.safetensors", [spec])
     write_st(tmp_path / "ok.safetensors", [TensorSpec("z", "F32", (2**62, 1, 0), 0, lambda sink: None)])
     assert safetensors.torch.load_file(tmp_path / "ok.safetensors")["z"].shape == (2**62, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        ('{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}', "-0 is not an unsigned integer"),
+        ('{"dtype":"F32","shape":[1],"data_offsets":[-0,4]}', "-0 is not an unsigned integer"),
+        ('{"dtype":"F32","shape":[1' + "0" * 5000 + '],"data_offsets":[0,4]}', "an integer of more than 4300 digits"),
+        ('{"dtype":"F32","shape":[1],"data_offsets":[0,4]}', None),
+    ],
+    ids=["shape", "offset", "digits", "valid"],
+)
+def test_numbers_the_library_refuses_are_refused_in_words_a_person_can_act_on(
+    tmp_path: Path, entry: str, error: str | None
+) -> None:
+    """`-0` is the integer 0 to Python and no unsigned integer to the library; an integer past Python's limit on
+    digits said to call sys.set_int_max_str_digits(). A name holding "-0" is a name."""
+    path = tmp_path / "n.safetensors"
+    header = ('{"layer-0.w":' + entry + "}").encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    try:
+        safetensors.safe_open(str(path), "np").keys()
+        library_reads = True
+    except Exception:
+        library_reads = False
+    assert library_reads == (error is None)
+    if error is None:
+        with open_checkpoint(path) as reader:
+            assert reader.tensor("layer-0.w").shape == (1,)
+    else:
+        with pytest.raises(FormatError, match=re.escape(f"header is not valid JSON: {error}")):
+            open_checkpoint(path)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -142,18 +143,41 @@ def parse_header_json(raw: bytes, path: str) -> dict[str, Any]:
     if not text.startswith("{"):
         raise FormatError("header is not a JSON object", path)
     try:
-        document = json.loads(text, object_pairs_hook=unique_pairs)
+        document = loads_json(text)
     except RecursionError:
         raise FormatError("header JSON is nested too deeply", path) from None
     except MemoryError:  # e.g. 100 MB of "[]," builds millions of lists: refuse it as burnpack's decode does
         raise FormatError(f"header JSON ({len(raw)} bytes) is too large to decode in memory", path) from None
     except ValueError as exc:
-        raise FormatError(f"header is not valid JSON: {str(exc).splitlines()[0]}", path) from None
+        raise FormatError(f"header is not valid JSON: {json_error_text(exc)}", path) from None
     if not isinstance(document, dict):
         raise FormatError("header is not a JSON object", path)
     if "\\u" in text and _lone_surrogate(document):  # only an escape can make one; the library refuses them too
         raise FormatError("header holds a \\u escape of a lone surrogate, which is not Unicode text", path)
     return document
+
+
+def loads_json(text: str) -> Any:
+    """JSON as the safetensors library reads a header: duplicate keys refused (unique_pairs), and `-0`, which
+    Python reads as the integer 0, refused as serde refuses it for an unsigned integer. (Looked for only where
+    the text holds "-0" at all: a hook per number costs a tenth of the decode.)"""
+    if "-0" not in text:
+        return json.loads(text, object_pairs_hook=unique_pairs)
+    return json.loads(text, object_pairs_hook=unique_pairs, parse_int=_no_negative_zero)
+
+
+def _no_negative_zero(digits: str) -> int:
+    if digits.startswith("-") and digits.lstrip("-0") == "":
+        raise ValueError(f"{digits} is not an unsigned integer")
+    return int(digits)
+
+
+def json_error_text(exc: ValueError) -> str:
+    """What a JSON decode error says, for a person: Python's limit on integer digits names a function to call."""
+    text = str(exc).splitlines()[0]
+    if "integer string conversion" in text:
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return text
 
 
 def _lone_surrogate(document: Any) -> bool:

@@ -33,7 +33,7 @@ from syncd.formats.fileio import (
     source_changed,
 )
 from syncd.formats.registry import read_pytorch
-from syncd.formats.safetensors import SafetensorsReader, decoded_cost, unique_pairs
+from syncd.formats.safetensors import SafetensorsReader, decoded_cost, json_error_text, loads_json
 from syncd.formats.table import CheckpointHeader, TensorInfo
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -116,13 +116,13 @@ def parse_index(raw: bytes, path: str) -> ShardIndex:
     """Parse and check an index's JSON (not the shards: `ShardedReader` opens those)."""
     refuse_costly_decode(raw, decoded_cost, "index", path)
     try:
-        document = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+        document = loads_json(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise FormatError("index is not valid UTF-8", path) from None
     except RecursionError:
         raise FormatError("index JSON is nested too deeply", path) from None
     except ValueError as exc:
-        raise FormatError(f"index is not valid JSON: {str(exc).splitlines()[0]}", path) from None
+        raise FormatError(f"index is not valid JSON: {json_error_text(exc)}", path) from None
     if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
         raise FormatError("index has no `weight_map` object", path)
     weight_map = document.pop("weight_map")
