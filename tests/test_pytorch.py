@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tarfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -657,12 +658,24 @@ def test_a_watch_converts_pytorch_checkpoints_only_when_asked(make_daemon: Calla
     assert not (torch_dir / "optimizer.bpk").exists()
 
 
+def _tar() -> bytes:
+    """A tar archive of the members torch.save's oldest format holds."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as archive:
+        for name in ("sys_info", "pickle", "storages", "tensors"):
+            member = tarfile.TarInfo(name)
+            member.size = 5
+            archive.addfile(member, io.BytesIO(b"\x80\x02}q."))
+    return out.getvalue()
+
+
 @pytest.mark.parametrize(
     "content, said",
     [
         (b"", "0 bytes: too short for a torch.save zip"),
         (b"PK\x03", "3 bytes: too short for a torch.save zip"),
         (b"# notes\nnot weights\n", "not a torch.save checkpoint, which is a zip (looks like text)"),
+        (_tar(), "not a torch.save checkpoint, which is a zip (looks like a tar archive"),
     ],
 )
 def test_a_pytorch_name_that_holds_no_checkpoint_is_named_for_what_it_is(

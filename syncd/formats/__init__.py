@@ -55,6 +55,8 @@ def looks_like(head: bytes, size: int) -> str | None:
     for signature, what in _SIGNATURES:
         if head.startswith(signature):
             return what
+    if head[257:262] == b"ustar":  # POSIX tar's magic sits in its first block's header, not at its start
+        return "a tar archive, e.g. a file of torch.save's oldest format"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a Python pickle, e.g. a torch.save .pt/.bin file"
     text = head.lstrip(b" \t\r\n").removeprefix(b"\xef\xbb\xbf")
