@@ -214,6 +214,12 @@ def test_syncd_modules_prints_the_exact_map_and_a_daemon_without_transformers_pl
     written = run_cli("modules", directory / "config.json", "-o", tmp_path / "map.yaml")
     assert written.returncode == 0 and written.stdout.startswith(f"wrote {tmp_path / 'map.yaml'}: ")
     assert yaml.safe_load((tmp_path / "map.yaml").read_text()) == data
+    (tmp_path / "map.yaml").write_text("modules:\n  embed_out: Linear  # checked by hand\n")
+    again = run_cli("modules", directory, "-o", tmp_path / "map.yaml")  # a map of one's own is kept
+    assert_one_line_error(again, 3, str(tmp_path / "map.yaml"), "file already exists; pass --overwrite")
+    assert "checked by hand" in (tmp_path / "map.yaml").read_text()
+    assert run_cli("modules", directory, "-o", tmp_path / "map.yaml", "--overwrite").returncode == 0
+    assert yaml.safe_load((tmp_path / "map.yaml").read_text()) == data
     source = directory / "model.safetensors"
     mapped = run_cli(
         "convert", source, "-o", tmp_path / "mapped.bpk", "--modules", tmp_path / "map.yaml", hide=("transformers",)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from syncd.adapters.model import CONV_KINDS, EMBEDDING, LINEAR, LINEAR_IN_OUT, OTHER, ModelDefinition
-from syncd.errors import SyncdError
+from syncd.errors import AlreadyExistsError, SyncdError
 
 WEIGHTED_KINDS = frozenset({LINEAR, LINEAR_IN_OUT, EMBEDDING, *CONV_KINDS})
 
@@ -20,6 +20,7 @@ WEIGHTED_KINDS = frozenset({LINEAR, LINEAR_IN_OUT, EMBEDDING, *CONV_KINDS})
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=Path, metavar="DIR|CONFIG.json", help="a save_pretrained directory or its config")
     parser.add_argument("-o", "--output", type=Path, help="write the map to this file (default: print it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the -o file if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
         print(text, end="")
         return 0
     try:
-        _write(args.output, text)
+        _write(args.output, text, args.overwrite)
+    except FileExistsError:  # a map of one's own, edited by hand, perhaps: as `convert` keeps its destination
+        raise AlreadyExistsError("file already exists; pass --overwrite to replace it", str(args.output)) from None
     except OSError as exc:
         raise SyncdError(f"cannot write the module map: {exc.strerror or exc}", str(args.output)) from None
     print(f"wrote {args.output}: {len(kinds)} modules ({definition.source})")
@@ -71,11 +74,15 @@ def module_map_yaml(source: str, kinds: list[tuple[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, text: str) -> None:
-    """Whole or not at all: written beside the destination, then renamed over it."""
+def _write(path: Path, text: str, overwrite: bool) -> None:
+    """Whole or not at all: written beside the destination, then renamed over it (`overwrite`) or linked
+    where nothing is (FileExistsError otherwise, even for a file that appeared meanwhile)."""
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         scratch.write_text(text, encoding="utf-8")
-        os.replace(scratch, path)
+        if overwrite:
+            os.replace(scratch, path)
+        else:
+            os.link(scratch, path)
     finally:
         scratch.unlink(missing_ok=True)
