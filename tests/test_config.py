@@ -381,6 +381,14 @@ def test_problems_in_a_modules_file_name_that_file(tmp_path: Path, runs: Path) -
     assert check_config(missing) == [
         f"{missing}:3: watches[0].modules: module map file {tmp_path.resolve()}/nope.yaml does not exist"
     ]
+    (tmp_path / "maps").mkdir()
+    directory = write_config(tmp_path, "watches:\n  - path: runs\n    modules: maps\n", name="dir.yaml")
+    assert check_config(directory) == [
+        f"{directory}:3: watches[0].modules: module map file {tmp_path.resolve()}/maps is a directory"
+    ]
+    write_config(tmp_path, "# nothing mapped yet\n", name="empty.yaml")  # as `convert --modules` reads it
+    empty = write_config(tmp_path, "watches:\n  - path: runs\n    modules: empty.yaml\n", name="uses-empty.yaml")
+    assert check_config(empty) == []
     modules.chmod(0o666)
     assert f"{modules.resolve()}: refusing a config writable by others (mode 0666)" in error_of(path)
 

@@ -383,12 +383,21 @@ def _load_modules_file(
     """A module-map file, read exactly as `syncd convert --modules FILE` reads it (`layout:` included).
     Problems name that file and its lines."""
     if not path.is_file():
-        parent.problem(node, key, f"module map file {path} does not exist")
+        what = (
+            "is a directory"
+            if path.is_dir()
+            else "is not a regular file"
+            if os.path.lexists(path)
+            else "does not exist"
+        )
+        parent.problem(node, key, f"module map file {path} {what}")
         return None
     file = YamlFile(path)
     module_map = None
-    root = file.load()
-    if root is not None:
+    root = file.load(empty_ok=True)
+    if root is None and not file.problems:  # an empty file maps nothing, as `convert --modules` reads it
+        module_map, _ = parse_module_map({}, source=str(path))
+    elif root is not None:
         if check_filesystem:
             check_file_mode(file)
         module_map, problems = parse_module_map(file.value(root), source=str(path))

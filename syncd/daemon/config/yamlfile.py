@@ -99,8 +99,9 @@ class YamlFile:
         line = node.start_mark.line + 1 if node is not None else None
         self.problems.append(Problem(self.name, line, key, message))
 
-    def load(self) -> yaml.MappingNode | None:
-        """The top-level mapping node, or None (with a problem recorded) when there is none."""
+    def load(self, empty_ok: bool = False) -> yaml.MappingNode | None:
+        """The top-level mapping node, or None (with a problem recorded, unless the file is empty and
+        `empty_ok`) when there is none."""
         try:
             text = self.path.read_text(encoding="utf-8")
         except OSError as exc:
@@ -121,7 +122,8 @@ class YamlFile:
             self.problem(None, None, f"invalid YAML: {exc}")
             return None
         if root is None:
-            self.problem(None, None, "the file is empty; it needs at least `watches:`")
+            if not empty_ok:
+                self.problem(None, None, "the file is empty; it needs at least `watches:`")
             return None
         if not isinstance(root, yaml.MappingNode):
             self.problem(root, None, "expected a mapping of settings at the top level")
