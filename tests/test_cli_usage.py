@@ -172,3 +172,31 @@ def test_status_by_someone_who_may_not_read_it_is_no_stopped_daemon(tmp_path: Pa
         assert_one_line_error(proc, 2, "status.json", "permission denied", "service's group")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("setting", ["state_dir", "log.path"])
+def test_a_daemon_that_cannot_make_its_state_or_log_names_the_setting(setting: str) -> None:
+    """`syncd@alice` left with service.yaml's state_dir: /var/lib/syncd said only `.../lock: Permission denied`,
+    naming neither the setting nor the configuration."""
+    assert os.geteuid() == 0, "this test runs `syncd run` as another user: run the suite as root, as CI does"
+    root = Path(tempfile.mkdtemp(prefix="syncd-run-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)  # root's: nobody may make nothing in it
+        (root / "runs").mkdir()
+        (root / "mine").mkdir()
+        os.chown(root / "mine", NOBODY, NOBODY)
+        closed, usable = str(root / "closed" / "sub"), str(root / "mine" / "x")
+        state, log = (closed, usable) if setting == "state_dir" else (usable, closed)
+        config = root / "syncd.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {"state_dir": state, "log": {"path": f"{log}/sync.log.jsonl"}, "watches": [{"path": "runs"}]}
+            )
+        )
+        config.chmod(0o644)
+        proc = _as_nobody("run", "-c", str(config))
+        named = state if setting == "state_dir" else f"{log}/sync.log.jsonl"
+        assert_one_line_error(proc, 1, str(config), f"{setting}: cannot use {named}: Permission denied")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -432,6 +432,21 @@ class Wakeup:
                 pass
 
 
+def _unusable_setting(config: Config, exc: OSError) -> SyncdError:
+    """A directory the configuration names that the daemon cannot use, said with the setting that names it
+    (`syncd@alice` left with service.yaml's state_dir: /var/lib/syncd said only `.../lock: Permission denied`)."""
+    where = Path(os.fsdecode(exc.filename)) if exc.filename else config.state_dir
+    log_dir = config.log.path.parent  # (made with its parents: the directory failing may be one above it)
+    in_log = where.is_relative_to(log_dir) or log_dir.is_relative_to(where)
+    in_log = in_log and not where.is_relative_to(config.state_dir)
+    key, value = ("log.path", config.log.path) if in_log else ("state_dir", config.state_dir)
+    return SyncdError(
+        f"{key}: cannot use {value}: {exc.strerror or exc} (the user syncd runs as must be able to create and "
+        "write it)",
+        str(config.path),
+    )
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
     """The directory at `path` (device, inode), or None where there is none."""
     try:
@@ -466,8 +481,11 @@ def shared_watches(config: Config) -> dict[Path, str]:
 def run_daemon(config_path: Path) -> int:
     config = load_config(config_path)
     configure_logging(config.log.level)
-    lock_state_dir(config.state_dir)  # its descriptor stays open until the process ends; a second daemon stops here
-    daemon = Daemon(config)
+    try:
+        lock_state_dir(config.state_dir)  # its descriptor stays open until the process ends; a second daemon stops here
+        daemon = Daemon(config)
+    except OSError as exc:
+        raise _unusable_setting(config, exc) from None
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     signal.signal(signal.SIGHUP, daemon.request_reload)
