@@ -162,7 +162,12 @@ def test_bad_enum_names_file_line_key_and_choices(tmp_path: Path, runs: Path) ->
             "rescan_interval: expected a number > 0 and <= 604800 or null, got 1000000000000",
         ),
         ("stuck_worker_seconds: 604801", "stuck_worker_seconds: expected a number > 0 and <= 604800, got 604801"),
-        ("state_dir: 5", "state_dir: expected a path (a non-empty string), got 5"),
+        ("state_dir: 5", "state_dir: expected a path (a non-empty string, no NUL byte, under 4096 bytes), got 5"),
+        (
+            'state_dir: "st\\0ate"',
+            "state_dir: expected a path (a non-empty string, no NUL byte, under 4096 bytes), got 'st\\x00ate'",
+        ),
+        ("settle_seconds: 2024-01-01", "settle_seconds: expected a number >= 0 and <= 604800, got the date 2024-01-01"),
         ("log: {level: loud}", "log.level: expected one of debug, info, warning, error, got 'loud'"),
         ("log: {max_bytes: -5}", "log.max_bytes: expected an integer >= 0, got -5"),
         ("log: {backups: 1000000000000}", "log.backups: expected an integer >= 0 and <= 1000, got 1000000000000"),
@@ -195,6 +200,10 @@ def test_global_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, 
          "(did you mean 'Linear'?)"),
         ("modules: {a..b: Linear}", "watches[0].modules['a..b']: empty path segment in pattern"),
         ("modules: [Linear]", "watches[0].modules: expected a mapping of pattern -> kind or a file path, got a list"),
+        ("shard_size: 1.5", "watches[0].shard_size: shard size '1.5' is not a whole number of bytes (a unit: "
+         "500MB, 5GB, 2GiB)"),
+        ("output: {mirror: " + "a/" * 2100 + "}", "watches[0].output.mirror: expected a path (a non-empty string, "
+         "no NUL byte, under 4096 bytes), got '" + "a/" * 2100 + "'"),
     ],
 )  # fmt: skip
 def test_watch_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, entry: str, expected: str) -> None:

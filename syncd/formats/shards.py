@@ -284,6 +284,8 @@ def parse_shard_size(text: str) -> int:
     unit = match.group(2).upper() if match else ""
     if match is None or (unit and unit not in _SIZE_UNITS):
         raise ValueError(f"shard size {text!r} is not a size such as 500MB, 5GB or 2GiB")
+    if not unit and "." in match.group(1):
+        raise ValueError(f"shard size {text!r} is not a whole number of bytes (a unit: 500MB, 5GB, 2GiB)")
     size = int(float(match.group(1)) * _SIZE_UNITS.get(unit, 1))
     if size <= 0:
         raise ValueError(f"shard size {text!r} must be more than 0 bytes")

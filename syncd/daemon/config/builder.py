@@ -369,7 +369,7 @@ def _shard_size(file: YamlFile, section: Section) -> int | None:
     value = section.raw("shard_size")
     if value is MISSING or value is None:
         return None
-    text = str(value) if isinstance(value, str | int) and not isinstance(value, bool) else ""
+    text = str(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else describe(value)
     try:
         return parse_shard_size(text)
     except ValueError as exc:

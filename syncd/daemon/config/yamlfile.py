@@ -6,6 +6,7 @@ mapping's values with a type and a default (a bad value records a problem and yi
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import math
 import os
@@ -60,6 +61,8 @@ def describe(value: Any) -> str:
         return "a list" if value else "an empty list"
     if isinstance(value, dict):
         return "a mapping" if value else "an empty mapping"
+    if isinstance(value, datetime.date):  # YAML reads 2024-01-01 as a date; say it as written
+        return f"the date {value.isoformat()}"
     return repr(value)
 
 
@@ -256,5 +259,11 @@ class Section:
         return tuple(self._get(name, list(default), accept, "a list of non-empty strings"))
 
     def path(self, name: str, default: str | None) -> Path | None:
-        value = self._get(name, default, lambda v: isinstance(v, str) and v != "", "a path (a non-empty string)")
+        value = self._get(name, default, _is_path_text, "a path (a non-empty string, no NUL byte, under 4096 bytes)")
         return None if value is None else resolve(self.file.dir, value)
+
+
+def _is_path_text(value: object) -> bool:
+    """A path the system can take (PATH_MAX is 4096 bytes with its NUL): other values made every use of it
+    raise, and the error named no key."""
+    return isinstance(value, str) and value != "" and "\0" not in value and len(os.fsencode(value)) < 4096
