@@ -11,6 +11,7 @@ Burn's store vocabulary per watch: `remap:` ordered [pattern, replacement] rules
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ from syncd.daemon.config.yamlfile import MISSING, Section, YamlFile, describe, r
 from syncd.engine.directions import DIRECTIONS
 from syncd.engine.hashing import HASH_CHOICES
 from syncd.formats.pytorch_facts import DAEMON_PATTERNS as PYTORCH_PATTERNS
-from syncd.formats.registry import PYTORCH_FORMAT
+from syncd.formats.registry import BY_EXTENSION, PYTORCH_FORMAT
 from syncd.formats.shards import parse_shard_size
 
 
@@ -214,10 +215,18 @@ class ConfigBuilder:
         if output_node is not None:
             self.mirror_lines[index] = output_node.start_mark.line + 1
         direction = section.choice("direction", DEFAULT_DIRECTION, tuple(DIRECTIONS))
+        include = section.string_list("include", _default_include(direction))
+        if include is not None and not any(_could_take(pattern, direction) for pattern in include):
+            sources = ", ".join(f"*{ext}" for ext in _source_extensions(direction))
+            self.file.problem(
+                section.node("include"),
+                section.key("include"),
+                f"matches no file direction {direction} converts ({sources}): the watch would convert nothing",
+            )
         return Watch(
             path=path,
             recursive=section.boolean("recursive", True),
-            include=section.string_list("include", _default_include(direction)),
+            include=include,
             exclude=section.string_list("exclude", ()),
             ignore=_ignore_list(section, ignore),
             direction=direction,
@@ -282,6 +291,17 @@ def _ignore_list(section: Section, default: tuple[str, ...]) -> tuple[str, ...]:
     if section.raw("ignore") is None:
         return ()
     return section.string_list("ignore", default)
+
+
+def _source_extensions(direction: str) -> list[str]:
+    return sorted(ext for ext, fmt in BY_EXTENSION.items() if fmt.name in DIRECTIONS[direction])
+
+
+def _could_take(pattern: str, direction: str) -> bool:
+    """Whether an `include` glob can match a name of a format the direction converts: the literal text after
+    its last wildcard must fit the end of such a name (`*.safetensors` never matches a .bpk; `model*` may)."""
+    tail = re.split(r"[*?\]]", pattern)[-1]
+    return any(tail.endswith(ext) or ext.endswith(tail) for ext in _source_extensions(direction))
 
 
 def _default_include(direction: str) -> tuple[str, ...]:
