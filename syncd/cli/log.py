@@ -279,7 +279,10 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"only these statuses (repeatable): {', '.join(STATUSES)}",
     )
     status.completions = STATUSES  # type: ignore[attr-defined]  # what `syncd completion` offers (not choices: a,b is valid)
-    parser.add_argument("--since", help="only records newer than 30s, 15m, 1h, 2d or an ISO time")
+    parser.add_argument(
+        "--since",
+        help="only records newer than 30s, 15m, 1h, 2d or an ISO time (UTC, as shown, unless it has an offset)",
+    )
     parser.add_argument("--path", dest="path_glob", metavar="GLOB", help="only records whose source or dest match")
     parser.add_argument("--json", action="store_true", help="print the raw JSON lines")
     parser.add_argument("-f", "--follow", action="store_true", help="keep printing new records, like tail -f")

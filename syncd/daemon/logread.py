@@ -30,7 +30,7 @@ MAX_BACKUPS_SCANNED = 1000  # how far `path.N` is looked for; the daemon's defau
 
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:
-    """`30s`, `15m`, `1h`, `2d`, `1w` ago, or an ISO 8601 time (local time when it has no offset)."""
+    """`30s`, `15m`, `1h`, `2d`, `1w` ago, or an ISO 8601 time (UTC when it has no offset)."""
     match = _RELATIVE_SINCE.match(text)
     if match:
         now = now or datetime.now(UTC)
@@ -43,11 +43,9 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
         moment = datetime.fromisoformat(iso[:-1] + "+00:00" if iso.endswith("Z") else iso)
     except ValueError:
         raise UsageError(f"--since: expected a duration like 30s, 15m, 1h, 2d or an ISO time, got {text!r}") from None
-    try:
-        # a time without an offset means the reader's local time, as with journalctl --since
-        return moment if moment.tzinfo else moment.astimezone()
-    except (OverflowError, ValueError):  # a local time at either end of the range, past UTC's: all or nothing
-        return (datetime.max if moment.year == datetime.max.year else datetime.min).replace(tzinfo=UTC)
+    # a time without an offset is UTC, as the log shows its times: one copied from `syncd log` means that
+    # moment wherever it is read (journalctl reads local time, and shows it)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def parse_statuses(values: Iterable[str] | None) -> frozenset[str] | None:
