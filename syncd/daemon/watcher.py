@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from watchdog.events import (
+    DirAttribEvent,
     DirCreatedEvent,
     DirMovedEvent,
     FileAttribEvent,
@@ -40,7 +41,7 @@ from watchdog.events import (
 )
 from watchdog.observers import inotify_c
 from watchdog.observers.api import BaseObserver, EventEmitter
-from watchdog.observers.inotify import InotifyEmitter
+from watchdog.observers.inotify import InotifyEmitter, InotifyWatchGroup
 from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, InotifyFD
 from watchdog.observers.polling import PollingObserver
 
@@ -62,6 +63,7 @@ EVENTS = [
     FileMovedEvent,
     DirCreatedEvent,
     DirMovedEvent,
+    DirAttribEvent,
 ]
 # what the kernel is asked for: EVENTS without IN_MODIFY (no event per write; IN_ATTRIB makes FileAttribEvents);
 # moves both ways, which watchdog pairs; IN_DELETE_SELF, on which watchdog drops the watch of a removed directory
@@ -103,6 +105,7 @@ class _Handler(FileSystemEventHandler):
         self.watch = watch
         self.listener = listener
         self.polled = polled
+        self.emitters: Callable[[], Collection[EventEmitter]] = tuple  # its observer's, once scheduled
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         try:
@@ -111,7 +114,9 @@ class _Handler(FileSystemEventHandler):
             log.exception("ignoring an event that could not be handled: %r", event)
 
     def _dispatch(self, event: FileSystemEvent) -> None:
-        if isinstance(event, DirCreatedEvent | DirMovedEvent):
+        if isinstance(event, DirAttribEvent):
+            self._directory_opened(Path(os.fsdecode(event.src_path)))
+        elif isinstance(event, DirCreatedEvent | DirMovedEvent):
             target = Path(os.fsdecode(event.dest_path if isinstance(event, DirMovedEvent) else event.src_path))
             if _is_directory(target):
                 self.listener.on_directory(self.watch, target)
@@ -128,6 +133,29 @@ class _Handler(FileSystemEventHandler):
         path = Path(os.fsdecode(raw_path))
         if is_candidate(self.watch, path):
             self.listener.on_file(self.watch, path, closed and not self.polled)
+
+    def _directory_opened(self, directory: Path) -> None:
+        """A directory's mode or owner changed: one the daemon could not read when it appeared (a trainer's
+        umask 077) and may now is watched from now on, and scanned; it waited for the safety rescan."""
+        if not self.watch.recursive or not os.access(directory, os.R_OK | os.X_OK):
+            return
+        if any(_watch_directory(emitter, directory) for emitter in self.emitters()):
+            self.listener.on_directory(self.watch, directory)
+
+
+def _watch_directory(emitter: EventEmitter, directory: Path) -> bool:
+    """Have an inotify emitter watch `directory` and the directories below it, where it does not already:
+    True if it did not. (watchdog adds a directory's watch only when it sees it made; one it could not read
+    then stays unwatched.)"""
+    group = getattr(emitter, "_inotify", None)
+    if not isinstance(group, InotifyWatchGroup):
+        return False  # a poll lists every directory it may read, each time
+    path = os.fsencode(directory)
+    with group._lock:
+        if path in group._active_callbacks_by_path:
+            return False
+        group._add_all_callbacks(path)
+    return True
 
 
 def _is_directory(path: Path) -> bool:
@@ -281,6 +309,7 @@ class Watcher:
         observer.daemon = True
         try:
             handler = _Handler(watch, self.listener, polled=isinstance(observer, PollingObserver))
+            handler.emitters = lambda: observer.emitters
             observer.schedule(handler, os.fspath(watch.path), recursive=watch.recursive, event_filter=EVENTS)
             observer.start()
         except BaseException:
