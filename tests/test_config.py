@@ -288,8 +288,7 @@ def test_a_config_someone_else_can_edit_is_refused_saying_why(tmp_path: Path, ru
     path.chmod(0o644)
     os.chown(path, NOBODY, 0)  # a service running as root, a config its owner `nobody` may edit
     assert error_of(path) == (
-        f"{path}: refusing a config owned by nobody, not by root (the user syncd runs as) or root: {why}; "
-        f"run: chown root {path} (or make root its owner)"
+        f"{path}: refusing a config owned by nobody, not by root (syncd runs as root): {why}; run: chown root {path}"
     )
     os.chown(path, 0, daemon_group.gr_gid)  # root's, group-readable only: fine
     assert load_config(path).watches[0].path == runs.resolve()

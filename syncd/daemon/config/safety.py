@@ -51,6 +51,10 @@ def _editable_by_others(info: os.stat_result, name: str) -> str | None:
         return f"refusing a config writable by others (mode {mode:04o}): {why}; run: chmod go-w {name}"
     if info.st_uid not in (me, 0):
         owner = _user_name(info.st_uid)
+        if me == 0:
+            return (
+                f"refusing a config owned by {owner}, not by root (syncd runs as root): {why}; run: chown root {name}"
+            )
         return (
             f"refusing a config owned by {owner}, not by {_user_name(me)} (the user syncd runs as) or root: {why}; "
             f"run: chown {_user_name(me)} {name} (or make root its owner)"
