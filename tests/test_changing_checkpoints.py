@@ -4,11 +4,14 @@ lists a shard that does not arrive."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from syncd.daemon.synclog import SyncLog
 from syncd.engine import convert as engine_convert
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.engine.hashing import DEFAULT_HASH
+from syncd.engine.options import StoreOptions
 from syncd.errors import SyncdError, VerificationError
 
 pytestmark = pytest.mark.torch
@@ -334,3 +338,45 @@ def test_a_set_that_does_not_read_is_refused_once_not_retried_as_changing(tmp_pa
     assert syncer.process(watch, index, closed=True).status is None  # said once
     (line,) = log.read_text().splitlines()
     assert json.loads(line)["status"] == "refused" and "b.weight" in json.loads(line)["error"]
+
+
+def test_a_set_another_worker_has_is_looked_at_again_not_waited_for(tmp_path: Path) -> None:
+    """A shard's event while another worker converts its set: the worker sat behind the set's lock for the
+    whole conversion, making no progress, and was called stuck (the watchdog pings withheld, the daemon
+    restarted, the conversion begun again)."""
+    from hfsets import save_llama
+
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    index = save_llama(watch.path / "llama", sharded=True)
+    converting = threading.Event()
+    done = threading.Event()
+    outcomes = []
+
+    def progress(_done: int, _total: int) -> None:
+        converting.set()
+        assert done.wait(60)  # the first worker, in the middle of writing
+
+    syncer.progress_for = lambda _path: progress
+    first = threading.Thread(target=lambda: outcomes.append(syncer.process(watch, index, closed=True)))
+    first.start()
+    assert converting.wait(60)
+    shard = index.parent / "model-00002-of-00003.safetensors"
+    second = syncer.process(watch, shard, closed=True)  # at once: not behind the first
+    done.set()
+    first.join(60)
+    assert second.status is None and second.retry_in is not None
+    assert [outcome.status for outcome in outcomes] == [Status.CONVERTED]
+    assert syncer.process(watch, shard, closed=True).status is None  # converted already: nothing to do
+    assert [json.loads(line)["status"] for line in log.read_text().splitlines()] == ["converted"]
+
+
+def test_the_checks_after_the_pass_tell_that_the_work_moves_on(tmp_path: Path) -> None:
+    """A cast's check reads the source again and `--verify full` reads everything back, writing nothing: a
+    conversion spent half its time there without a word, and a long one was called stuck."""
+    source = _saved_in(tmp_path)
+    for name, options in (("cast", {"store": StoreOptions(precision="f16")}), ("audited", {"verify": "full"})):
+        told: list[str] = []
+        request = ConvertRequest(source=source, dest=tmp_path / f"{name}.bpk", alive=partial(told.append, name))
+        convert(dataclasses.replace(request, **options))
+        assert len(told) >= 3, name  # once per tensor at least: fc.weight, fc.bias, norm.weight

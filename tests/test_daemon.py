@@ -502,9 +502,10 @@ def test_a_tree_made_anew_that_another_daemon_holds_is_watched_once_it_lets_go(
     make_daemon: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     """The new directory may already be another daemon's (two daemons on one tree convert each other's outputs
-    back and forth): it is not watched nor scanned, said once, and taken when the other daemon ends."""
-    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}])
-    runs = run.watch_dir("runs")
+    back and forth): it is not watched nor scanned, said once, and taken when the other daemon ends. Neither
+    `syncd retry` nor a reload scans it meanwhile, and a reload keeps the daemon (it ended it)."""
+    run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}, {"path": "elsewhere"}])
+    runs, elsewhere = run.watch_dir("runs"), run.watch_dir("elsewhere")
     run.start()
     (tmp_path / "d1").mkdir()
     other = make_daemon([{"path": str(runs.parent / "runs.new"), "direction": "safetensors->bpk"}])
@@ -513,13 +514,48 @@ def test_a_tree_made_anew_that_another_daemon_holds_is_watched_once_it_lets_go(
     os.rename(runs, runs.parent / "runs.old" / "runs")
     os.rename(runs.parent / "runs.new", runs)  # the other daemon's tree (its lock is on the directory)
     wait_until(lambda: said(run, "another syncd watches this tree"), 30, "the refusal said")
+    theirs = runs / "theirs.safetensors"
+    write_file(theirs, Linear(10).bytes())
+    run.send(signal.SIGUSR1)  # as `syncd retry` asks: a scan of every tree watched
+    run.send(signal.SIGHUP)
+    run.wait_for("reloaded")
+    barrier = elsewhere / "b.safetensors"
+    write_file(barrier, Linear(9).bytes())
+    run.wait_for("converted", [barrier])  # the scans asked before it are done
+    assert not (runs / "theirs.bpk").exists() and run.running()
+    assert not mentioning(run.statuses("reloaded"), "failed")
     stop_cleanly(other, other.root)
     wait_until(lambda: said(run, "the watched tree is back"), 30, "the tree taken")
     model = Linear(12)
     write_file(runs / "a.safetensors", model.bytes())
-    run.wait_for("converted", [runs / "a.safetensors"])
+    run.wait_for("converted", [runs / "a.safetensors", theirs])  # (theirs, at the scan of the tree taken)
     model.check_bpk(runs / "a.bpk")
     assert len(mentioning(run.records(), "cannot be watched")) == 1, run.log_text()
+    stop_cleanly(run)
+
+
+def test_a_shared_tree_made_anew_is_watched_again_even_in_the_old_directorys_inode(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    """A shared tree has no tree lock, which keeps a removed directory's inode from being given out again: ext4
+    gave the new directory the old one's at once, it looked the same, and this node's own saves waited for the
+    next poll of other nodes' files."""
+    run = make_daemon(
+        [{"path": "runs", "direction": "safetensors->bpk"}], cluster={"shared": True, "poll_interval": 600}
+    )
+    runs = run.watch_dir("runs")
+    run.start()
+
+    def back() -> int:
+        return len(mentioning(run.records(), "the watched tree is back"))
+
+    for times in range(1, 4):
+        shutil.rmtree(runs)
+        runs.mkdir()
+        wait_until(lambda: back() == times, 30, f"back {times}")  # noqa: B023 (waited for within the loop)
+    source = runs / "a.safetensors"
+    write_file(source, Linear(12).bytes())
+    run.wait_for("converted", [source], timeout=60)  # seen by inotify, not by a poll ten minutes on
     stop_cleanly(run)
 
 

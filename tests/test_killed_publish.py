@@ -315,3 +315,22 @@ def test_a_claim_held_longer_than_any_conversion_is_said_once(
         assert record["status"] == "warning" and record["source"] == str(source)
         assert record["reason"].startswith(f"the output's claim {claim_path(runs / 'model.bpk')} has been held")
     assert node.process(source) is Status.CONVERTED
+
+
+def test_a_claim_wait_of_a_source_that_went_is_no_part_of_the_next_one(tmp_path: Path, runs: Path) -> None:
+    """A source removed while its claim was held (a trainer's rotation) left its wait behind: the next file of
+    that name whose claim was held a moment got the 30-minute warning at once, and waited its longest retry."""
+    now = [1000.0]
+    node = Node(tmp_path / "node", runs, shared=True)
+    node.syncer.clock = lambda: now[0]
+    source = runs / "model.safetensors"
+    save(source, seed=1)
+    holder = try_claim(runs / "model.bpk")
+    assert holder is not None
+    with holder:
+        first = node.syncer.process(node.watch, source, closed=True)
+        assert first.status is None and first.retry_in == 0.25
+        now[0] += 1790.0  # the source went meanwhile; nothing looked at it since
+        again = node.syncer.process(node.watch, source, closed=True)  # its successor, a moment held
+        assert again.retry_in == 0.25 and node.lines() == []
+    assert node.process(source) is Status.CONVERTED

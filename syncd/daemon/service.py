@@ -18,6 +18,7 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from syncd.daemon import claims, notify
@@ -63,6 +64,7 @@ class Daemon:
         self.syncer = Syncer(self.state, self.synclog, config.settle_seconds, config.hash_name)
         self.syncer.set_settle_times(config.settle_seconds, config.unleased_settle_seconds)
         self.syncer.progress_for = self._progress_for
+        self.syncer.alive_for = self._alive_for
         self.syncer.config_path = config.path
         self.queue = WorkQueue(self._work, config.workers)
         self.watcher: Watcher | None = None
@@ -79,6 +81,9 @@ class Daemon:
         self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
         self._roots: dict[Path, tuple[int, int] | None] = {}  # each tree's directory as last seen (_check_roots)
         self._unwatched: set[Path] = set()  # trees not watched now: gone, or taken by another daemon meanwhile
+        # a shared tree's directory held open (it has no tree lock, which does it for the others): a tree removed
+        # and made again then never gets the removed one's inode back, which _check_roots would take for the same
+        self._pinned: dict[Path, int] = {}
 
     # -- wiring
 
@@ -100,6 +105,11 @@ class Daemon:
                 shown(done, total)
 
         return progress
+
+    def _alive_for(self) -> Callable[[], None]:
+        """What a conversion tells where it moves on without writing (its checks after the pass)."""
+        worker = threading.current_thread().name
+        return lambda: self.queue.progressed(worker)
 
     # the watcher's listener (syncd.daemon.watcher.WatchListener), called from observer threads
 
@@ -145,13 +155,25 @@ class Daemon:
     def _start_watcher(self) -> None:
         """Watch every tree of the current configuration (at start-up and after a reload)."""
         self.shared = shared_watches(self.config)
-        self._trees.hold(watch.path for watch in self.config.watches if watch.path not in self.shared)
+        # trees gone, or made anew and another daemon's, stay so through a reload: _check_roots takes them
+        # when they can be (holding them here would fail the reload, and the fallback to the running
+        # configuration as well, which ended the daemon)
+        left_out = {watch.path for watch in self.config.watches} & self._unwatched
+        self._trees.hold(
+            watch.path for watch in self.config.watches if watch.path not in self.shared and watch.path not in left_out
+        )
         self.syncer.shared = frozenset(self.shared)
         self.syncer.claim_retry_max = self.config.cluster.poll_interval
         self.watcher = Watcher(self.config, self, self.shared)
-        self.watcher.start()
-        self._roots = {watch.path: _identity(watch.path) for watch in self.config.watches}
-        self._unwatched = set()
+        self.watcher.start(skip=left_out)
+        self._unpin()
+        for path in self.shared:
+            self._pin(path)
+        self._roots = {
+            watch.path: self._roots.get(watch.path) if watch.path in left_out else _identity(watch.path)
+            for watch in self.config.watches
+        }
+        self._unwatched = left_out
         interval = self.config.rescan_interval
         self._next_safety_rescan = None if interval is None else time.monotonic() + interval
 
@@ -178,7 +200,8 @@ class Daemon:
                 )
 
     def _scan_all(self) -> int:
-        return sum(self._scan(watch, watch.path) for watch in self.config.watches)
+        """Queue every file of every tree watched now (not one gone, or another daemon's meanwhile)."""
+        return sum(self._scan(watch, watch.path) for watch in self.config.watches if watch.path not in self._unwatched)
 
     def _scan(self, watch: Watch, root: Path) -> int:
         """Queue every file below `root` (the queue drops what is up to date quickly)."""
@@ -277,7 +300,9 @@ class Daemon:
         said once."""
         self._roots[watch.path] = now
         try:
-            if watch.path not in self.shared:
+            if watch.path in self.shared:
+                self._pin(watch.path)
+            else:
                 self._trees.refresh(watch.path)
             if self.watcher is not None:
                 self.watcher.rewatch(watch)
@@ -291,6 +316,17 @@ class Daemon:
             Status.WARNING, watch=str(watch.path), reason="the watched tree is back (made anew); watching it"
         )
         self._request_rescan(watch.path)
+
+    def _pin(self, path: Path) -> None:
+        with contextlib.suppress(KeyError):
+            os.close(self._pinned.pop(path))
+        with contextlib.suppress(OSError):
+            self._pinned[path] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _unpin(self) -> None:
+        for fd in self._pinned.values():
+            os.close(fd)
+        self._pinned.clear()
 
     def _run_rescans(self) -> None:
         if self._next_safety_rescan is not None and time.monotonic() >= self._next_safety_rescan:

@@ -129,6 +129,8 @@ class Syncer:
         self.config_path: Path | None = None  # named in what a person is told to run (`syncd retry -c ...`)
         # who wants to follow a conversion's bytes (the daemon's status); called with the source path
         self.progress_for: Callable[[Path], ProgressCallback | None] = lambda _path: None
+        # asked on a worker's thread as its conversion starts: what the conversion tells that it moves on
+        self.alive_for: Callable[[], Callable[[], None] | None] = lambda: None
         # a set is reached through its index and through each shard's events: one worker at a time per set
         self._set_locks: dict[Path, threading.Lock] = {}
         self._set_locks_guard = threading.Lock()
@@ -137,8 +139,9 @@ class Syncer:
         # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
         self.shared: frozenset[Path] = frozenset()
         self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
-        # output -> times its claim was found held in a row, since when, whether that was said
-        self._claim_waits: dict[Path, tuple[int, float, bool]] = {}
+        # output -> times its claim was found held in a row, since when, whether that was said, last look
+        self._claim_waits: dict[Path, tuple[int, float, bool, float]] = {}
+        self.clock: Callable[[], float] = time.monotonic  # of the claim waits
         self._no_locks_said: set[Path] = set()
         self._collector = CollectorPause()  # off while converting, as `syncd convert` has it (collector.py)
 
@@ -196,8 +199,14 @@ class Syncer:
         index is recent; after that the conversion reports it."""
         with self._set_locks_guard:
             lock = self._set_locks.setdefault(index, threading.Lock())
-        with lock:
+        if not lock.acquire(blocking=False):
+            # another worker has the set (an event of one of its shards): looked at again once it is done,
+            # rather than a worker idle behind it for the whole conversion (and called stuck meanwhile)
+            return later(self.readiness.busy_retry)
+        try:
             return self._process_set_locked(watch, index, closed)
+        finally:
+            lock.release()
 
     def _process_set_locked(self, watch: Watch, index: Path, closed: bool) -> Outcome:
         info = _lstat(index)
@@ -388,8 +397,11 @@ class Syncer:
         claim file, a dead node's lock an NFSv3 server still keeps) would otherwise keep the output stale, unseen."""
         if len(self._claim_waits) > 10_000:
             self._claim_waits.clear()
-        now = time.monotonic()
-        tries, since, said = self._claim_waits.get(job.dest, (0, now, False))
+        now = self.clock()
+        tries, since, said, last = self._claim_waits.get(job.dest, (0, now, False, now))
+        if now - last > 2 * self.claim_retry_max + CLAIM_FIRST_RETRY:
+            # not looked at since its last retry fell due (its source went: a trainer's rotation): a new wait
+            tries, since, said = 0, now, False
         if not said and now - since >= CLAIM_HELD_WARNING_SECONDS:
             said = True
             self.synclog.log(
@@ -398,7 +410,7 @@ class Syncer:
                 reason=f"the output's claim {claims.claim_path(job.dest)} has been held by another process for "
                 f"{(now - since) / 60:.0f} min; nothing is converted into it until it is let go",
             )
-        self._claim_waits[job.dest] = (tries + 1, since, said)
+        self._claim_waits[job.dest] = (tries + 1, since, said, now)
         return min(self.claim_retry_max, CLAIM_FIRST_RETRY * 2.0**tries)
 
     def _remove_abandoned_scratch(self, dest: Path) -> None:
@@ -462,6 +474,7 @@ class Syncer:
             replace_if=decision.replace_if,
             replace_set=decision.set_files,
             progress=self.progress_for(path),
+            alive=self.alive_for(),
             store=_store_options(watch),
             shard_size=watch.shard_size,
             always_index=watch.shard_size is not None,

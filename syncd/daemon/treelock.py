@@ -46,7 +46,8 @@ class TreeLocks:
         lock on a removed directory holds nothing, and another daemon could take the new one. The other trees'
         locks are kept all along. Raises SyncdError where another daemon took it first."""
         real = Path(os.path.realpath(tree))
-        for directory, (mode, root) in sorted(_locks_for(self._roots).items()):
+        roots = self._roots if tree in self._roots else [*self._roots, tree]  # one held back by a reload
+        for directory, (mode, root) in sorted(_locks_for(roots).items()):
             if directory != real and directory not in real.parents:
                 continue
             held = self._held.get(directory)
@@ -58,6 +59,7 @@ class TreeLocks:
                 del self._held[directory]
             if fd is not None:
                 self._held[directory] = fd
+        self._roots = roots
 
     def release(self) -> None:
         for fd in self._held.values():

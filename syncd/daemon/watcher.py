@@ -252,9 +252,11 @@ class Watcher:
         if self.on_queued is not None:
             self.on_queued(event)
 
-    def start(self) -> None:
+    def start(self, skip: Collection[Path] = ()) -> None:
+        """Watch every tree of the configuration but those of `skip` (watched later, through `rewatch`)."""
         for watch in self.config.watches:
-            self._start_watch(watch)
+            if watch.path not in skip:
+                self._start_watch(watch)
 
     def unwatch(self, watch: Watch) -> None:
         """Stop watching one tree (its directory is gone, or another daemon holds it); the others go on."""

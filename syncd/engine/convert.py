@@ -107,6 +107,9 @@ class ConvertRequest:
     # to be replaced; those the new set does not have are removed)
     replace_set: Mapping[Path, FileStamp] | None = None
     progress: ProgressCallback | None = None  # called with (bytes written, bytes to write) as the output fills
+    # told now and then that the work moves on where no byte is written (the checks after the pass): the
+    # daemon's stuck-worker check counts time without either
+    alive: Callable[[], None] | None = None
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
     one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
@@ -583,13 +586,16 @@ def verify_one_pass(
     except FormatError as exc:
         raise VerificationError(f"the written file does not read back: {exc.message}", str(c.dest)) from None
     output.path = str(written_path)  # what messages name
+    alive = c.request.alive or (lambda: None)
     with output:
         _verify_table(c, output, specs)
         c.target.check_written(specs, output, str(c.dest))
         check_written(written.ledger, output, size, fd)
         if c.request.verify == "full":
             check_digests(written.ledger, output)
-            verify_full([(piece, s.name, at) for s in specs for piece, at in source_pieces(s.fill)], output)
+            verify_full(
+                [(piece, s.name, at) for s in specs for piece, at in source_pieces(s.fill)], output, alive=alive
+            )
         carried_as = {final: carried for carried, final in c.store.carried_names.items()}
         restored = set(c.restored)
         # without restored or cast tensors only views are checked here: the others are not gone through
@@ -601,6 +607,7 @@ def verify_one_pass(
                 c.casts[spec.name].verify(output, spec.name)
             elif isinstance(spec.fill, ViewCopy):
                 spec.fill.verify(output, spec.name)
+            alive()
 
 
 def _write_set(c: Conversion) -> tuple[list[PublishResult], list[Path], int]:

@@ -254,10 +254,17 @@ def check_written(ledger: WriteLedger, output: TensorFileReader, file_size: int,
     ledger.check(table, file_size, os.fstat(fd).st_size, output.path)
 
 
-def verify_full(pieces: Sequence[tuple[FromSource, str, int]], output: TensorFileReader, block: int = 4 << 20) -> None:
+def verify_full(
+    pieces: Sequence[tuple[FromSource, str, int]],
+    output: TensorFileReader,
+    block: int = 4 << 20,
+    alive: Callable[[], None] = lambda: None,
+) -> None:
     """The audit: re-read every (source piece, target name, byte offset within the target) from the output
-    and compare it with its source, independently of the writer's code and checks."""
+    and compare it with its source, independently of the writer's code and checks. `alive` is told after
+    each piece (the work moves on)."""
     for fill, out_name, at in pieces:
+        alive()
         offset, nbytes, shape = fill.window()
         src_at = offset - fill.reader.tensor(fill.name).offset
         out = output.tensor(out_name)
