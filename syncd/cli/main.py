@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         return _report(as_json, EXIT_BAD_INPUT, f"{where}{exc.strerror or exc}", exc.filename, None)
     except KeyboardInterrupt as exc:
+        # a scratch file between its making and the `with` that would remove it: removed here
+        publish = sys.modules.get("syncd.engine.publish")
+        if publish is not None:
+            publish.abandon_open_scratches()
         return EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED
     except Exception as exc:  # a bug of ours: still one line for the user; SYNCD_DEBUG=1 shows the traceback
         if os.environ.get("SYNCD_DEBUG"):

@@ -36,16 +36,18 @@ API::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import itertools
 import os
 import re
+import signal
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -208,16 +210,17 @@ def open_scratch(
         raise SyncdError(f"its directory resolves outside {within} (a symlink?); not writing there", str(dest))
     while True:
         path = dest.parent / _scratch_name(dest.name, os.getpid(), next(_counter))
-        try:
-            fd = os.open(path.name, _SCRATCH_FLAGS, 0o600, dir_fd=dir_fd)
-        except FileExistsError:
-            continue  # a leftover or a planted file/symlink: never touch it, take the next name
-        except OSError as e:
-            os.close(dir_fd)
-            raise SyncdError.from_os_error("cannot create a scratch file beside it", str(dest), e) from e
-        scratch = Scratch(path, fd, dest, dir_fd, owner)
-        with _open_lock:
-            _open_scratches.add(path)
+        with _interrupts_held():  # made and known together: Ctrl-C or SIGTERM between the two left it for good
+            try:
+                fd = os.open(path.name, _SCRATCH_FLAGS, 0o600, dir_fd=dir_fd)
+            except FileExistsError:
+                continue  # a leftover or a planted file/symlink: never touch it, take the next name
+            except OSError as e:
+                os.close(dir_fd)
+                raise SyncdError.from_os_error("cannot create a scratch file beside it", str(dest), e) from e
+            scratch = Scratch(path, fd, dest, dir_fd, owner)
+            with _open_lock:
+                _open_scratches.add(path)
         try:
             # ownership: held while the file is open, dropped by the kernel when this process dies however it
             # dies; works across PID namespaces and (NFS, through its lock manager) across hosts
@@ -227,6 +230,20 @@ def open_scratch(
             scratch.discard()
             raise
         return scratch
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back for the moment (on the main thread, whose handlers raise): delivered when
+    it ends. Other threads' signals run their handlers on the main thread too, at its next instruction."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _resolves_within(dir_fd: int, top: Path) -> bool:
