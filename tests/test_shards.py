@@ -277,6 +277,11 @@ def test_a_directory_is_listed_for_its_indexes_once_per_change(tmp_path: Path, m
         (index.parent / f"other-{n}.safetensors").write_bytes(b"")
     known = IndexFiles()
     assert known.index_names(directory) == (index.name,)
+    listed = known.index_names(directory)
+    assert known.index_names(directory) is listed  # changed just now, but listed a moment ago: not again
+    known.forget(directory)  # an index's own event
+    assert known.index_names(directory) is not listed
+    monkeypatch.setattr(IndexFiles, "RELIST_NS", 0)
     assert known.index_names(directory) is not known.index_names(directory)  # changed just now: listed again
     monkeypatch.setattr(IndexFiles, "RECENT_NS", -(1 << 62))  # as if every change were long past
     listed = known.index_names(directory)

@@ -719,6 +719,7 @@ def _set_index_of(path: Path, known: IndexFiles) -> Path | None:
     """The index of the sharded set `path` belongs to (`path` itself for an index), None for a single file.
     `known`: each index parsed once per version."""
     if is_set_index(path):
+        known.forget(os.path.dirname(os.path.abspath(path)))  # the shards beside it are its from now on
         return path
     from_format = format_for_path(path)
     if from_format is None or from_format.name not in (SAFETENSORS, PYTORCH):

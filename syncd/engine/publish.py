@@ -348,7 +348,11 @@ def remove_stale_scratch_of(dest: Path, min_age: float = SCRATCH_GRACE_SECONDS) 
     return [
         Path(entry.path)
         for entry in entries
-        if scratch_target(entry.name) == dest.name and remove_if_stale(Path(entry.path), min_age)
+        # (the cheap tests first: a directory of 20,000 checkpoints is looked through at every conversion)
+        if entry.name.startswith(".")
+        and entry.name.endswith(".tmp")
+        and scratch_target(entry.name) == dest.name
+        and remove_if_stale(Path(entry.path), min_age)
     ]
 
 

@@ -523,10 +523,13 @@ class IndexFiles:
     # a directory changed this recently may change again within its timestamp's granularity (a network
     # filesystem's can be a second or more) without its stamp showing it: listed again rather than trusted
     RECENT_NS = 2_000_000_000
+    # but not more often than this: a directory written all along (each conversion publishes into it) was
+    # listed for every file, N^2 again; an index that appears meanwhile is told by `forget` (its own event)
+    RELIST_NS = 500_000_000
 
     def __init__(self) -> None:
         self._files: OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...] | None]] = OrderedDict()
-        self._indexes: OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...]]] = OrderedDict()
+        self._indexes: OrderedDict[str, tuple[tuple[int, ...], tuple[str, ...], int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def index_names(self, directory: str) -> tuple[str, ...] | None:
@@ -538,10 +541,11 @@ class IndexFiles:
         except OSError:
             return None
         version = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
-        settled = time.time_ns() - max(info.st_mtime_ns, info.st_ctime_ns) > self.RECENT_NS
+        now = time.time_ns()
+        settled = now - max(info.st_mtime_ns, info.st_ctime_ns) > self.RECENT_NS
         with self._lock:
             known = self._indexes.get(directory)
-            if settled and known is not None and known[0] == version:
+            if known is not None and (settled and known[0] == version or now - known[2] < self.RELIST_NS):
                 self._indexes.move_to_end(directory)
                 return known[1]
         try:
@@ -549,11 +553,16 @@ class IndexFiles:
         except OSError:
             return None
         with self._lock:
-            self._indexes[directory] = (version, names)
+            self._indexes[directory] = (version, names, now)
             self._indexes.move_to_end(directory)
             while len(self._indexes) > self.MAX_DIRECTORIES:
                 self._indexes.popitem(last=False)
         return names
+
+    def forget(self, directory: str) -> None:
+        """An index is known to be in `directory` now (its own event): its next listing is taken anew."""
+        with self._lock:
+            self._indexes.pop(directory, None)
 
     def files(self, index_path: str | os.PathLike[str]) -> tuple[str, ...] | None:
         """The names the index lists, or None if it does not read (gone, not an index, refused)."""
