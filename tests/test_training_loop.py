@@ -303,6 +303,32 @@ def test_a_conversion_longer_than_the_limit_that_makes_progress_keeps_the_pings(
         assert daemon.queue.stop(60)
 
 
+def test_a_long_scan_keeps_the_watchdog_pinged_and_stops_for_sigterm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scan takes the main thread: a tree of 100,000 files held the watchdog pings and SIGTERM for 13-40 s,
+    past the unit's WatchdogSec (a restart at every rescan). Here every file is a tick's worth."""
+    from syncd.daemon import notify
+    from syncd.daemon import service as service_module
+    from syncd.daemon.config import load_config
+    from syncd.daemon.service import Daemon
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for n in range(40):
+        (runs / f"m{n}.safetensors").write_bytes(b"")
+    (tmp_path / "syncd.yaml").write_text("state_dir: state\nlog: {path: sync.log.jsonl}\nwatches:\n  - path: runs\n")
+    daemon = Daemon(load_config(tmp_path / "syncd.yaml"))
+    pings: list[str] = []
+    monkeypatch.setattr(notify, "watchdog", lambda: pings.append("WATCHDOG=1"))
+    monkeypatch.setattr(service_module, "TICK_SECONDS", 0.0)
+    assert daemon._scan_all() == 40
+    assert len(pings) >= 39  # one before each file but the first
+    daemon.request_stop()
+    assert daemon._scan_all() == 0  # SIGTERM: the scan stops at once
+
+
+# ------------------------------------------------------------------------------------------ 5. reloads, lost log
 # ------------------------------------------------------------------------------------------ 5. reloads, lost log
 
 

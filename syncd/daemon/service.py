@@ -204,9 +204,18 @@ class Daemon:
         return sum(self._scan(watch, watch.path) for watch in self.config.watches if watch.path not in self._unwatched)
 
     def _scan(self, watch: Watch, root: Path) -> int:
-        """Queue every file below `root` (the queue drops what is up to date quickly)."""
+        """Queue every file below `root` (the queue drops what is up to date quickly). A scan of a large tree
+        takes the main thread for many seconds: it goes on with the loop's own duties meanwhile (the watchdog
+        pings, the status) and stops for SIGTERM (a tree of 100,000 files blocked both for 13-40 s, past the
+        unit's WatchdogSec)."""
         queued = 0
+        beat = time.monotonic() + TICK_SECONDS
         for path in walk_files(root, watch.recursive, on_limit=self._walk_limit):
+            if time.monotonic() >= beat:
+                if self._stop:
+                    break  # the rest is for the next start's scan
+                self._beat()
+                beat = time.monotonic() + TICK_SECONDS
             if not is_candidate(watch, path):
                 self._remove_if_left_over(path)
                 continue
@@ -251,9 +260,14 @@ class Daemon:
                 self._look_again()
             self._check_roots()
             self._run_rescans()
-            if self._workers_healthy():
-                notify.watchdog()
-            notify.status(self._status())
+            self._beat()
+
+    def _beat(self) -> None:
+        """What the main loop does every tick besides its work: the watchdog ping while the workers are well,
+        and the status."""
+        if self._workers_healthy():
+            notify.watchdog()
+        notify.status(self._status())
 
     def _workers_healthy(self) -> bool:
         """False while a worker has been on one file for `stuck_worker_seconds` without progress: the watchdog
