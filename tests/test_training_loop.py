@@ -326,6 +326,9 @@ def test_a_long_scan_keeps_the_watchdog_pinged_and_stops_for_sigterm(
     assert len(pings) >= 39  # one before each file but the first
     daemon.request_stop()
     assert daemon._scan_all() == 0  # SIGTERM: the scan stops at once
+    # a directory made and rotated away before its scan is nothing to say ("skipped ... cannot list" it was)
+    assert daemon._scan(daemon.config.watches[0], runs / "checkpoint-10") == 0
+    assert not (tmp_path / "sync.log.jsonl").exists() or "skipped" not in (tmp_path / "sync.log.jsonl").read_text()
 
 
 # ------------------------------------------------------------------------------------------ 5. reloads, lost log

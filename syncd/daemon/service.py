@@ -209,6 +209,8 @@ class Daemon:
         pings, the status) and stops for SIGTERM (a tree of 100,000 files blocked both for 13-40 s, past the
         unit's WatchdogSec)."""
         queued = 0
+        if root != watch.path and not os.path.isdir(root):
+            return queued  # a directory made and removed again before its scan (a trainer's rotation): nothing
         beat = time.monotonic() + TICK_SECONDS
         for path in walk_files(root, watch.recursive, on_limit=self._walk_limit):
             if time.monotonic() >= beat:
