@@ -3,10 +3,12 @@ deep and large trees. Everything runs the real daemon on real files."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -210,10 +212,9 @@ def _peak_rss_kib(pid: int) -> int:
     raise AssertionError("no VmHWM in /proc status")
 
 
-@pytest.mark.root
-def test_a_directory_opened_to_the_daemon_after_it_was_made_is_watched_and_scanned() -> None:
-    """A run directory made under umask 077 and opened later (chmod): watchdog watches a directory only when it
-    sees it made, so its checkpoints waited for the safety rescan, every one."""
+@contextlib.contextmanager
+def _nobodys_daemon() -> Iterator[tuple[DaemonRun, Path]]:
+    """A daemon run as nobody on its own tree `runs` (that everyone may write), started: (run, runs)."""
     runnable_by_others()
     root = Path(tempfile.mkdtemp(prefix="syncd-nobody-", dir="/tmp"))
     try:
@@ -223,18 +224,26 @@ def test_a_directory_opened_to_the_daemon_after_it_was_made_is_watched_and_scann
             runs = run.watch_dir()
             os.chmod(runs, 0o777)
             run.start(user=NOBODY)
-            (runs / "exp").mkdir(mode=0o700)  # root's, closed to the daemon
-            early = write_checkpoint(runs / "exp" / "early.safetensors", seed=1, mode=0o644)
-            sync = write_checkpoint(runs / "sync.safetensors", seed=2, mode=0o644)
-            run.wait_for("converted", [sync])  # (the events before it are handled)
-            assert not (runs / "exp" / "early.bpk").exists()
-            os.chmod(runs / "exp", 0o777)
-            run.wait_for("converted", [early])  # scanned once opened
-            late = write_checkpoint(runs / "exp" / "late.safetensors", seed=3, mode=0o644)
-            run.wait_for("converted", [late])  # watched since
-            stop_cleanly(run)
+            yield run, runs
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.root
+def test_a_directory_opened_to_the_daemon_after_it_was_made_is_watched_and_scanned() -> None:
+    """A run directory made under umask 077 and opened later (chmod): watchdog watches a directory only when it
+    sees it made, so its checkpoints waited for the safety rescan, every one."""
+    with _nobodys_daemon() as (run, runs):
+        (runs / "exp").mkdir(mode=0o700)  # root's, closed to the daemon
+        early = write_checkpoint(runs / "exp" / "early.safetensors", seed=1, mode=0o644)
+        sync = write_checkpoint(runs / "sync.safetensors", seed=2, mode=0o644)
+        run.wait_for("converted", [sync])  # (the events before it are handled)
+        assert not (runs / "exp" / "early.bpk").exists()
+        os.chmod(runs / "exp", 0o777)
+        run.wait_for("converted", [early])  # scanned once opened
+        late = write_checkpoint(runs / "exp" / "late.safetensors", seed=3, mode=0o644)
+        run.wait_for("converted", [late])  # watched since
+        stop_cleanly(run)
 
 
 @pytest.mark.root
@@ -242,26 +251,16 @@ def test_directories_the_daemon_may_not_read_made_and_removed_leave_its_tree_wat
     """watchdog took a directory it may not read for watched, under descriptor -1, which every such directory
     shared: the second one's removal broke its reader thread, a traceback-like warning in the journal, and the
     whole tree went unwatched, silently (a trainer making its run directories under umask 077)."""
-    runnable_by_others()
-    root = Path(tempfile.mkdtemp(prefix="syncd-nobody-", dir="/tmp"))
-    try:
-        os.chmod(root, 0o777)
-        with DaemonRun(root / "d", [{"path": "runs"}], settle_seconds=0.1) as run:
-            os.chmod(run.root, 0o777)
-            runs = run.watch_dir()
-            os.chmod(runs, 0o777)
-            run.start(user=NOBODY)
-            for step in range(3):
-                (runs / "exp").mkdir(mode=0o700)  # root's, closed to the daemon
-                made = write_checkpoint(runs / f"after-mkdir-{step}.safetensors", seed=step, mode=0o644)
-                run.wait_for("converted", [made])
-                (runs / "exp").rmdir()
-                removed = write_checkpoint(runs / f"after-rmdir-{step}.safetensors", seed=step, mode=0o644)
-                run.wait_for("converted", [removed])
-            stop_cleanly(run)
-            assert "Warning" not in run.stderr(), run.stderr()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with _nobodys_daemon() as (run, runs):
+        for step in range(3):
+            (runs / "exp").mkdir(mode=0o700)  # root's, closed to the daemon
+            made = write_checkpoint(runs / f"after-mkdir-{step}.safetensors", seed=step, mode=0o644)
+            run.wait_for("converted", [made])
+            (runs / "exp").rmdir()
+            removed = write_checkpoint(runs / f"after-rmdir-{step}.safetensors", seed=step, mode=0o644)
+            run.wait_for("converted", [removed])
+        stop_cleanly(run)
+        assert "Warning" not in run.stderr(), run.stderr()
 
 
 @pytest.mark.root
