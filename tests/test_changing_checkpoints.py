@@ -380,3 +380,16 @@ def test_the_checks_after_the_pass_tell_that_the_work_moves_on(tmp_path: Path) -
         request = ConvertRequest(source=source, dest=tmp_path / f"{name}.bpk", alive=partial(told.append, name))
         convert(dataclasses.replace(request, **options))
         assert len(told) >= 3, name  # once per tensor at least: fc.weight, fc.bias, norm.weight
+
+
+def test_the_locks_of_sets_seen_are_dropped_once_many(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lock per set index ever seen, kept for good: memory grew with every set a long training run saved."""
+    syncer, _ = _syncer(tmp_path)
+    monkeypatch.setattr(Syncer, "MAX_SET_LOCKS", 2)
+    watch = Watch(path=tmp_path / "runs")
+    for n in range(6):
+        index = watch.path / f"set-{n}" / "model.safetensors.index.json"
+        index.parent.mkdir(parents=True)
+        index.write_text("{}")  # (a broken index: what is decided matters not here, the lock taken does)
+        syncer.process(watch, index, closed=True)
+        assert len(syncer._set_locks) <= 3

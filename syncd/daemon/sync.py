@@ -121,6 +121,8 @@ def later(seconds: float | None) -> Outcome:
 class Syncer:
     """Holds what every decision needs; one instance serves all workers (state and log are thread-safe)."""
 
+    MAX_SET_LOCKS = 1024
+
     def __init__(self, state: StateDB, synclog: SyncLog, settle_seconds: float, hash_name: str) -> None:
         self.state = state
         self.synclog = synclog
@@ -132,7 +134,7 @@ class Syncer:
         # asked on a worker's thread as its conversion starts: what the conversion tells that it moves on
         self.alive_for: Callable[[], Callable[[], None] | None] = lambda: None
         # a set is reached through its index and through each shard's events: one worker at a time per set
-        self._set_locks: dict[Path, threading.Lock] = {}
+        self._set_locks: dict[Path, threading.Lock] = {}  # one per set seen, those held kept past MAX_SET_LOCKS
         self._set_locks_guard = threading.Lock()
         self._index_files = IndexFiles()  # each index parsed once per version, not on every event beside it
         self._missing: dict[Path, int] = {}  # a set's index -> looks while a shard it lists is not there
@@ -199,10 +201,13 @@ class Syncer:
         index is recent; after that the conversion reports it."""
         with self._set_locks_guard:
             lock = self._set_locks.setdefault(index, threading.Lock())
-        if not lock.acquire(blocking=False):
-            # another worker has the set (an event of one of its shards): looked at again once it is done,
-            # rather than a worker idle behind it for the whole conversion (and called stuck meanwhile)
-            return later(self.readiness.busy_retry)
+            if not lock.acquire(blocking=False):
+                # another worker has the set (an event of one of its shards): looked at again once it is done,
+                # rather than a worker idle behind it for the whole conversion (and called stuck meanwhile)
+                return later(self.readiness.busy_retry)
+            if len(self._set_locks) > self.MAX_SET_LOCKS:
+                # (taken under the guard only, so a lock nobody holds is nobody's to take: dropped safely)
+                self._set_locks = {path: held for path, held in self._set_locks.items() if held.locked()}
         try:
             return self._process_set_locked(watch, index, closed)
         finally:
