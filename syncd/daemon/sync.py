@@ -480,6 +480,7 @@ class Syncer:
             replace_set=decision.set_files,
             progress=self.progress_for(path),
             alive=self.alive_for(),
+            sweep_scratch=False,  # (the start-up sweep and the rescans remove a dead syncd's scratch files)
             store=_store_options(watch),
             shard_size=watch.shard_size,
             always_index=watch.shard_size is not None,

@@ -110,6 +110,10 @@ class ConvertRequest:
     # told now and then that the work moves on where no byte is written (the checks after the pass): the
     # daemon's stuck-worker check counts time without either
     alive: Callable[[], None] | None = None
+    # remove what a writer killed while writing the outputs left (their scratch files) before writing them:
+    # one-shot convert has no start-up sweep; the daemon has, and its rescans, and a conversion's look through
+    # a directory of 40,000 entries cost more than its own work
+    sweep_scratch: bool = True
     store: StoreOptions = field(default_factory=StoreOptions)  # remap, filter, precision
     shard_size: int | None = None  # write safetensors as a set split at this size (huggingface_hub's rule)
     one_file: bool = False  # one safetensors file even where a carried shard layout says otherwise
@@ -183,7 +187,8 @@ def convert(request: ConvertRequest) -> ConvertResult:
                 _check_distinct(Path(member), path)
             if request.fail_early_if_exists and not request.overwrite:
                 ensure_destination_free(path)
-            remove_stale_scratch_of(path)
+            if request.sweep_scratch:
+                remove_stale_scratch_of(path)
         outcome, size, placed = write_verify_publish(conversion)
     return ConvertResult(
         status=outcome.status,
