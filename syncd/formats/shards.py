@@ -541,8 +541,8 @@ class IndexFiles:
         except OSError:
             return None
         version = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
-        now = time.time_ns()
-        settled = now - max(info.st_mtime_ns, info.st_ctime_ns) > self.RECENT_NS
+        settled = time.time_ns() - max(info.st_mtime_ns, info.st_ctime_ns) > self.RECENT_NS  # (file times: wall)
+        now = time.monotonic_ns()  # a listing's age: a wall clock set back would keep one for as long
         with self._lock:
             known = self._indexes.get(directory)
             if known is not None and (settled and known[0] == version or now - known[2] < self.RELIST_NS):
