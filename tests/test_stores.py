@@ -119,6 +119,20 @@ def test_a_rule_written_for_burns_names_on_a_pytorch_file_is_noted() -> None:
     ]
 
 
+def test_a_rule_is_noted_only_if_it_matches_no_name_the_rules_before_it_left() -> None:
+    # docs/store-options.md's Llama rules: the second sees `embed_tokens.weight`, which the first made
+    refs = llama_table()
+    rules = (compile_rule(r"^model\.", ""), compile_rule(r"^embed_tokens\.", "tok_embeddings."))
+    applied = apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, StoreOptions(remap=rules))
+    assert applied.renames["tok_embeddings.weight"] == "model.embed_tokens.weight"
+    assert applied.notes == []
+    rules = (*rules, compile_rule(r"^model\.norm\.", "norm."))  # nothing is left under model. for it
+    applied = apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, StoreOptions(remap=rules))
+    assert applied.notes == [
+        "note: remap rule '^model\\.norm\\.' matched no tensor name (rules see the source's names, as in Burn)"
+    ]
+
+
 def test_contiguous_indices_default_to_what_burns_store_for_the_source_format_does() -> None:
     # SafetensorsStore keeps indices as they are, PytorchStore makes them contiguous; an explicit choice wins
     for source, contiguous in (("safetensors", False), ("burnpack", False), ("pytorch", True)):

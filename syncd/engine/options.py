@@ -224,15 +224,20 @@ def _short(names: list[str]) -> str:
 
 
 def _rule_notes(entries: Sequence[PlanEntry], options: StoreOptions) -> list[str]:
-    """A rule that changed no name is most often written for other names (gamma where the file says weight)."""
+    """A rule that changed no name is most often written for other names (gamma where the file says weight).
+    Each rule is tried on the names as the rules before it left them, as it is applied (`^model\\.=` then
+    `^embed_tokens\\.=...` matches what the first made)."""
     if not options.remap:
         return []
-    sources = [piece.source for entry in entries for piece in entry.pieces]
-    return [
-        f"note: remap rule '{rule.pattern}' matched no tensor name (rules see the source's names, as in Burn)"
-        for rule in options.remap
-        if not any(rule.regex.search(name) for name in sources)
-    ]
+    names = [piece.source for entry in entries for piece in entry.pieces]
+    notes = []
+    for rule in options.remap:
+        if not any(rule.regex.search(name) for name in names):
+            notes.append(
+                f"note: remap rule '{rule.pattern}' matched no tensor name (rules see the source's names, as in Burn)"
+            )
+        names = [rule.apply(name) for name in names]
+    return notes
 
 
 def _gap_notes(names: Iterable[str], options: StoreOptions) -> list[str]:
