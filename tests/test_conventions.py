@@ -221,6 +221,9 @@ def test_syncd_modules_prints_the_exact_map_and_a_daemon_without_transformers_pl
     assert run_cli("modules", directory, "-o", tmp_path / "map.yaml", "--overwrite").returncode == 0
     assert yaml.safe_load((tmp_path / "map.yaml").read_text()) == data
     source = directory / "model.safetensors"
+    beside = run_cli("modules", source)  # a checkpoint named: the config saved beside it
+    assert beside.returncode == 0, beside.stderr
+    assert yaml.safe_load(beside.stdout) == data
     mapped = run_cli(
         "convert", source, "-o", tmp_path / "mapped.bpk", "--modules", tmp_path / "map.yaml", hide=("transformers",)
     )
@@ -241,6 +244,14 @@ def test_syncd_modules_says_in_one_line_why_it_cannot(neox: tuple[Path, nn.Modul
     unknown = run_cli("modules", tmp_path / "config.json", "-o", tmp_path / "map.yaml")
     assert_one_line_error(unknown, 1, "no model type 'no-such-family'")
     assert not (tmp_path / "map.yaml").exists()
+    (tmp_path / "mine.json").write_text("{not json")
+    broken = run_cli("modules", tmp_path / "mine.json")  # named, not beside anything
+    assert_one_line_error(broken, 1, str(tmp_path / "mine.json"), "not JSON")
+    assert "beside" not in broken.stderr
+    (tmp_path / "model.bpk").write_bytes(b"\xa1" * 64)
+    (tmp_path / "config.json").unlink()
+    alone = run_cli("modules", tmp_path / "model.bpk")  # not read as a config: no config.json beside it
+    assert_one_line_error(alone, 1, str(tmp_path / "config.json"), "not found")
 
 
 def test_the_models_definition_joins_burns_attention_pieces_back_into_its_multihead_attention() -> None:

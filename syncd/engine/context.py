@@ -18,6 +18,8 @@ from typing import Any
 from syncd.adapters import FileContext, ModelDefinition, ModuleMap
 from syncd.engine.definition import definition_for
 from syncd.errors import SyncdError
+from syncd.formats import format_for_path
+from syncd.formats.shards import is_index_name
 
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB; anything larger is not one
@@ -64,9 +66,11 @@ def definition_of(config_path: Path) -> ModelDefinition:
     """The definition of the model a config.json (or the directory holding one) describes, for `syncd modules`;
     SyncdError naming the file when it cannot be had."""
     path = config_path / CONFIG_NAME if config_path.is_dir() else config_path
+    if format_for_path(path) is not None or is_index_name(path):  # a checkpoint: the config saved beside it
+        path = path.parent / CONFIG_NAME
     if not path.exists():
         raise SyncdError("not found: name a save_pretrained directory or its config.json", str(path))
-    config, note = read_config(path)
+    config, note = _read_config(path)
     if config is None:
         raise SyncdError(note or "not a model's config: it names no model_type", str(path))
     definition, note = definition_for(config)
@@ -81,27 +85,28 @@ def read_config_beside(source: Path) -> tuple[dict[str, Any] | None, str | None]
     A config that cannot be used never stops a conversion: the names and shapes still decide, and the note
     says why it was passed over.
     """
-    return read_config(source.parent / CONFIG_NAME)
+    config, why = _read_config(source.parent / CONFIG_NAME)
+    return config, None if why is None else f"{CONFIG_NAME} beside it not used: {why}"
 
 
-def read_config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(the parsed config at `path`, or None; a note when one is there but unusable). Opened without following
+def _read_config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the parsed config at `path`, or None; why, when one is there but unusable). Opened without following
     a symlink and never blocking (a FIFO named config.json is not read)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None, None
     except OSError as exc:
-        return None, f"{CONFIG_NAME} beside it not used: {exc.strerror or exc}"
+        return None, exc.strerror or str(exc)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            return None, f"{CONFIG_NAME} beside it not used: not a regular file"
+            return None, "not a regular file"
         if info.st_size > MAX_CONFIG_BYTES:
-            return None, f"{CONFIG_NAME} beside it not used: larger than {MAX_CONFIG_BYTES} bytes"
+            return None, f"larger than {MAX_CONFIG_BYTES} bytes"
         data = os.read(fd, MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        return None, f"{CONFIG_NAME} beside it not used: {exc.strerror or exc}"
+        return None, exc.strerror or str(exc)
     finally:
         os.close(fd)
     return _parse_config(data)
@@ -111,9 +116,9 @@ def _parse_config(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
     try:
         config = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        return None, f"{CONFIG_NAME} beside it not used: not JSON ({' '.join(str(exc).split())[:120]})"
+        return None, f"not JSON ({' '.join(str(exc).split())[:120]})"
     if not isinstance(config, dict):
-        return None, f"{CONFIG_NAME} beside it not used: not a JSON object"
+        return None, "not a JSON object"
     if "model_type" not in config and "architectures" not in config:
         return None, None  # some other tool's config: says nothing about the model
     return config, None
