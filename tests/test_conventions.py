@@ -196,6 +196,32 @@ def test_with_the_flag_the_names_a_burn_vec_expects_and_back_bit_exact(mlp: Path
     back = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "back.safetensors")
     assert back.returncode == 0, back.stderr
     assert read_safetensors(tmp_path / "back.safetensors").tensors == source
+    assert "--map-indices-contiguous" not in back.stdout  # PyTorch's Sequential has its gaps: nothing to say
+
+
+def test_a_renamed_bpk_keeps_its_names_in_burns_layout_and_the_way_back_still_restores_them(
+    mlp: Path, tmp_path: Path
+) -> None:
+    """A .bpk whose indices syncd made contiguous, converted again but not to PyTorch's layout (cast, a
+    container change, remap rules): the output has the file's names, which Burn loads, not the gaps back."""
+    assert run_cli("convert", mlp, "-o", tmp_path / "mlp.bpk", "--map-indices-contiguous").returncode == 0
+    burn = read_bpk(tmp_path / "mlp.bpk").tensors
+    source = read_safetensors(mlp).tensors
+    cast = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "half.bpk", "--precision", "f16")
+    kept = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "kept.safetensors", "--layout", "keep")
+    moved = run_cli("convert", tmp_path / "mlp.bpk", "-o", tmp_path / "moved.bpk", "--remap", r"^fc\.=layers.")
+    for done in (cast, kept, moved):
+        assert done.returncode == 0, done.stderr
+        assert "note:" not in done.stdout, done.stdout  # the rule matched the file's names; no gaps
+    assert sorted(read_bpk(tmp_path / "half.bpk").tensors) == sorted(burn)
+    assert read_safetensors(tmp_path / "kept.safetensors").tensors == burn
+    assert read_bpk(tmp_path / "moved.bpk").tensors == {f"layers.{k[3:]}": v for k, v in burn.items()}
+    for name in ("half.bpk", "kept.safetensors", "moved.bpk"):  # each way back gives the PyTorch names again
+        layout = ["--layout", "burn"] if name.endswith(".safetensors") else []
+        back = run_cli("convert", tmp_path / name, "-o", tmp_path / f"{name}.back.safetensors", *layout)
+        assert back.returncode == 0, back.stderr
+        assert sorted(read_safetensors(tmp_path / f"{name}.back.safetensors").tensors) == sorted(source)
+    assert read_safetensors(tmp_path / "moved.bpk.back.safetensors").tensors == source
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_remap_on_the_source_names_then_the_adapter_and_undone_before_planning_b
     converted = [TensorRef(e.target, "F32", e.shape) for e in applied.entries]
     back_refs, real = undo_renames(converted, applied.renames)
     back = plan_conversion(back_refs, to_layout="pytorch", module_map=ModuleMap.from_dict(LLAMA_MODULES, source="t"))
-    final = apply_options(back, back_refs, real, StoreOptions())
+    final = apply_options(back, back_refs, real, StoreOptions(), to_layout="pytorch")
     assert {e.target for e in final.entries} == {r.name for r in refs}
     assert final.restored["layers.1.attention_norm.gamma"] == "model.layers.1.input_layernorm.gamma"
 

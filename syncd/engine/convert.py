@@ -358,7 +358,7 @@ def _adapt(
         )
         restoring = list(carried.dropped) if to_layout == PYTORCH else []
         options = request.store.for_conversion(source.header.format, target.format.name)
-        store = apply_options(adapted, refs, real, options, restoring)
+        store = apply_options(adapted, refs, real, options, restoring, to_layout)
     except SyncdError as exc:
         raise _naming_file(exc, source.path) from None
     return _with_store(adapted, store), store

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import eq
 
-from syncd.adapters import AdapterPlan, PlanEntry, TensorRef
+from syncd.adapters import BURN, PYTORCH, AdapterPlan, PlanEntry, TensorRef
 from syncd.adapters.keys import RemapRule, TensorFilter, apply_rules, check_unique, contiguous_indices, invert, renames
 from syncd.adapters.precision import plan_casts
 from syncd.errors import SyncdError
@@ -92,25 +92,31 @@ def apply_options(
     real: dict[str, str],
     options: StoreOptions,
     restoring: Sequence[str] = (),
+    to_layout: str = BURN,
 ) -> StorePlan:
     """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`).
     `restoring`: tensors a .bpk carried that are written back (BatchNorm counters): the rules move them with
-    their module."""
+    their module. `to_layout`: the output's; only PyTorch's is given back the original names of what a syncd
+    output carried renames of: elsewhere they stay as the file has them (what Burn loads), the record passed on
+    for the way back."""
     kept, excluded = _filtered(plan.entries, real, options.tensors)
     left_out = list(dict.fromkeys(real[name] for e in excluded for name in e.sources))
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
-    carried = [PlanEntry(name, name, False, ()) for name in restoring]
-    final = final_names([*kept, *carried], options)
     casts = {}
     if options.precision is not None:
         wanted = {name for e in kept for name in e.sources}
         by_name = [r for r in refs if r.name in wanted]
         planned = plan_casts(by_name, plan.kinds, options.precision, plan.packed)
         casts = {real[name]: dtype for name, dtype in planned.items()}
-    targets = [e.target for e in kept]
     # (names kept as they are, the common case, told in C: these run over every tensor)
     real_as_is = all(map(eq, real.keys(), real.values()))
+    gaps = to_layout == BURN  # (only a Burn Vec wants indices 0..n-1: PyTorch's Sequential has gaps of its own)
+    if to_layout != PYTORCH and not real_as_is:
+        return _keeping_file_names(kept, real, options, dropped, left_out, casts, gaps)
+    carried = [PlanEntry(name, name, False, ()) for name in restoring]
+    final = final_names([*kept, *carried], options)
+    targets = [e.target for e in kept]
     as_planned = all(map(eq, map(final.__getitem__, targets), targets)) and real_as_is
     return StorePlan(
         entries=kept if as_planned else [_with_real_sources(e, real, final[e.target]) for e in kept],
@@ -120,8 +126,49 @@ def apply_options(
         casts=casts,
         renames={} if all(map(eq, final.keys(), final.values())) else renames(final),
         restored={} if real_as_is else {name: original for original, name in real.items() if name != original},
-        notes=_rule_notes(kept, options) + _gap_notes(final.values(), options),
+        notes=_rule_notes(kept, options) + (_gap_notes(final.values(), options) if gaps else []),
     )
+
+
+def _keeping_file_names(
+    kept: list[PlanEntry],
+    real: dict[str, str],
+    options: StoreOptions,
+    dropped: list[str],
+    left_out: list[str],
+    casts: dict[str, str],
+    gaps: bool,
+) -> StorePlan:
+    """apply_options' renaming where the carried renames are not undone: each entry under the file's name for
+    it (its module where the file has it), the rules and contiguous indices on those, as on any file's names;
+    the record the output carries takes each final name back to the original one."""
+    moved = {
+        original.rpartition(".")[0]: name.rpartition(".")[0]
+        for original, name in real.items()
+        if original != name and "." in original
+    }
+    in_file = [
+        _with_real_sources(entry, real, real[entry.target] if entry.target == entry.source else _moved(entry, moved))
+        for entry in kept
+    ]
+    original_of = {entry.target: planned.target for entry, planned in zip(in_file, kept, strict=True)}
+    final = final_names(in_file, options)
+    return StorePlan(
+        entries=[entry._replace(target=final[entry.target]) for entry in in_file],
+        dropped=dropped,
+        left_out=left_out,
+        casts=casts,
+        renames={final[name]: original for name, original in original_of.items() if final[name] != original},
+        restored={},
+        notes=_rule_notes(in_file, options) + (_gap_notes(final.values(), options) if gaps else []),
+    )
+
+
+def _moved(entry: PlanEntry, modules: dict[str, str]) -> str:
+    """The target of an entry the adapter renamed, in the module where the file has its source (the leaf the
+    adapter gave it kept: `module.1.weight` -> `module.1.gamma` in a file whose module is `1`: `1.gamma`)."""
+    module, dot, leaf = entry.target.rpartition(".")
+    return f"{modules[module]}{dot}{leaf}" if module in modules else entry.target
 
 
 def _filtered(
