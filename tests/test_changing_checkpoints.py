@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from convcheck import read_bpk
 from daemonutil import DaemonRun, scratch_files
 from safetensors.torch import load_file, save_file
 
 from syncd.daemon.config import Watch
+from syncd.daemon.readiness import INCOMPLETE_GRACE_SECONDS
 from syncd.daemon.state import StateDB
 from syncd.daemon.statuses import Status
 from syncd.daemon.sync import Syncer
@@ -320,6 +322,82 @@ def test_a_set_saved_again_in_fewer_shards_is_waited_for_quietly(tmp_path: Path)
     tiny_llama(1).save_pretrained(index.parent, max_shard_size="70KB")  # the save done: the new index last
     assert len(set(json.loads(index.read_text())["weight_map"].values())) == 2
     assert syncer.process(watch, index, closed=True).status is Status.UPDATED
+
+
+def _shards(index: Path) -> list[Path]:
+    return sorted(index.parent / name for name in set(json.loads(index.read_text())["weight_map"].values()))
+
+
+def _aged(path: Path, seconds: float) -> None:
+    """The file as last written `seconds` ago (how long a writer has left it)."""
+    when = time.time() - seconds
+    os.utime(path, (when, when))
+
+
+def test_a_save_begun_before_the_earlier_one_was_converted_is_waited_for_until_its_index(tmp_path: Path) -> None:
+    """The next save_pretrained began (its first shard written) before the daemon converted the one before,
+    whose index is still there: converted then, the output was the new shard with the earlier save's others,
+    a model no save ever held, logged as a plain `converted`."""
+    from hfsets import save_llama
+
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    index = save_llama(watch.path / "llama", sharded=True, seed=0)
+    following = save_llama(tmp_path / "following", sharded=True, seed=1)
+    for shard in _shards(index):
+        _aged(shard, 301)
+    _aged(index, 300)  # written after its shards, as save_pretrained does
+    first = _shards(index)[0]
+    shutil.copyfile(following.parent / first.name, first)  # the next save's first shard; the others to come
+    waiting = syncer.process(watch, index, closed=True)
+    assert waiting.status is None and waiting.retry_in is not None
+    assert not (index.parent / "model.bpk").exists() and not log.exists()
+    for shard in _shards(index)[1:]:
+        shutil.copyfile(following.parent / shard.name, shard)
+    shutil.copyfile(following, index)  # the index last: the save committed
+    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
+    expected = convert(ConvertRequest(source=following, dest=tmp_path / "expected.bpk", within=tmp_path))
+    assert read_bpk(index.parent / "model.bpk").tensors == read_bpk(expected.dest).tensors
+
+
+def test_a_converted_set_whose_shards_change_without_its_index_waits_for_it_however_long(tmp_path: Path) -> None:
+    """A set saved again shard by shard, a shard a minute after the one before (a slow link): past a minute of
+    quiet it was converted, new shards with old; now the index is waited for, said once, and `touch` on it
+    (a shard edited alone) converts the set as it is."""
+    from hfsets import save_llama
+
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    index = save_llama(watch.path / "llama", sharded=True, seed=0)
+    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
+    following = save_llama(tmp_path / "following", sharded=True, seed=1)
+    for shard in _shards(index):
+        _aged(shard, 601)
+    _aged(index, 600)
+    first = _shards(index)[0]
+    shutil.copyfile(following.parent / first.name, first)
+    _aged(first, 2 * INCOMPLETE_GRACE_SECONDS)  # the next shard is long in coming
+    for _ in range(2):
+        waiting = syncer.process(watch, index, closed=True)
+        assert waiting.status is None and waiting.retry_in is not None
+    said = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["status"] for r in said] == ["converted", "warning"]
+    assert "`touch` the index" in said[1]["reason"]
+    index.touch()  # the shard was edited alone: the set as it is now
+    assert syncer.process(watch, index, closed=True).status is Status.UPDATED
+
+
+def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -> None:
+    """Every shard newer than an index never converted: a copy that put the index first, not a save under way."""
+    from hfsets import save_llama
+
+    syncer, _ = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    index = save_llama(watch.path / "llama", sharded=True)
+    _aged(index, 300)
+    for shard in _shards(index):
+        _aged(shard, 200)
+    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
 
 
 def test_a_set_that_does_not_read_is_refused_once_not_retried_as_changing(tmp_path: Path) -> None:

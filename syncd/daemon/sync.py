@@ -138,6 +138,8 @@ class Syncer:
         self._set_locks_guard = threading.Lock()
         self._index_files = IndexFiles()  # each index parsed once per version, not on every event beside it
         self._missing: dict[Path, int] = {}  # a set's index -> looks while a shard it lists is not there
+        # a set's index -> looks while it waits for its index to be written again (-1: said so, after the grace)
+        self._uncommitted_looks: dict[Path, int] = {}
         # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
         self.shared: frozenset[Path] = frozenset()
         self.claim_retry_max = DEFAULT_CLUSTER_POLL_INTERVAL
@@ -227,7 +229,8 @@ class Syncer:
         self._missing.pop(index, None)
         present = [st for st in stats if st is not None]  # (all of them: none is missing)
         if self._saving_again(index, present):
-            return later(self.readiness.busy_retry)
+            return self._uncommitted(watch, index, present)
+        self._uncommitted_looks.pop(index, None)
         wait = self.readiness.set_wait(watch.path, index, stats, closed)
         if wait > 0:
             return later(wait)
@@ -240,17 +243,39 @@ class Syncer:
         return self._convert(watch, index, version, dest, _set_format(index), finished=True)
 
     def _saving_again(self, index: Path, stats: list[os.stat_result]) -> bool:
-        """The set is being saved again, shard by shard: a shard changed after the index this daemon converted
-        the set with, and the index not written since. save_pretrained writes the index, the commit point,
-        last; converted before it, the set would be new shards with old ones, a model no save ever held. (A
-        set copied in index first is not waited for: its index is new. A shard edited alone is converted once
-        the set has been left INCOMPLETE_GRACE_SECONDS.)"""
+        """The set is being saved again, shard by shard: shards written after the index, and the index not
+        written since. save_pretrained writes the index, the commit point, last; converted before it, the set
+        would be new shards with old ones, a model no save ever held. Told apart from a set copied in index
+        first (every shard newer than an index never converted: converted once settled) by the index this
+        daemon converted the set with, or by shards older than the index beside the newer ones (the earlier
+        save's, not yet written again). However long the save takes: a shard copied in a minute after the one
+        before (a slow link) or a save begun before the earlier one was converted made such a mix, published."""
         info = stats[0]
-        if not any(st.st_mtime_ns > info.st_mtime_ns for st in stats[1:]):
+        newer = [st.st_mtime_ns > info.st_mtime_ns for st in stats[1:]]
+        if not any(newer):
             return False
-        if not self._converted_as_it_is(index, info):
-            return False  # an index written since the last conversion (or never converted): the commit is there
-        return min(self.readiness.age(None, index, st) for st in stats) < INCOMPLETE_GRACE_SECONDS
+        return not all(newer) or self._converted_as_it_is(index, info)
+
+    def _uncommitted(self, watch: Watch, index: Path, stats: list[os.stat_result]) -> Outcome:
+        """A set saved again whose index is not written yet: waited for with backoff (the index's event brings
+        it back at once). Left so for INCOMPLETE_GRACE_SECONDS, it is said once, with the way to convert it as
+        it is: a shard edited alone, without its index, is the one case that is not a save under way."""
+        looks = self._uncommitted_looks.get(index, 0)
+        quiet = min(self.readiness.age(None, index, st) for st in stats)
+        if quiet >= INCOMPLETE_GRACE_SECONDS and looks >= 0:
+            self._warn(
+                watch.path,
+                index,
+                "shards written after this index and the index not written since: a save under way, waited for "
+                "(save_pretrained writes the index last); a shard edited alone: `touch` the index to convert the "
+                "set as it is",
+            )
+            looks = -1  # said: no more lines until the set leaves this state
+        if len(self._uncommitted_looks) > 10_000:
+            self._uncommitted_looks.clear()
+        self._uncommitted_looks[index] = looks + 1 if looks >= 0 else looks
+        backoff = min(INCOMPLETE_MAX_RETRY, INCOMPLETE_FIRST_RETRY * 2.0 ** max(looks, 0))
+        return later(backoff if looks >= 0 else INCOMPLETE_MAX_RETRY)
 
     def _converted_as_it_is(self, index: Path, info: os.stat_result) -> bool:
         """The index is the one this daemon converted the set with, not written since. (Shards it lists that
