@@ -54,6 +54,14 @@ def one_line(text: object) -> str:
     return str(text).translate(_LINE_BREAKS)
 
 
+def yaml_problem(exc: Exception) -> tuple[int | None, str]:
+    """(the line, what is wrong) of a PyYAML error, whose own text runs over several lines with a copy of the
+    offending line and a caret under it."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    what = getattr(exc, "problem", None) or getattr(exc, "context", None) or exc
+    return (mark.line + 1 if mark is not None else None), one_line(what)
+
+
 class SyncdError(Exception):
     """Base of every error syncd reports to a user (never shown as a traceback)."""
 

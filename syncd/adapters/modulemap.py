@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncd.adapters.model import LAYOUTS, MAP_KINDS
-from syncd.errors import ConfigError, one_line
+from syncd.errors import ConfigError, yaml_problem
 
 _GLOB_CHARS = frozenset("*?[")
 _TOP_LEVEL_KEYS = ("modules", "layout")
@@ -73,7 +73,9 @@ class ModuleMap:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"not valid YAML: {one_line(exc)}", source) from exc
+            line, problem = yaml_problem(exc)
+            where = f" at line {line}" if line is not None else ""
+            raise ConfigError(f"invalid YAML{where}: {problem}", source) from exc
         return cls.from_dict(data, source=source)
 
     @classmethod

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from syncd.errors import ConfigError
+from syncd.errors import ConfigError, yaml_problem
 
 MISSING = object()  # `Section.raw` of a key that is not there
 
@@ -116,13 +116,9 @@ class YamlFile:
         self._loader = yaml.SafeLoader(text)
         try:
             root = self._loader.get_single_node()
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line = mark.line + 1 if mark is not None else None
-            self.problems.append(Problem(self.name, line, None, f"invalid YAML: {exc.problem or exc.context}"))
-            return None
         except yaml.YAMLError as exc:
-            self.problem(None, None, f"invalid YAML: {exc}")
+            line, problem = yaml_problem(exc)
+            self.problems.append(Problem(self.name, line, None, f"invalid YAML: {problem}"))
             return None
         if root is None:
             if not empty_ok:
