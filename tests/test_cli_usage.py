@@ -66,6 +66,9 @@ def test_help_lists_the_exit_statuses() -> None:
         assert "exit status:" in shown.stdout
         for code in ("0 ", "1 ", "2 ", "3 "):
             assert f"\n  {code}" in shown.stdout, shown.stdout
+    daemon = run_cli("run", "--help").stdout  # the daemon's own: it ends 0 on SIGTERM and Ctrl-C, never 130/143
+    statuses = daemon.split("exit status:")[1]
+    assert "\n  0    stopped by SIGTERM" in statuses and "\n  2 " in statuses and "130" not in statuses
 
 
 def test_every_argument_of_run_and_convert_says_what_it_is() -> None:
@@ -126,6 +129,8 @@ def test_retry_without_paths_is_one_usage_line(tmp_path: Path) -> None:
     config = _config(tmp_path)
     line = assert_one_line_error(run_cli("retry", "-c", config), 2, "give the PATHs", "--all-failed")
     assert line.startswith("syncd: retry: ") and "syncd: syncd" not in line
+    both = assert_one_line_error(run_cli("retry", "-c", config, "--all-failed", tmp_path / "x"), 2, "not both")
+    assert both.startswith("syncd: retry: give PATHs or --all-failed")
 
 
 def test_retry_of_a_file_the_daemon_does_not_know_says_so(tmp_path: Path) -> None:

@@ -335,7 +335,9 @@ def test_a_top_level_key_is_taken_as_asked_and_a_missing_one_is_refused(tmp_path
     assert "not converted: model (6 tensors), step (int 10)" in proc.stdout
     assert_safetensors_equal(out, model.state_dict())
     line = assert_one_line_error(run_cli("convert", source, "--top-level-key", "opt"), 1, str(source))
-    assert "top-level key 'opt' is not a dict in this file (its keys: 'ema', 'model', 'step')" in line
+    assert "top-level key 'opt' is not in this file (its keys: 'ema', 'model', 'step')" in line
+    line = assert_one_line_error(run_cli("convert", source, "--top-level-key", "step"), 1, str(source))
+    assert "top-level key 'step' is not a dict in this file" in line
     with open_checkpoint(source) as reader:  # without the key: the one usual key that holds tensors
         assert reader.header.facts["top_level_key"] == "model"
         assert reader.header.facts["left"] == ["ema (6 tensors)", "step (int 10)"]

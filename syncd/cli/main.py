@@ -33,6 +33,10 @@ EXIT_CODES = """exit status:
   3    the destination already exists (convert without --overwrite)
   130  interrupted (Ctrl-C)
   143  terminated (SIGTERM); like Ctrl-C, it leaves no scratch file"""
+RUN_EXIT_CODES = """exit status:
+  0    stopped by SIGTERM or Ctrl-C (work in flight finished, or abandoned leaving no scratch file)
+  1    could not start (the state directory or a watched tree is another daemon's, a setting cannot be used)
+  2    the configuration is not valid (the shipped units do not restart on it: RestartPreventExitStatus=2)"""
 SHOWN_CARRIED = 3  # carried tensors listed by name without -v
 
 
@@ -66,7 +70,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     inspect.add_argument("--hash", action="store_true", help="add a sha256 per tensor")
     inspect.add_argument("--top-level-key", metavar="KEY", help="a PyTorch checkpoint's key holding the tensors")
 
-    run = _add_command(commands, "run", help="run the daemon")
+    run = _add_command(commands, "run", help="run the daemon", epilog=RUN_EXIT_CODES)
     run.add_argument("-c", "--config", type=Path, required=True, help="the daemon's YAML configuration file")
 
     status = _add_command(commands, "status", help="what the running daemon does now, what waits, what failed")
@@ -108,9 +112,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _add_command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """A subcommand whose --help ends with the exit statuses."""
+    """A subcommand whose --help ends with the exit statuses (the one-shot commands' unless `epilog` says)."""
+    kwargs.setdefault("epilog", EXIT_CODES)
     parser: argparse.ArgumentParser = commands.add_parser(
-        name, epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+        name, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
     )
     return parser
 
@@ -123,7 +128,8 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     convert.add_argument(
         "source",
         type=Path,
-        help="the checkpoint to convert: a .bpk or .safetensors file, or a sharded set's index or directory",
+        help="the checkpoint to convert: a .bpk or .safetensors file, a PyTorch .pt/.pth/.bin, or a sharded set's "
+        "index or directory",
     )
     convert.add_argument(
         "-o", "--output", type=_output_path, help="destination (default: SOURCE with the other extension)"

@@ -17,7 +17,9 @@ def run_retry(config_path: Path, paths: list[Path], *, all_failed: bool, adopt: 
         if all_failed:
             raise UsageError("retry: --adopt takes PATHs or nothing, not --all-failed (see syncd retry --help)")
         return _run_adoption(config_path, paths)
-    if bool(paths) == all_failed:
+    if paths and all_failed:
+        raise UsageError("retry: give PATHs or --all-failed, not both (see syncd retry --help)")
+    if not paths and not all_failed:
         raise UsageError("retry: give the PATHs to look at again, or --all-failed (see syncd retry --help)")
     request = request_retry(config_path, paths or None)
     count = len(request.marked)

@@ -1178,7 +1178,8 @@ def find_tensors(root: Any, top_level_key: str | None, path: str) -> Found:
     if top_level_key is not None:
         if not isinstance(root.get(top_level_key), dict):
             keys = ", ".join(_shown(k) for k in list(root)[:10])
-            raise FormatError(f"top-level key {top_level_key!r} is not a dict in this file (its keys: {keys})", path)
+            what = "is not a dict" if top_level_key in root else "is not"
+            raise FormatError(f"top-level key {top_level_key!r} {what} in this file (its keys: {keys})", path)
         found.taken, found.taken_by = top_level_key, "asked"
     else:
         holding = [k for k in USUAL_KEYS if isinstance(root.get(k), dict) and _count_tensors(root[k], found, path)]
