@@ -81,6 +81,11 @@ def test_casts_pick_half_precision_kinds() -> None:
     refs = llama_table()
     applied = apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, StoreOptions(precision="bf16"))
     assert set(applied.casts) == {r.name for r in refs} and set(applied.casts.values()) == {"BF16"}
+    assert applied.notes == []
+    half = [TensorRef(r.name, "BF16", r.shape) for r in refs]  # f16 asked of a BF16 file: nothing is F32
+    applied = apply_options(plan_to_burn(half), half, {r.name: r.name for r in half}, StoreOptions(precision="f16"))
+    assert applied.casts == {}
+    assert [note.split(":")[:2] for note in applied.notes] == [["note", " --precision f16 cast no tensor"]]
 
 
 def test_contiguous_indices_on_a_sequential() -> None:

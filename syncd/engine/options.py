@@ -104,16 +104,19 @@ def apply_options(
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
     casts = {}
+    notes: list[str] = []
     if options.precision is not None:
         wanted = {name for e in kept for name in e.sources}
         by_name = [r for r in refs if r.name in wanted]
         planned = plan_casts(by_name, plan.kinds, options.precision, plan.packed)
         casts = {real[name]: dtype for name, dtype in planned.items()}
+        if not casts:
+            notes.append(_nothing_cast(options.precision))
     # (names kept as they are, the common case, told in C: these run over every tensor)
     real_as_is = all(map(eq, real.keys(), real.values()))
     gaps = to_layout == BURN  # (only a Burn Vec wants indices 0..n-1: PyTorch's Sequential has gaps of its own)
     if to_layout != PYTORCH and not real_as_is:
-        return _keeping_file_names(kept, real, options, dropped, left_out, casts, gaps)
+        return _keeping_file_names(kept, real, options, dropped, left_out, casts, gaps, notes)
     carried = [PlanEntry(name, name, False, ()) for name in restoring]
     final = final_names([*kept, *carried], options)
     targets = [e.target for e in kept]
@@ -126,7 +129,7 @@ def apply_options(
         casts=casts,
         renames={} if all(map(eq, final.keys(), final.values())) else renames(final),
         restored={} if real_as_is else {name: original for original, name in real.items() if name != original},
-        notes=_rule_notes(kept, options) + (_gap_notes(final.values(), options) if gaps else []),
+        notes=notes + _rule_notes(kept, options) + (_gap_notes(final.values(), options) if gaps else []),
     )
 
 
@@ -138,6 +141,7 @@ def _keeping_file_names(
     left_out: list[str],
     casts: dict[str, str],
     gaps: bool,
+    notes: list[str],
 ) -> StorePlan:
     """apply_options' renaming where the carried renames are not undone: each entry under the file's name for
     it (its module where the file has it), the rules and contiguous indices on those, as on any file's names;
@@ -160,7 +164,17 @@ def _keeping_file_names(
         casts=casts,
         renames={final[name]: original for name, original in original_of.items() if final[name] != original},
         restored={},
-        notes=_rule_notes(in_file, options) + (_gap_notes(final.values(), options) if gaps else []),
+        notes=notes + _rule_notes(in_file, options) + (_gap_notes(final.values(), options) if gaps else []),
+    )
+
+
+def _nothing_cast(precision: str) -> str:
+    """--precision that found nothing to cast: as Burn's HalfPrecisionAdapter, f16/bf16 cast F32 tensors only
+    (a BF16 file asked for f16 stays BF16), f32 casts F16 and BF16 ones."""
+    casts = "F16 and BF16" if precision == "f32" else "F32"
+    return (
+        f"note: --precision {precision} cast no tensor: it casts the {casts} tensors of the modules Burn's "
+        "HalfPrecisionAdapter casts (Linear, Embedding, convolutions, norms but BatchNorm), and this file has none"
     )
 
 
