@@ -131,7 +131,7 @@ def _set_missing_a_shard(runs: Path, age: float = 0.0) -> tuple[Path, Path]:
     aside = runs.parent / "aside.safetensors"
     os.rename(shard, aside)
     if age:
-        for path in index.parent.iterdir():
+        for path in [*index.parent.iterdir(), aside]:  # (the one set aside too: it is of the same save)
             past = os.stat(path).st_mtime - age
             os.utime(path, (past, past))
     return index, aside
@@ -388,7 +388,8 @@ def test_a_converted_set_whose_shards_change_without_its_index_waits_for_it_howe
 
 
 def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -> None:
-    """Every shard newer than an index never converted: a copy that put the index first, not a save under way."""
+    """Every shard newer than an index never converted: a copy that put the index first, not a save under way.
+    Some older and some newer: a download in any order, converted once left a minute."""
     from hfsets import save_llama
 
     syncer, _ = _syncer(tmp_path)
@@ -398,6 +399,13 @@ def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -
     for shard in _shards(index):
         _aged(shard, 200)
     assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
+    downloaded = save_llama(watch.path / "downloaded", sharded=True)
+    first, *others = _shards(downloaded)
+    _aged(first, 2 * INCOMPLETE_GRACE_SECONDS + 1)
+    _aged(downloaded, 2 * INCOMPLETE_GRACE_SECONDS)
+    for shard in others:
+        _aged(shard, INCOMPLETE_GRACE_SECONDS + 1)
+    assert syncer.process(watch, downloaded, closed=True).status is Status.CONVERTED
 
 
 def test_a_set_that_does_not_read_is_refused_once_not_retried_as_changing(tmp_path: Path) -> None:

@@ -245,16 +245,22 @@ class Syncer:
     def _saving_again(self, index: Path, stats: list[os.stat_result]) -> bool:
         """The set is being saved again, shard by shard: shards written after the index, and the index not
         written since. save_pretrained writes the index, the commit point, last; converted before it, the set
-        would be new shards with old ones, a model no save ever held. Told apart from a set copied in index
-        first (every shard newer than an index never converted: converted once settled) by the index this
-        daemon converted the set with, or by shards older than the index beside the newer ones (the earlier
-        save's, not yet written again). However long the save takes: a shard copied in a minute after the one
-        before (a slow link) or a save begun before the earlier one was converted made such a mix, published."""
+        would be new shards with old ones, a model no save ever held.
+        - After the index this daemon converted the set with, for as long as it takes (a shard copied a minute
+          after the one before, over a slow link, was published beside the earlier save's).
+        - After an index never converted, beside shards older than it (the next save begun before the earlier
+          one was converted), until the set has been left INCOMPLETE_GRACE_SECONDS: a set downloaded with its
+          files in any order looks the same, and is converted then.
+        - Every shard newer than an index never converted is a set copied in index first: not waited for."""
         info = stats[0]
         newer = [st.st_mtime_ns > info.st_mtime_ns for st in stats[1:]]
         if not any(newer):
             return False
-        return not all(newer) or self._converted_as_it_is(index, info)
+        if self._converted_as_it_is(index, info):
+            return True
+        if all(newer):
+            return False
+        return min(self.readiness.age(None, index, st) for st in stats) < INCOMPLETE_GRACE_SECONDS
 
     def _uncommitted(self, watch: Watch, index: Path, stats: list[os.stat_result]) -> Outcome:
         """A set saved again whose index is not written yet: waited for with backoff (the index's event brings
