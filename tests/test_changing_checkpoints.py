@@ -4,13 +4,15 @@ lists a shard that does not arrive."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -406,6 +408,52 @@ def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -
     for shard in others:
         _aged(shard, INCOMPLETE_GRACE_SECONDS + 1)
     assert syncer.process(watch, downloaded, closed=True).status is Status.CONVERTED
+
+
+@pytest.fixture
+def full_state_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs for the state database, filled up after the database is made (needs root, which we have)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def _fill(directory: Path) -> Path:
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    with contextlib.suppress(OSError):  # ENOSPC: full
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    return filler
+
+
+@pytest.mark.root
+def test_a_full_state_disk_is_said_once_while_it_lasts_and_each_file_backs_off(
+    tmp_path: Path, full_state_fs: Path
+) -> None:
+    """Every file waiting said "state database: database or disk is full" every 5 s: 1,200 lines a minute for
+    100 files, pushing the sync log's history out. Once while it lasts now, each file retried with backoff."""
+    log = tmp_path / "sync.log.jsonl"
+    syncer = Syncer(StateDB(full_state_fs / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+    watch = Watch(path=tmp_path / "runs")
+    sources = [_saved_in(watch.path / f"run{i}") for i in range(3)]
+    filler = _fill(full_state_fs)
+    outcomes = [syncer.process(watch, source, closed=True) for source in sources for _ in range(3)]
+    assert {outcome.status for outcome in outcomes} == {Status.ERROR}
+    assert [outcome.retry_in for outcome in outcomes[:3]] == [5.0, 10.0, 20.0]  # one file's looks, backing off
+    said = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["status"] for r in said] == ["error"] and "disk is full" in said[0]["error"]
+    filler.unlink()
+    assert syncer.process(watch, sources[0], closed=True).status is Status.CONVERTED  # it heals
+    _fill(full_state_fs)
+    assert syncer.process(watch, sources[1], closed=True).status is Status.ERROR  # a new fault: said again
+    assert [json.loads(line)["status"] for line in log.read_text().splitlines()] == ["error", "converted", "error"]
 
 
 def test_a_set_that_does_not_read_is_refused_once_not_retried_as_changing(tmp_path: Path) -> None:

@@ -138,6 +138,9 @@ class Syncer:
         self._set_locks_guard = threading.Lock()
         self._index_files = IndexFiles()  # each index parsed once per version, not on every event beside it
         self._missing: dict[Path, int] = {}  # a set's index -> looks while a shard it lists is not there
+        self._state_fault: str | None = None  # what the state database's failure says, while it lasts
+        self._state_retries: dict[Path, int] = {}  # looks at each file meanwhile (its backoff)
+        self._state_fault_lock = threading.Lock()
         # a set's index -> looks while it waits for its index to be written again (-1: said so, after the grace)
         self._uncommitted_looks: dict[Path, int] = {}
         # watches (by path) on a filesystem other nodes write to: their outputs are claimed before converting
@@ -162,14 +165,31 @@ class Syncer:
     def process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
         """Decide about `path`; a failure of the state database is logged and the path retried later."""
         try:
-            return self._process(watch, path, closed)
+            outcome = self._process(watch, path, closed)
         except SyncdError as exc:
             if exc.kind != "environment":
                 raise
-            self.synclog.log(
-                Status.ERROR, watch=str(watch.path), source=str(path), error=one_line(exc), reason="will retry"
-            )
-            return Outcome(Status.ERROR, retry_in=STATE_RETRY_SECONDS)
+            return self._state_failed(watch, path, exc)
+        if self._state_fault is not None and outcome.status is not None:  # decided, so recorded: it works again
+            with self._state_fault_lock:
+                self._state_fault = None
+                self._state_retries.clear()
+        return outcome
+
+    def _state_failed(self, watch: Watch, path: Path, exc: SyncdError) -> Outcome:
+        """The state database failing (a full or read-only disk) is the daemon's fault, not the file's: said
+        once while it lasts, each file looked at again with backoff up to a minute. (Every waiting file said it
+        every 5 s: 1,200 lines a minute for 100 files, pushing the sync log's history out.)"""
+        text = one_line(exc)
+        with self._state_fault_lock:
+            said, self._state_fault = self._state_fault == text, text
+            if len(self._state_retries) > 10_000:
+                self._state_retries.clear()
+            attempts = self._state_retries[path] = self._state_retries.get(path, 0) + 1
+        if not said:
+            reason = "will retry every file waiting, said once while it lasts"
+            self.synclog.log(Status.ERROR, watch=str(watch.path), source=str(path), error=text, reason=reason)
+        return Outcome(Status.ERROR, retry_in=min(MAX_BACKOFF_SECONDS, STATE_RETRY_SECONDS * 2.0 ** (attempts - 1)))
 
     def _process(self, watch: Watch, path: Path, closed: bool) -> Outcome:
         """One file: a candidate, present and regular, settled, not already done, nobody writing it."""
