@@ -125,7 +125,15 @@ class SyncLog:
         if self._needs_rotation(fd, len(line)):
             self._rotate()
             fd = self._current_fd()
-        _write_all(fd, line)
+        size = os.fstat(fd).st_size
+        try:
+            _write_all(fd, line)
+        except OSError:
+            # a full disk took part of the line: without it, the next line would be fused to the piece and
+            # both lost to a reader (syncd log: "skipped 1 corrupt line")
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
 
     def _close_quietly(self) -> None:
         if self._fd is not None:
@@ -161,6 +169,8 @@ class SyncLog:
             on_disk = os.stat(self.path)
         except FileNotFoundError:
             return False
+        except PermissionError:  # its directory made unreadable to us: the file we hold is all we can write
+            return True
         mine = os.fstat(fd)
         return (on_disk.st_dev, on_disk.st_ino) == (mine.st_dev, mine.st_ino)
 
