@@ -205,6 +205,45 @@ def test_running_out_of_inotify_watches_falls_back_to_polling_and_says_so(tmp_pa
         stop_cleanly(run)
 
 
+@pytest.mark.root
+def test_directories_made_past_the_inotify_watch_limit_switch_the_tree_to_polling(tmp_path: Path) -> None:
+    """The limit met by directories made while the daemon runs: watchdog skips them without a word, and their
+    files waited for the ten-minute rescan. The daemon is given a limit of its own (a user namespace's
+    max_inotify_watches, which the kernel enforces as fs.inotify.max_user_watches), so no other test's
+    watches run short."""
+    with DaemonRun(tmp_path / "d", rescan_interval=3600) as run:
+        runs = run.watch_dir()
+        for d in range(5):
+            (runs / f"sub{d}").mkdir()
+        limited = [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "sh",
+            "-c",
+            f'echo 30 > {_USER_WATCH_LIMIT}; exec "$@"',
+            "sh",
+        ]
+        run.start(wrapper=limited)
+        early = write_checkpoint(runs / "sub3" / "model.safetensors")
+        run.wait_for("converted", [early], timeout=20)
+        assert not [r for r in run.records() if "polling" in r.get("reason", "")], run.log_text()
+        for d in range(5, 60):
+            (runs / f"sub{d}").mkdir()
+        fallback = wait_until(
+            lambda: [r for r in run.records() if "polling" in r.get("reason", "")],
+            20,
+            "a sync log line about the inotify limit",
+        )
+        assert "inotify unavailable (watch limit reached" in fallback[0]["reason"], run.log_text()
+        late = write_checkpoint(runs / "sub55" / "model.safetensors")
+        run.wait_for("converted", [late], timeout=20)  # polled, not left for the rescan an hour away
+        stop_cleanly(run)
+
+
+_USER_WATCH_LIMIT = "/proc/sys/user/max_inotify_watches"
+
+
 def _peak_rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

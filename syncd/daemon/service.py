@@ -76,6 +76,7 @@ class Daemon:
         self._retry = False
         self._stuck_reported: set[tuple[str, Path]] = set()
         self._rescan: set[Path] = set()
+        self._limited: set[Path] = set()  # trees whose new directories met the inotify watch limit
         self._rescan_lock = threading.Lock()
         self._next_safety_rescan: float | None = None
         self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
@@ -129,6 +130,11 @@ class Daemon:
 
     def on_fallback(self, watch: Watch, reason: str) -> None:
         self.synclog.log(Status.ERROR, watch=str(watch.path), reason=reason)
+
+    def on_watch_limit(self, watch: Watch) -> None:
+        with self._rescan_lock:
+            self._limited.add(watch.path)
+        self._wake.set()
 
     def _walk_limit(self, directory: Path, reason: str) -> None:
         self.synclog.log(Status.SKIPPED, source=str(directory), reason=reason)
@@ -261,6 +267,7 @@ class Daemon:
                 self._retry = False
                 self._look_again()
             self._check_roots()
+            self._watch_limited()
             self._run_rescans()
             self._beat()
 
@@ -304,6 +311,16 @@ class Daemon:
                     self._unwatch(watch, "the watched tree is gone; it is watched again as soon as it is back")
                 continue
             self._rewatch(watch, now, announce=now != was)
+
+    def _watch_limited(self) -> None:
+        """Trees where a directory made since they were watched met the kernel's inotify watch limit: watched
+        anew, which falls back to polling with its `error` line, and scanned for what was saved meanwhile."""
+        with self._rescan_lock:
+            limited, self._limited = self._limited, set()
+        for watch in self.config.watches:
+            if watch.path in limited and watch.path not in self._unwatched and self.watcher is not None:
+                self.watcher.rewatch(watch)
+                self._request_rescan(watch.path)
 
     def _unwatch(self, watch: Watch, reason: str, status: Status = Status.WARNING) -> None:
         if self.watcher is not None:

@@ -92,6 +92,11 @@ class WatchListener(Protocol):
     def on_fallback(self, watch: Watch, reason: str) -> None:
         """inotify cannot serve this watch (`reason`); it is polled instead."""
 
+    def on_watch_limit(self, watch: Watch) -> None:
+        """A directory made in this inotify-watched tree could not be watched (the kernel's watch limit): the
+        tree must be watched again, from a thread of the listener's own (`Watcher.rewatch` falls back to
+        polling), and scanned."""
+
 
 class _Handler(FileSystemEventHandler):
     """Turns one watch's watchdog events into listener calls, for candidate names only.
@@ -202,6 +207,10 @@ class _OverflowReportingInotify(InotifyFD):
     def __init__(self, on_overflow: Callable[[], None]) -> None:
         super().__init__()
         self._on_overflow = on_overflow
+        # told when a directory cannot be watched for the kernel's watch limit, once the tree is watched:
+        # watchdog skips such a subdirectory made later without a word, and the files saved there waited for the
+        # ten-minute rescan (the limit met while the tree is first watched is counted there instead)
+        self.on_limit: Callable[[], None] | None = None
 
     def handle_event(self, event: InotifyEvent) -> None:
         super().handle_event(event)  # first: watches are whole again before we rescan
@@ -212,7 +221,12 @@ class _OverflowReportingInotify(InotifyFD):
         """watchdog takes a directory it may not read (EACCES) for watched, under descriptor -1, shared by
         every such directory: the second one's bookkeeping broke the reader thread, and the whole tree went
         unwatched, silently. Such a directory is refused here: not watched (the scans report it)."""
-        watch = super()._get_or_create_watch(path, mask)
+        try:
+            watch = super()._get_or_create_watch(path, mask)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC and self.on_limit is not None:
+                self.on_limit()
+            raise
         if watch.wd == -1:
             if not watch.callbacks:
                 self._watch_for_wd.pop(watch.wd, None)
@@ -227,6 +241,16 @@ class _InotifyObserver(BaseObserver):
         self._inotify = _OverflowReportingInotify(on_overflow)  # OSError when no inotify instance is left
         self._inotify.start()
         super().__init__(_QuietInotifyEmitter, inotify_fd=self._inotify, on_queued=on_queued)
+
+    def on_limit(self, told: Callable[[], None]) -> None:
+        """Tell `told`, once, when a directory made from now on cannot be watched for the watch limit."""
+        reader = self._inotify
+
+        def once() -> None:
+            reader.on_limit = None
+            told()
+
+        reader.on_limit = once
 
     def on_thread_stop(self) -> None:
         super().on_thread_stop()
@@ -294,7 +318,8 @@ class Watcher:
         cannot watch once the kernel's watch limit is reached, so we count the watches it really added."""
         before = inotify_watch_count()
         try:
-            observer = self._observe(watch, _InotifyObserver(lambda: self.listener.on_overflow(watch), self._queued))
+            inotify = _InotifyObserver(lambda: self.listener.on_overflow(watch), self._queued)
+            observer = self._observe(watch, inotify)
         except OSError as exc:  # the limit hit at the root, no inotify instances left, or no inotify here
             return exc.strerror or str(exc)
         # inotify can only watch directories we may read; those we may not are reported by the scans
@@ -305,6 +330,7 @@ class Watcher:
             self.observers.remove(observer)
             self._of_watch[watch.path].remove(observer)
             return f"watch limit reached: {added} of {wanted} directories watched (fs.inotify.max_user_watches)"
+        inotify.on_limit(lambda: self.listener.on_watch_limit(watch))
         return None
 
     def _observe(self, watch: Watch, observer: BaseObserver) -> BaseObserver:
