@@ -5,6 +5,7 @@ inotify, real signals; see daemonutil.py for the harness."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import torch
 from daemonutil import DaemonRun, mentioning, stop_cleanly, write_file
 from safetensors.torch import save
-from watchdog.events import FileClosedEvent, FileSystemEvent
+from watchdog.events import FileClosedEvent, FileSystemEvent, FileSystemEventHandler
 
 from syncd.daemon.config import load_config
 from syncd.daemon.watcher import Watcher
@@ -287,3 +288,22 @@ def test_a_polled_file_that_took_a_removed_directorys_inode_is_a_file(tmp_path: 
     inotify = _Handler(watch, told := _Told(), polled=False)  # a rename inotify saw: the writer is done
     inotify.on_any_event(FileMovedEvent(os.fspath(runs / "old.safetensors"), os.fspath(latest)))
     assert told.calls == [("file", latest, True)]
+
+
+def test_a_read_under_way_when_a_watch_is_stopped_is_no_error_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """watchdog's emitter logs "queue_events() called when the thread is inactive" at ERROR when it reads once
+    more after being stopped (a reload, a tree watched anew): a line naming no file, for nothing lost."""
+    from syncd.daemon.watcher import _InotifyObserver
+
+    observer = _InotifyObserver(lambda: None, lambda _event: None)
+    observer.schedule(FileSystemEventHandler(), os.fspath(tmp_path), recursive=True)
+    observer.start()
+    (emitter,) = observer.emitters
+    observer.stop()
+    observer.join(timeout=10)
+    with caplog.at_level(logging.DEBUG):
+        emitter.queue_events(0.01)  # what its thread does once more when the stop lands mid-read
+        logging.getLogger("watchdog.observers.inotify").error("another watchdog error")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == ["another watchdog error"]

@@ -51,6 +51,16 @@ from syncd.engine.publish import is_scratch_name
 
 log = logging.getLogger("syncd.watcher")
 
+
+def _not_a_stopped_emitters_read(record: logging.LogRecord) -> bool:
+    """watchdog's inotify emitter says "queue_events() called when the thread is inactive", at ERROR, when a
+    read was under way as we stopped it (a reload, a tree watched anew): a file or tree it does not name, and
+    nothing lost (a reload rescans). Dropped; the rest of its lines go to the journal."""
+    return "called when the thread is inactive" not in str(record.msg)
+
+
+logging.getLogger("watchdog.observers.inotify").addFilter(_not_a_stopped_emitters_read)
+
 FALLBACK_POLL_SECONDS = 2.0
 MAX_DEPTH = 64  # directory levels scanned below a watch; deeper trees are reported, not walked
 # FileAttribEvent (IN_ATTRIB, or a mode change a poll sees): a file skipped as unreadable gets looked at
