@@ -705,6 +705,33 @@ def test_a_norm_named_gamma_by_its_name_alone_never_shows_burn_layout() -> None:
     assert [e.target for e in stated.entries if "norm" in e.target] == ["attn.norm.weight", "final_norm.weight"]
 
 
+def test_weight_and_bias_names_of_a_module_of_ones_own_never_show_pytorch_layout_alone_in_a_bpk() -> None:
+    """The mirror case in Burn's own format: a Burn model with a hand-written RMSNorm whose parameter is
+    `weight` (Burn's norms say gamma) was read as PyTorch's, and its Linears went to PyTorch untransposed,
+    exit 0. Nothing else showing the layout, it is refused; `--layout burn` converts it, the module kept."""
+    table = [
+        TensorRef("fc.weight", "F32", (4, 4)),
+        TensorRef("fc.bias", "F32", (4,)),
+        TensorRef("norm.weight", "F32", (4,)),
+        TensorRef("affine.weight", "F32", (4,)),
+        TensorRef("affine.bias", "F32", (4,)),
+    ]
+    bpk = FileContext(container="burnpack")
+    with pytest.raises(LayoutAmbiguityError, match="nothing shows whether the file is in pytorch or burn"):
+        plan_conversion(table, to_layout="pytorch", context=bpk)
+    stated = plan_conversion(table, to_layout="pytorch", source_layout="burn", context=bpk)
+    assert {e.source for e in stated.entries if e.transpose} == {"fc.weight"}
+    assert {e.target for e in stated.entries} == {t.name for t in table}  # its own module's names kept
+    # in a .safetensors the names are PyTorch's, as before; in a .bpk, shapes or running stats still show it
+    assert plan_conversion(table, to_layout="burn", context=FileContext(container="safetensors")).source_layout == (
+        "pytorch"
+    )
+    biased = [*table[2:], TensorRef("head.weight", "F32", (5, 4)), TensorRef("head.bias", "F32", (5,))]
+    assert plan_conversion(biased, to_layout="burn", context=bpk).source_layout == "pytorch"
+    stats = [TensorRef(f"bn.{leaf}", "F32", (4,)) for leaf in ("weight", "bias", "running_mean", "running_var")]
+    assert plan_conversion([*stats, *table[:2]], to_layout="burn", context=bpk).source_layout == "pytorch"
+
+
 def test_a_bias_matching_dim_1_never_shows_burn_layout_alone_in_a_pytorch_container() -> None:
     """transformers' Conv1D (GPT-2's layers) keeps its weight [in, out] with a bias matching dim 1, as Burn's
     Linear does: a PyTorch .safetensors of Conv1D layers and a bias-free nn.Linear, without `format: pt`, was

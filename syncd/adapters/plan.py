@@ -79,6 +79,7 @@ _BURN_LEAVES = _BURN_NORM_LEAVES | {"alpha"}
 # FileContext.container of the formats not Burn's own (syncd/formats/registry.py); None (a table planned on
 # its own, not read from a file) counts as Burn's
 FOREIGN_FORMATS = frozenset({"safetensors", "pytorch"})
+BURNS_FORMAT = "burnpack"
 _step = functools.partial(tuple.__new__, _Step)  # _step((target, transpose))
 _DROPPED = _Step(None)
 
@@ -305,7 +306,11 @@ def _decide_layout(
         evidence.append(Evidence(_METADATA, meta, "format: pt metadata"))
     stated, origin = _stated_layout(source_layout, module_map, context)
     if stated is not None:
-        against = [e for e in evidence if e.layout != stated and not _deducible(e, stated, kinds)]
+        # (in a .bpk, a module of one's own naming its parameters weight/bias says nothing against burn)
+        mine = [
+            e for e in evidence if context.container == BURNS_FORMAT and _shown_by_pytorch_too(e, kinds, BURNS_FORMAT)
+        ]
+        against = [e for e in evidence if e.layout != stated and not _deducible(e, stated, kinds) and e not in mine]
         if against:
             raise _contradiction_error(stated, origin, against)
         return stated, f"{stated} ({origin})"
@@ -318,22 +323,7 @@ def _decide_layout(
     if len({e.layout for e in decided}) > 1:
         raise _conflict_error(evidence, evidence, kinds)
     if not decided and conventional:
-        shown = ", ".join(_label(e.module) for e in conventional[:_LIST_LIMIT])
-        what = " and ".join(
-            text
-            for text, kept in (
-                (
-                    "a PyTorch module may name its parameters gamma, beta or alpha too",
-                    any(e.strong for e in conventional),
-                ),
-                ("transformers' Conv1D keeps its weight [in, out] too", any(not e.strong for e in conventional)),
-            )
-            if kept
-        )
-        return None, (
-            f"{NEUTRAL} (only what a PyTorch file shows too points to burn, in {shown}: in a "
-            f"{context.container or 'file'} that is not Burn's own format, {what})"
-        )
+        return None, _conventional_note(conventional, context.container)
     if not decided:
         return None, f"{NEUTRAL} (nothing in the file shows a layout)"
     layout = decided[0].layout
@@ -347,23 +337,53 @@ _METADATA = "(metadata)"
 
 
 def _shown_by_pytorch_too(evidence: Evidence, kinds: dict[str, ModuleKind], container: str | None) -> bool:
-    """Evidence of burn layout that a PyTorch file shows as well, in a file not in Burn's own format:
+    """Evidence of one layout that a file of the other shows as well, by the file's format:
 
+    In a file not in Burn's own format, evidence of burn layout:
     * Burn's parameter names (`gamma`, `beta`, `alpha`) of a module whose kind its tensors or its name
       suggest: Burn's norm or PRelu, or a PyTorch module of its own that names its parameters so
       (x-transformers' RMSNorm `gamma`, a LayerNorm with `gamma`/`beta`, a Snake activation's `alpha`);
     * a bias matching dim 1 of a weight its shapes alone call a Linear: Burn's Linear, or transformers'
       Conv1D (GPT-2's layers), which a PyTorch file keeps [in, out] too.
+    In a .bpk, evidence of pytorch layout by names: `weight`/`bias` of a module whose kind its tensors or its
+    name suggest, which a Burn module of one's own may name so (an RMSNorm written by hand); Burn's norms say
+    gamma/beta, but its store may also save PyTorch's layout (BurnToPyTorchAdapter).
 
-    Such evidence agrees with the file's layout or is outranked, but never shows it alone: a PyTorch file
-    read as Burn's keeps every Linear untransposed, exit 0. In a .bpk, written by Burn, it is Burn's."""
+    Such evidence agrees with the file's layout or is outranked, but never shows it alone: a file read in the
+    other layout keeps every Linear untransposed, exit 0. (Running stats beside the names: a BatchNorm, whose
+    names each side spells its own way, and PyTorch's alone counts its batches.)"""
     kind = kinds.get(evidence.module)
-    if container not in FOREIGN_FORMATS or evidence.layout != BURN or kind is None:
+    if kind is None or kind.kind == BATCH_NORM:
+        return False
+    if container == BURNS_FORMAT:
+        return evidence.layout == PYTORCH and evidence.strong and kind.by in (BY_NAME, BY_SHAPE)
+    if container not in FOREIGN_FORMATS or evidence.layout != BURN:
         return False
     if not evidence.strong:
         return _deducible(evidence, PYTORCH, kinds)
-    # gamma and beta beside running stats: Burn's BatchNorm, no one else's
-    return kind.by in (BY_NAME, BY_SHAPE) and kind.kind != BATCH_NORM
+    return kind.by in (BY_NAME, BY_SHAPE)
+
+
+def _conventional_note(conventional: list[Evidence], container: str | None) -> str:
+    """The decision line of a file whose layout only such evidence pointed to (it is refused if it matters)."""
+    shown = ", ".join(_label(e.module) for e in conventional[:_LIST_LIMIT])
+    if container == BURNS_FORMAT:
+        return (
+            f"{NEUTRAL} (only what a Burn file may show too points to pytorch, in {shown}: in Burn's own format, "
+            "a Burn module of one's own may name its parameters weight or bias)"
+        )
+    what = " and ".join(
+        text
+        for text, kept in (
+            ("a PyTorch module may name its parameters gamma, beta or alpha too", any(e.strong for e in conventional)),
+            ("transformers' Conv1D keeps its weight [in, out] too", any(not e.strong for e in conventional)),
+        )
+        if kept
+    )
+    return (
+        f"{NEUTRAL} (only what a PyTorch file shows too points to burn, in {shown}: in a "
+        f"{container or 'file'} that is not Burn's own format, {what})"
+    )
 
 
 def _deducible(evidence: Evidence, layout: str, kinds: dict[str, ModuleKind]) -> bool:
