@@ -316,6 +316,22 @@ def test_packed_file_is_detected_as_packed(tmp_path: Path) -> None:
         assert reader.tensor("b").offset == 10 + size + 3
 
 
+@pytest.mark.parametrize("extra", [1, 133, 4096])
+def test_a_packed_file_with_bytes_after_its_last_tensor_is_still_packed(tmp_path: Path, extra: int) -> None:
+    """Burn 0.19's reader takes bytes after the last tensor. Enough of them made the file fit the aligned
+    layout, and every tensor was read from the wrong place, exit 0 (one byte: "File truncated"). A tensor
+    starting off the alignment is 0.19's whatever the size."""
+    specs = [bytes_spec("a", "U8", (3,), b"abc"), bytes_spec("b", "F32", (1,), b"\x00\x00\x80\x3f")]
+    blob = write_bpk(tmp_path / "old.bpk", specs, layout=LAYOUT_PACKED)
+    (tmp_path / "longer.bpk").write_bytes(blob + b"\xff" * extra)
+    with BurnpackReader(tmp_path / "longer.bpk") as reader:
+        assert reader.header.facts["layout"] == LAYOUT_PACKED
+        assert (reader.read("a"), reader.read("b")) == (b"abc", b"\x00\x00\x80\x3f")
+    (tmp_path / "short.bpk").write_bytes(blob[:-1])
+    with pytest.raises(IncompleteFileError, match="File truncated"):
+        BurnpackReader(tmp_path / "short.bpk")
+
+
 def test_aligned_file_cut_short_by_its_metadata_padding_is_truncated_not_packed(tmp_path: Path) -> None:
     """Such a file ends exactly where a packed (0.19) file of the same table would; read as packed, every
     tensor came from the wrong bytes. Its gap before the second, 256-aligned tensor says it is not packed."""

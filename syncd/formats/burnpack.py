@@ -120,6 +120,16 @@ class BurnpackReader(TensorFileReader):
         unaligned = HEADER_SIZE + meta_size
         aligned = align_up(unaligned)
         max_end = max((d.end for d in descriptors), default=0)
+        if any(d.start % TENSOR_ALIGNMENT for d in descriptors if d.end > d.start):
+            # Burn >= 0.20 starts every tensor at a multiple of the alignment: a start that is not is Burn
+            # 0.19's, whatever the file's size says (bytes after the last tensor, which its reader takes, made it
+            # fit the aligned layout: every tensor read from the wrong place, exit 0)
+            if unaligned + max_end <= self.file_size:
+                return LAYOUT_PACKED, unaligned
+            last = max(descriptors, key=lambda d: d.end).name
+            raise self._short(
+                f"File truncated: expected at least {unaligned + max_end} bytes, got {self.file_size} bytes", last
+            )
         if aligned + max_end <= self.file_size:
             # when 10+N is itself aligned the data section starts at the same place in both layouts; only the
             # tensors' starts then tell a 0.19 file, and re-writing it must keep them unaligned
