@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import cbor2
 import pytest
 from conftest import MNIST_BPK, MNIST_ST
 from convcheck import run_cli
@@ -109,3 +110,22 @@ def test_control_characters_in_names_and_metadata_are_shown_escaped_never_sent_t
     assert proc.returncode == 0, proc.stderr
     assert not any(c in proc.stdout for c in "\x1b\x07"), proc.stdout
     assert "a\\x1b[31mRED" in proc.stdout and "note\\x07: x\\x1b]0;title\\x07" in proc.stdout
+
+
+def test_json_holds_only_json_numbers_for_scalars_that_are_not_finite(tmp_path: Path) -> None:
+    """A best loss of inf, a NaN in a scheduler's record: `Infinity` and `NaN` are no JSON, and a reader of
+    --json (node's JSON.parse, jq) failed on the whole document."""
+    doc = {
+        "tensors": {"w": descriptor("U8", [1], 0, 1)},
+        "scalars": {"best": {"Float": float("inf")}, "low": {"Float": float("-inf")}, "odd": {"Float": float("nan")}},
+    }
+    source = tmp_path / "scalars.bpk"
+    source.write_bytes(bpk_bytes(meta_raw=cbor2.dumps(doc), data=b"\x01"))
+    proc = run_cli("inspect", source, "--json")
+    assert proc.returncode == 0, proc.stderr
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    shown = json.loads(proc.stdout, parse_constant=no_constants)["scalars"]
+    assert shown == {"best": {"Float": "inf"}, "low": {"Float": "-inf"}, "odd": {"Float": "nan:7ff8000000000000"}}

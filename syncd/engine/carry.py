@@ -96,8 +96,13 @@ def _scalar_text(scalar: Scalar) -> str:
     payload as plain "nan"; bools as true/false."""
     if scalar.kind == "Float":
         value = float(scalar.value)
-        return NAN_PREFIX + struct.pack(">d", value).hex() if math.isnan(value) else value.hex()
+        return nan_text(value) if math.isnan(value) else value.hex()
     return str(scalar.value).lower() if scalar.kind == "Bool" else str(scalar.value)
+
+
+def nan_text(value: float) -> str:
+    """A NaN with its sign and payload: `nan:` and its binary64 bits (`str` and `float.hex` say "nan")."""
+    return NAN_PREFIX + struct.pack(">d", value).hex()
 
 
 def encode_dropped(dropped: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, TextIO
 
+from syncd.engine.carry import nan_text
 from syncd.errors import one_line
 from syncd.formats import open_checkpoint
 from syncd.formats.fileio import TensorFileReader
@@ -47,9 +49,17 @@ def _describe(reader: TensorFileReader | ShardedReader, with_hash: bool) -> dict
         "file_size": header.file_size,
         "header": header.facts | {"tensor_count": len(tensors)} | _index_facts(reader),
         "metadata": header.metadata,
-        "scalars": {name: {s.kind: s.value} for name, s in header.scalars.items()},
+        "scalars": {name: {s.kind: _scalar_value(s.value)} for name, s in header.scalars.items()},
         "tensors": tensors,
     }
+
+
+def _scalar_value(value: Any) -> Any:
+    """A scalar as JSON holds it: a float that is not finite as text ("inf", "-inf", a NaN's bits), which JSON
+    has no number for (`Infinity` is no JSON: a reader of --json failed on it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return nan_text(value) if math.isnan(value) else str(value)
+    return value
 
 
 def _index_facts(reader: TensorFileReader | ShardedReader) -> dict[str, Any]:
@@ -70,7 +80,7 @@ def _tensor_sha256(reader: TensorFileReader | ShardedReader, name: str) -> str:
 
 
 def print_json(doc: dict[str, Any], out: TextIO) -> None:
-    json.dump(doc, out, indent=2, ensure_ascii=False)
+    json.dump(doc, out, indent=2, ensure_ascii=False, allow_nan=False)
     out.write("\n")
 
 

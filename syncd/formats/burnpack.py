@@ -126,9 +126,9 @@ class BurnpackReader(TensorFileReader):
             # fit the aligned layout: every tensor read from the wrong place, exit 0)
             if unaligned + max_end <= self.file_size:
                 return LAYOUT_PACKED, unaligned
-            last = max(descriptors, key=lambda d: d.end).name
+            runs_past = max(descriptors, key=lambda d: d.end).name
             raise self._short(
-                f"File truncated: expected at least {unaligned + max_end} bytes, got {self.file_size} bytes", last
+                f"File truncated: expected at least {unaligned + max_end} bytes, got {self.file_size} bytes", runs_past
             )
         if aligned + max_end <= self.file_size:
             # when 10+N is itself aligned the data section starts at the same place in both layouts; only the
