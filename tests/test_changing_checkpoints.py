@@ -389,6 +389,37 @@ def test_a_converted_set_whose_shards_change_without_its_index_waits_for_it_howe
     assert syncer.process(watch, index, closed=True).status is Status.UPDATED
 
 
+def test_a_converted_set_copied_again_index_first_ends_converted_with_its_new_shards(tmp_path: Path) -> None:
+    """The next version copied over a converted set, its index first: the new index beside the old shards is a
+    whole set (converted), the first new shard beside old ones is not (waited for), and once every shard is new
+    the set is converted again. (Waiting for an index that had already come, it was never converted.)"""
+    from hfsets import save_llama
+
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    index = save_llama(watch.path / "llama", sharded=True, seed=0)
+    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
+    following = save_llama(tmp_path / "following", sharded=True, seed=1)
+    for shard in _shards(index):
+        _aged(shard, 301)
+    _aged(index, 300)
+    shutil.copyfile(following, index)  # the copy's first file
+    _aged(index, 200)
+    assert syncer.process(watch, index, closed=True).status is Status.UPDATED  # the old shards: a whole set
+    first, *others = _shards(index)
+    shutil.copyfile(following.parent / first.name, first)
+    waiting = syncer.process(watch, index, closed=True)
+    assert waiting.status is None and waiting.retry_in is not None
+    for shard in others:
+        shutil.copyfile(following.parent / shard.name, shard)
+    assert syncer.process(watch, index, closed=True).status is Status.UPDATED
+    expected = convert(ConvertRequest(source=following, dest=tmp_path / "expected.bpk", within=tmp_path))
+    assert read_bpk(index.parent / "model.bpk").tensors == read_bpk(expected.dest).tensors
+    again = syncer.process(watch, index, closed=True)  # as converted: nothing waited for, nothing said
+    assert again.status is None and again.retry_in is None
+    assert "warning" not in [json.loads(line)["status"] for line in log.read_text().splitlines()]
+
+
 def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -> None:
     """Every shard newer than an index never converted: a copy that put the index first, not a save under way.
     Some older and some newer: a download in any order, converted once left a minute."""

@@ -263,24 +263,38 @@ class Syncer:
         return self._convert(watch, index, version, dest, _set_format(index), finished=True)
 
     def _saving_again(self, index: Path, stats: list[os.stat_result]) -> bool:
-        """The set is being saved again, shard by shard: shards written after the index, and the index not
-        written since. save_pretrained writes the index, the commit point, last; converted before it, the set
-        would be new shards with old ones, a model no save ever held.
-        - After the index this daemon converted the set with, for as long as it takes (a shard copied a minute
-          after the one before, over a slow link, was published beside the earlier save's).
-        - After an index never converted, beside shards older than it (the next save begun before the earlier
-          one was converted), until the set has been left INCOMPLETE_GRACE_SECONDS: a set downloaded with its
-          files in any order looks the same, and is converted then.
-        - Every shard newer than an index never converted is a set copied in index first: not waited for."""
-        info = stats[0]
-        newer = [st.st_mtime_ns > info.st_mtime_ns for st in stats[1:]]
+        """Whether the set is being written anew and must be waited for. save_pretrained writes its shards,
+        then the index, the commit point; a copy or a download may write them in any order. Converted before
+        the set is whole again, the output would be new shards with old ones, a model no save ever held.
+        - As it was converted: nothing under way (whether done already is decided elsewhere).
+        - The index as converted, shards written since, some newer than it and some not: the next save, shard
+          by shard, for as long as it takes (a shard copied a minute after the one before, over a slow link,
+          was published beside the earlier save's). Every shard newer: the whole next save (or a set copied
+          in index first), converted; the index that follows is converted again.
+        - A new index, some shards changed since the set was converted and some not: replaced in any order
+          (a download), waited for until left INCOMPLETE_GRACE_SECONDS (a download that skips unchanged files
+          ends so). All changed, or none: committed.
+        - An index never converted, shards newer than it beside older ones: the next save begun before the
+          earlier one was converted, or a download in any order: waited for as above. Every shard newer: a set
+          copied in index first."""
+        info, shards = stats[0], stats[1:]
+        converted = self._converted_version(index)
+        if converted is not None and not set_version(stats).changed(converted):
+            return False
+        newer = [st.st_mtime_ns > info.st_mtime_ns for st in shards]
+        if converted is not None and converted.ino == info.st_ino and info.st_mtime_ns <= converted.mtime_ns:
+            return any(newer) and not all(newer)
         if not any(newer):
-            return False
-        if self._converted_as_it_is(index, info):
-            return True
-        if all(newer):
-            return False
-        return min(self.readiness.age(None, index, st) for st in stats) < INCOMPLETE_GRACE_SECONDS
+            since = [st.st_mtime_ns > converted.mtime_ns for st in shards] if converted is not None else []
+            mixed = any(since) and not all(since)
+        else:
+            mixed = not all(newer)
+        return mixed and min(self.readiness.age(None, index, st) for st in stats) < INCOMPLETE_GRACE_SECONDS
+
+    def _converted_version(self, index: Path) -> FileStamp | None:
+        """The set's version (set_version) this daemon last converted it at, if it did."""
+        row = self.state.get(index)
+        return row.version if row is not None and row.status in SUCCESS_STATUSES else None
 
     def _uncommitted(self, watch: Watch, index: Path, stats: list[os.stat_result]) -> Outcome:
         """A set saved again whose index is not written yet: waited for with backoff (the index's event brings
@@ -307,8 +321,7 @@ class Syncer:
         """The index is the one this daemon converted the set with, not written since. (Shards it lists that
         went are then a save of fewer shards under way -- save_pretrained removes the old ones first and writes
         the new index last -- not shards still to come.)"""
-        row = self.state.get(index)
-        converted = row.version if row is not None and row.status in SUCCESS_STATUSES else None
+        converted = self._converted_version(index)
         return converted is not None and converted.ino == info.st_ino and info.st_mtime_ns <= converted.mtime_ns
 
     def _missing_shards(self, watch: Watch, index: Path, stats: list[os.stat_result], missing: list[Path]) -> Outcome:
