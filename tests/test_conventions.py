@@ -19,7 +19,7 @@ import transformers as hf
 import yaml
 from conftest import REPO
 from convcheck import assert_one_line_error, read_bpk, read_safetensors, run_cli, transposed
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from syncd.adapters import FileContext, ModelDefinition, TensorRef, plan_conversion
@@ -222,6 +222,30 @@ def test_a_renamed_bpk_keeps_its_names_in_burns_layout_and_the_way_back_still_re
         assert back.returncode == 0, back.stderr
         assert sorted(read_safetensors(tmp_path / f"{name}.back.safetensors").tensors) == sorted(source)
     assert read_safetensors(tmp_path / "moved.bpk.back.safetensors").tensors == source
+
+
+def test_a_renamed_files_packed_attention_is_split_under_the_module_the_file_has(tmp_path: Path) -> None:
+    """A .pt's Sequential renumbered (its indices made contiguous) into a PyTorch-layout .bpk, then converted to
+    Burn's layout: the attention's query/key/value/output pieces went under the original index (2) while the
+    rest of the layer kept the file's (1), one layer split across two Vec entries, exit 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.TransformerEncoderLayer(16, 2, 32, batch_first=True))
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    assert run_cli("convert", tmp_path / "m.pt", "-o", tmp_path / "keep.bpk", "--layout", "keep").returncode == 0
+    done = run_cli("convert", tmp_path / "keep.bpk", "-o", tmp_path / "burn.bpk", "--layout", "pytorch")
+    assert done.returncode == 0, done.stderr
+    names = sorted(read_bpk(tmp_path / "burn.bpk").tensors)
+    assert {name.split(".")[0] for name in names} == {"0", "1"} and "1.self_attn.query.weight" in names, names
+    moved = run_cli(
+        "convert", tmp_path / "burn.bpk", "-o", tmp_path / "moved.bpk", "--remap", r"^1\.self_attn\.=1.attn."
+    )
+    assert moved.returncode == 0, moved.stderr
+    for name in ("burn.bpk", "moved.bpk"):
+        back = run_cli("convert", tmp_path / name, "-o", tmp_path / f"{name}.safetensors")
+        assert back.returncode == 0, back.stderr
+        restored = load_file(tmp_path / f"{name}.safetensors")
+        model.load_state_dict(restored, strict=True)
+        assert all(torch.equal(restored[k], v) for k, v in torch.load(tmp_path / "m.pt").items())
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -179,10 +179,16 @@ def _nothing_cast(precision: str) -> str:
 
 
 def _moved(entry: PlanEntry, modules: dict[str, str]) -> str:
-    """The target of an entry the adapter renamed, in the module where the file has its source (the leaf the
-    adapter gave it kept: `module.1.weight` -> `module.1.gamma` in a file whose module is `1`: `1.gamma`)."""
-    module, dot, leaf = entry.target.rpartition(".")
-    return f"{modules[module]}{dot}{leaf}" if module in modules else entry.target
+    """The target of an entry the adapter renamed, under the module where the file has its source: the
+    longest moved module path it starts with, and what the adapter put after it kept (`module.1.weight` ->
+    `module.1.gamma` in a file whose module is `1`: `1.gamma`; a packed attention's `2.attn.in_proj_weight`
+    -> `2.attn.query.weight` in a file whose module is `1.attn`: `1.attn.query.weight`)."""
+    segments = entry.target.split(".")
+    for cut in range(len(segments) - 1, 0, -1):
+        module = ".".join(segments[:cut])
+        if module in modules:
+            return ".".join([modules[module], *segments[cut:]])
+    return entry.target
 
 
 def _filtered(
