@@ -223,6 +223,7 @@ def test_pytorch_mnist_to_burn_names_and_back_bit_for_bit(tmp_path: Path) -> Non
     back = _convert(bpk_path, back_path)
     assert back.tensors == original.tensors  # names, dtypes, shapes, bytes; num_batches_tracked restored
     assert back.tensors["norm1.num_batches_tracked"].dtype == "I64"
+
     assert back.metadata["format"] == "pt"
     _assert_provenance(back, bpk_path)
 
@@ -293,6 +294,24 @@ class _TransformerBlock(nn.Module):
 TRANSFORMER_MAP = {
     "modules": {"tok_emb": "Embedding", "ff_in": "Linear", "ff_out": "Linear", "head": "Linear"},
 }
+
+
+def test_a_bpk_converted_again_passes_its_carried_counters_on(tmp_path: Path) -> None:
+    """A .bpk cast (or converted to .bpk in any way) left its carried BatchNorm counters behind, and the way
+    back from the new file started them at 0; a PyTorch-layout .bpk (--layout keep) going to Burn's layout
+    said it carried them and did not."""
+    source = _copy(MNIST_PT, tmp_path)
+    original = read_safetensors(MNIST_PT)
+    assert run_cli("convert", source, "-o", tmp_path / "a.bpk").returncode == 0
+    assert run_cli("convert", tmp_path / "a.bpk", "-o", tmp_path / "b.bpk", "--remap", "^fc=dense").returncode == 0
+    kept = run_cli("convert", source, "-o", tmp_path / "kept.bpk", "--layout", "keep")
+    assert kept.returncode == 0, kept.stderr
+    burn = run_cli("convert", tmp_path / "kept.bpk", "-o", tmp_path / "burn.bpk", "--layout", "pytorch")
+    assert burn.returncode == 0, burn.stderr
+    for name in ("b.bpk", "burn.bpk"):
+        back = _convert(tmp_path / name, tmp_path / f"{name}.safetensors")
+        assert back.tensors["norm1.num_batches_tracked"] == original.tensors["norm1.num_batches_tracked"], name
+        assert back.tensors == original.tensors, name
 
 
 def _trained_cnn() -> _Cnn:

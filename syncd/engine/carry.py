@@ -163,7 +163,12 @@ def for_burnpack(
     """The metadata and scalars of a burnpack output (before `stamp`). `dropped`: source tensors with no Burn
     slot, to be carried; `layout`: the output's tensor layout."""
     if header.format == BURNPACK:
-        return own_metadata(header.metadata), dict(header.scalars)
+        # what a .bpk carried (PyTorch tensors Burn has no slot for: a BatchNorm's counter) is passed on; it
+        # was left behind, and the way back from the new file started the counter at 0
+        metadata = own_metadata(header.metadata)
+        if carried.dropped or dropped:
+            metadata[DROPPED] = encode_dropped({**carried.dropped, **dropped})
+        return metadata, dict(header.scalars)
     metadata = dict(carried.burn_metadata or {})
     own = own_metadata(header.metadata)
     if own.get("format") == "pt" and layout == BURN:

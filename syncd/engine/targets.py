@@ -133,8 +133,7 @@ class BurnpackTarget(Target):
     def metadata(
         self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
     ) -> tuple[dict[str, str], dict[str, Any]]:
-        dropped = {} if source.header.format == BURNPACK else _dropped_tensors(source, plan.dropped)
-        return carry.for_burnpack(source.header, carried, dropped, plan.target_layout)
+        return carry.for_burnpack(source.header, carried, _dropped_tensors(source, plan.dropped), plan.target_layout)
 
     def lay_out(
         self,
