@@ -183,6 +183,23 @@ def test_shard_size_with_one_safetensors_file_named_is_refused_not_dropped(
     assert not (tmp_path / "one.safetensors").exists()
 
 
+def test_a_set_is_never_written_in_burns_layout(saves: dict[str, Path], tmp_path: Path) -> None:
+    """A set holds what save_pretrained writes: PyTorch's layout, `format: pt`, no syncd record. A Burn-layout
+    .bpk split with --layout keep was such a set, and its next conversion took it for PyTorch's, exit 0, every
+    Linear transposed. A PyTorch set keeps its layout when re-split so."""
+    bpk = single_bpk(saves, tmp_path)
+    (tmp_path / "out").mkdir()
+    refused = syncd("convert", bpk, "-o", tmp_path / "out", "--layout", "keep", "--shard-size", "20KB", ok=False)
+    assert refused.returncode == 2 and "a sharded set is written in PyTorch's layout" in refused.stderr
+    assert not list((tmp_path / "out").iterdir())
+    resplit = tmp_path / "resplit"
+    resplit.mkdir()
+    syncd("convert", saves["sharded"], "-o", resplit, "--to", "safetensors", "--layout", "keep", "--shard-size", "40KB")
+    got = {k: v for path in resplit.glob("*.safetensors") for k, v in load_file(path).items()}
+    want = {k: v for path in saves["sharded"].parent.glob("*.safetensors") for k, v in load_file(path).items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_a_file_split_into_a_set_takes_its_stem(tmp_path: Path) -> None:
     """model.safetensors split by --shard-size is model-0000N-of-0000M.safetensors and model.safetensors.index.json
     (it was model.safetensors-00001-of-00003.safetensors)."""

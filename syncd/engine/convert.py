@@ -33,6 +33,7 @@ from syncd.adapters import (
     plan_conversion,
     tensor_ref,
 )
+from syncd.adapters.evidence import metadata_layout
 from syncd.engine import carry, hashing
 from syncd.engine.context import gather_context, states_every_module
 from syncd.engine.directions import converts_to
@@ -70,7 +71,7 @@ from syncd.errors import (
     VerificationError,
     one_line,
 )
-from syncd.formats import SAFETENSORS
+from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.fileio import FileStamp, TensorFileReader, open_regular_file, pwrite_all
 from syncd.formats.registry import BY_NAME
 from syncd.formats.shards import (
@@ -292,6 +293,21 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carry.record_gamma_beta(metadata, adapted.gamma_beta)
     carry.record_guesses(metadata, adapted.guessed)
     shards = _output_shards(request, target, source, carried, store, dest, specs)
+    # (a .bpk whose layout nothing records is Burn's; a PyTorch set's shards say format: pt)
+    known = (
+        carried.layout
+        or metadata_layout(source.header.metadata)
+        or (BURN if source.header.format == BURNPACK else None)
+    )
+    if shards is not None and adapted.target_layout != PYTORCH and known == BURN:
+        # a set holds what save_pretrained writes (PyTorch's layout, `format: pt`, no syncd record): a set of a
+        # Burn-layout file read as PyTorch's on its next conversion, exit 0, every Linear left transposed
+        raise UsageError(
+            "a sharded set is written in PyTorch's layout, as save_pretrained writes it, and this output keeps "
+            "the source's burn layout (--layout keep): write one file (--shard-size "
+            "none, or -o NAME.safetensors)",
+            str(dest),
+        )
     if shards is not None and request.dest is not None and not dest.is_dir() and not is_index_name(dest):
         # (it used to be taken for a file name, its directory the parent: a set written where nobody asked)
         raise UsageError(
