@@ -296,6 +296,22 @@ TRANSFORMER_MAP = {
 }
 
 
+def test_the_tensor_filter_decides_carried_tensors_too(tmp_path: Path) -> None:
+    """A .bpk's carried BatchNorm counters were written back whatever --include/--exclude said, exit 0."""
+    source = _copy(MNIST_PT, tmp_path)
+    assert run_cli("convert", source, "-o", tmp_path / "a.bpk").returncode == 0
+    for args, kept in (
+        (["--include", r"^fc"], lambda name: name.startswith("fc")),
+        (["--exclude", "num_batches"], lambda name: "num_batches" not in name),
+    ):
+        out = tmp_path / f"out{len(args[1])}.safetensors"
+        done = run_cli("convert", tmp_path / "a.bpk", "-o", out, *args, "-v")
+        assert done.returncode == 0, done.stderr
+        names = set(read_safetensors(out).tensors)
+        assert names == {name for name in read_safetensors(MNIST_PT).tensors if kept(name)}, args
+        assert "left out by the tensor filter: norm1.num_batches_tracked" in done.stdout
+
+
 def test_a_bpk_converted_again_passes_its_carried_counters_on(tmp_path: Path) -> None:
     """A .bpk cast (or converted to .bpk in any way) left its carried BatchNorm counters behind, and the way
     back from the new file started them at 0; a PyTorch-layout .bpk (--layout keep) going to Burn's layout

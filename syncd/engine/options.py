@@ -103,6 +103,9 @@ def apply_options(
     left_out = list(dict.fromkeys(real[name] for e in excluded for name in e.sources))
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
+    # carried tensors written back (a BatchNorm's counter) are the file's too: the filter decides them as well
+    left_out += [name for name in restoring if not options.tensors.keeps(name)]
+    restoring = [name for name in restoring if options.tensors.keeps(name)]
     casts = {}
     notes: list[str] = []
     if options.precision is not None:

@@ -68,7 +68,7 @@ class Target(ABC):
         self, source: Source, carried: carry.Carried, target_layout: str, taken: set[str], moved: dict[str, str]
     ) -> list[TensorSpec]:
         """Carried tensors written back besides the planned ones (`taken`: their names), for an output in
-        `target_layout`, under the names the remap rules `moved` them to (default: none)."""
+        `target_layout`: those the store options kept, under the names `moved` gives them (default: none)."""
         return []
 
     @abstractmethod
@@ -166,7 +166,9 @@ class SafetensorsTarget(Target):
             return []
         specs = []
         for kept_as, (dtype, shape, data) in carried.dropped.items():
-            name = moved.get(kept_as, kept_as)  # the remap rules move it with its module
+            if kept_as not in moved:
+                continue  # left out by the tensor filter
+            name = moved[kept_as]  # where the remap rules moved it, with its module
             if name in taken:
                 raise FormatError(f"carried tensor '{name}' collides with a converted tensor", source.path)
             specs.append(TensorSpec(name, dtype, shape, len(data), _bytes_fill(data)))
