@@ -329,6 +329,24 @@ def test_mirror_inside_a_watched_tree_is_refused(tmp_path: Path, runs: Path) -> 
         "outputs would be picked up as new sources",
         f"{path}:7: watches[1].output.mirror: {root}/runs overlaps watches[0] ({root}/runs); "
         "outputs would be picked up as new sources",
+        f"{path}:7: watches[1].output.mirror: {root}/runs overlaps the mirror of watches[0] ({root}/runs/converted); "
+        "two trees' outputs would take the same names",
+    ]
+
+
+def test_two_watches_mirroring_into_one_place_are_refused(tmp_path: Path, runs: Path) -> None:
+    """Their a.safetensors were one a.bpk, replaced by turns at every save, each line calling the other's
+    output "not syncd's"."""
+    (tmp_path / "other").mkdir()
+    (tmp_path / "mirror").mkdir()
+    path = write_config(
+        tmp_path,
+        "watches:\n  - path: runs\n    output: {mirror: mirror}\n  - path: other\n    output: {mirror: mirror}\n",
+    )
+    root = tmp_path.resolve()
+    assert check_config(path) == [
+        f"{path}:5: watches[1].output.mirror: {root}/mirror overlaps the mirror of watches[0] ({root}/mirror); "
+        "two trees' outputs would take the same names"
     ]
 
 

@@ -4,6 +4,7 @@
   writable by group or others is refused.
 - A watch on `/` is refused; two watches may not claim the same files (same directory, or one inside another
   watch that is recursive), since their settings could disagree.
+- Two watches' mirror directories may not overlap: their outputs would take the same names.
 - A mirror directory may not overlap any watched tree (in either direction): the daemon would see its own
   outputs as new sources and convert them back.
 - With `output: beside` and `direction: both`, outputs land in the watched tree by design; the watcher tells
@@ -118,6 +119,18 @@ def check_watch_safety(config: Config, file: str, mirror_lines: Mapping[int, int
             if _inside(watch.mirror, other.path) or _inside(other.path, watch.mirror):
                 which = "its own watched tree" if other is watch else f"watches[{other.index}]"
                 message = f"{watch.mirror} overlaps {which} ({other.path}); outputs would be picked up as new sources"
+                line = mirror_lines.get(watch.index, watch.line)
+                problems.append(Problem(file, line, f"watches[{watch.index}].output.mirror", message))
+    mirrored = [watch for watch in watches if watch.mirror is not None]
+    for position, watch in enumerate(mirrored):
+        for other in mirrored[:position]:
+            assert watch.mirror is not None and other.mirror is not None
+            if _inside(watch.mirror, other.mirror) or _inside(other.mirror, watch.mirror):
+                # two trees' outputs in one place: a.safetensors of each is one a.bpk, replaced by turns
+                message = (
+                    f"{watch.mirror} overlaps the mirror of watches[{other.index}] ({other.mirror}); two trees' "
+                    "outputs would take the same names"
+                )
                 line = mirror_lines.get(watch.index, watch.line)
                 problems.append(Problem(file, line, f"watches[{watch.index}].output.mirror", message))
     return problems
