@@ -58,6 +58,12 @@ def yaml_problem(exc: Exception) -> tuple[int | None, str]:
     """(the line, what is wrong) of a PyYAML error, whose own text runs over several lines with a copy of the
     offending line and a caret under it."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    reason = getattr(exc, "reason", None)
+    if mark is None and reason is not None:  # a character the reader refuses
+        character = getattr(exc, "character", None)
+        code = ord(character) if isinstance(character, str) and len(character) == 1 else character
+        shown = f"#x{code:04x}" if isinstance(code, int) else repr(character)
+        return None, one_line(f"{reason}: character {shown} at position {getattr(exc, 'position', '?')}")
     what = getattr(exc, "problem", None) or getattr(exc, "context", None) or exc
     return (mark.line + 1 if mark is not None else None), one_line(what)
 

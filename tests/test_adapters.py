@@ -561,6 +561,14 @@ def test_module_map_from_yaml_file(tmp_path: Path) -> None:
         ModuleMap.from_yaml_file(path)
     # one line, as check-config says it: PyYAML's own text is four, with the line copied and a caret
     assert str(caught.value) == f"{path}: invalid YAML at line 2: expected ',' or ']', but got '<stream end>'"
+    for text, said in (
+        ("modules:\n  a: \x07\n", "invalid YAML: special characters are not allowed: character #x0007 at position 14"),
+        (b"modules:\n  a: \xff\n", "not UTF-8 text (invalid start byte at byte 14)"),
+    ):
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ConfigError) as caught:
+            ModuleMap.from_yaml_file(path)
+        assert str(caught.value) == f"{path}: {said}"
     with pytest.raises(ConfigError, match="cannot read module map"):
         ModuleMap.from_yaml_file(tmp_path / "absent.yaml")
 

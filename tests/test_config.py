@@ -334,6 +334,13 @@ def test_mirror_inside_a_watched_tree_is_refused(tmp_path: Path, runs: Path) -> 
     ]
 
 
+def test_a_character_yaml_refuses_is_one_problem_not_an_internal_error(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "watches:\n  - path: runs\n    x: \x07\n")
+    assert check_config(path) == [
+        f"{path}: invalid YAML: special characters are not allowed: character #x0007 at position 31"
+    ]
+
+
 def test_two_watches_mirroring_into_one_place_are_refused(tmp_path: Path, runs: Path) -> None:
     """Their a.safetensors were one a.bpk, replaced by turns at every save, each line calling the other's
     output "not syncd's"."""

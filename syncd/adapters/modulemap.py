@@ -86,6 +86,8 @@ class ModuleMap:
                 text = handle.read()
         except OSError as exc:
             raise ConfigError(f"cannot read module map: {exc.strerror or exc}", source) from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", source) from None
         return cls.from_yaml_text(text, source=source)
 
     def lookup(self, module_path: str) -> ModuleRule | None:

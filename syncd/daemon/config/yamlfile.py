@@ -113,8 +113,8 @@ class YamlFile:
         except UnicodeDecodeError as exc:
             self.problem(None, None, f"not UTF-8 text ({exc.reason} at byte {exc.start})")
             return None
-        self._loader = yaml.SafeLoader(text)
         try:
+            self._loader = yaml.SafeLoader(text)  # (its reader already refuses some characters)
             root = self._loader.get_single_node()
         except yaml.YAMLError as exc:
             line, problem = yaml_problem(exc)
