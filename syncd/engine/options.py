@@ -177,7 +177,7 @@ def _nothing_cast(precision: str) -> str:
     casts = "F16 and BF16" if precision == "f32" else "F32"
     return (
         f"note: --precision {precision} cast no tensor: it casts the {casts} tensors of the modules Burn's "
-        "HalfPrecisionAdapter casts (Linear, Embedding, convolutions, norms but BatchNorm), and this file has none"
+        "HalfPrecisionAdapter casts (Linear, Embedding, convolutions, norms but BatchNorm), and none is converted"
     )
 
 
