@@ -290,3 +290,15 @@ def test_a_refused_reload_says_what_was_refused(run: DaemonRun) -> None:
     journal = [line for line in run.stderr().splitlines() if "reload refused" in line]
     assert len(journal) == 1 and f" error {run.config_path}: reload refused" in journal[0], journal
     assert "ERROR: error" not in journal[0]
+
+
+def test_a_failure_converted_since_is_no_longer_a_recent_failure(tmp_path: Path) -> None:
+    """A refusal a reload fixed stayed among the recent failures after its file converted: operating-metrics.md
+    calls a failure a file left without its output."""
+    activity = Activity(tmp_path, tmp_path / "syncd.yaml")
+    activity.record({"status": "refused", "source": "/srv/runs/a.safetensors", "error": "ambiguous layout"})
+    activity.record({"status": "refused", "source": "/srv/runs/b.safetensors", "error": "ambiguous layout"})
+    activity.record({"status": "converted", "source": "/srv/runs/a.safetensors", "bytes": 1, "duration_ms": 1})
+    failures = activity.document(time.time())["recent_failures"]
+    assert [failure["source"] for failure in failures] == ["/srv/runs/b.safetensors"]
+    assert activity.document(time.time())["counts"] == {"refused": 2, "converted": 1}  # the counts stay

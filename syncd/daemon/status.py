@@ -113,6 +113,11 @@ class Activity:
             self.counts[status] += 1
             if status in SUCCESSES:
                 self.last_success_unix = time.time()
+                source = record.get("source")
+                if source is not None and any(failure["source"] == source for failure in self.failures):
+                    # converted since: no longer a file left without its output (operating-metrics.md)
+                    kept = [failure for failure in self.failures if failure["source"] != source]
+                    self.failures = deque(kept, maxlen=RECENT_FAILURES)
             if status in (Status.CONVERTED, Status.UPDATED):
                 self.converted_bytes += int(_number(record.get("bytes")))
                 self.converted_seconds += _number(record.get("duration_ms")) / 1000
