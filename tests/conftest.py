@@ -7,6 +7,7 @@ spelling paths of their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -109,3 +110,29 @@ def compiled_kernel(tmp_path_factory: pytest.TempPathFactory) -> compiled.Librar
     library = compiled.load(build_kernel(tmp_path_factory.mktemp("build")))
     assert library is not None
     return library
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: writes past it fail with a real ENOSPC from the kernel (needs root, which we have)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, f"cannot mount a tmpfs for the ENOSPC test: {done.stderr.strip()}"
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill_up(directory: Path) -> Path:
+    """Fill the file system holding `directory` with one file (returned) until the kernel says ENOSPC."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    return filler

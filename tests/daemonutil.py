@@ -104,6 +104,22 @@ def runnable_by_others(*also: Path) -> None:
                 os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
 
 
+def as_nobody(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`argv` run as the user nobody (the suite runs as root), with no supplementary groups, this checkout
+    reachable to it."""
+    runnable_by_others()
+    return subprocess.run(
+        argv,
+        env=env,
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def stop_cleanly(run: DaemonRun, *roots: Path) -> None:
     """SIGTERM, and the daemon exits 0 leaving no scratch file below `roots` (default: its own directory)."""
     code, seconds = run.stop()

@@ -4,20 +4,19 @@ lists a shard that does not arrive."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import fill_up
 from convcheck import read_bpk
 from daemonutil import DaemonRun, scratch_files
 from safetensors.torch import load_file, save_file
@@ -362,20 +361,27 @@ def test_a_save_begun_before_the_earlier_one_was_converted_is_waited_for_until_i
     assert read_bpk(index.parent / "model.bpk").tensors == read_bpk(expected.dest).tensors
 
 
-def test_a_converted_set_whose_shards_change_without_its_index_waits_for_it_however_long(tmp_path: Path) -> None:
-    """A set saved again shard by shard, a shard a minute after the one before (a slow link): past a minute of
-    quiet it was converted, new shards with old; now the index is waited for, said once, and `touch` on it
-    (a shard edited alone) converts the set as it is."""
+def _converted_set_and_its_next_save(syncer: Syncer, tmp_path: Path, age: float) -> tuple[Watch, Path, Path]:
+    """(the watch, a set saved in it and converted, the index of the next save made elsewhere); the set's files
+    as last written `age` seconds ago, its index after its shards."""
     from hfsets import save_llama
 
-    syncer, log = _syncer(tmp_path)
     watch = Watch(path=tmp_path / "runs")
     index = save_llama(watch.path / "llama", sharded=True, seed=0)
     assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
     following = save_llama(tmp_path / "following", sharded=True, seed=1)
     for shard in _shards(index):
-        _aged(shard, 601)
-    _aged(index, 600)
+        _aged(shard, age + 1)
+    _aged(index, age)
+    return watch, index, following
+
+
+def test_a_converted_set_whose_shards_change_without_its_index_waits_for_it_however_long(tmp_path: Path) -> None:
+    """A set saved again shard by shard, a shard a minute after the one before (a slow link): past a minute of
+    quiet it was converted, new shards with old; now the index is waited for, said once, and `touch` on it
+    (a shard edited alone) converts the set as it is."""
+    syncer, log = _syncer(tmp_path)
+    watch, index, following = _converted_set_and_its_next_save(syncer, tmp_path, age=600)
     first = _shards(index)[0]
     shutil.copyfile(following.parent / first.name, first)
     _aged(first, 2 * INCOMPLETE_GRACE_SECONDS)  # the next shard is long in coming
@@ -393,16 +399,8 @@ def test_a_converted_set_copied_again_index_first_ends_converted_with_its_new_sh
     """The next version copied over a converted set, its index first: the new index beside the old shards is a
     whole set (converted), the first new shard beside old ones is not (waited for), and once every shard is new
     the set is converted again. (Waiting for an index that had already come, it was never converted.)"""
-    from hfsets import save_llama
-
     syncer, log = _syncer(tmp_path)
-    watch = Watch(path=tmp_path / "runs")
-    index = save_llama(watch.path / "llama", sharded=True, seed=0)
-    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
-    following = save_llama(tmp_path / "following", sharded=True, seed=1)
-    for shard in _shards(index):
-        _aged(shard, 301)
-    _aged(index, 300)
+    watch, index, following = _converted_set_and_its_next_save(syncer, tmp_path, age=300)
     shutil.copyfile(following, index)  # the copy's first file
     _aged(index, 200)
     assert syncer.process(watch, index, closed=True).status is Status.UPDATED  # the old shards: a whole set
@@ -441,40 +439,15 @@ def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -
     assert syncer.process(watch, downloaded, closed=True).status is Status.CONVERTED
 
 
-@pytest.fixture
-def full_state_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs for the state database, filled up after the database is made (needs root, which we have)."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
-    assert done.returncode == 0, done.stderr
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
-def _fill(directory: Path) -> Path:
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    with contextlib.suppress(OSError):  # ENOSPC: full
-        while True:
-            os.write(fd, b"\0" * 4096)
-    os.close(fd)
-    return filler
-
-
 @pytest.mark.root
-def test_a_full_state_disk_is_said_once_while_it_lasts_and_each_file_backs_off(
-    tmp_path: Path, full_state_fs: Path
-) -> None:
+def test_a_full_state_disk_is_said_once_while_it_lasts_and_each_file_backs_off(tmp_path: Path, small_fs: Path) -> None:
     """Every file waiting said "state database: database or disk is full" every 5 s: 1,200 lines a minute for
     100 files, pushing the sync log's history out. Once while it lasts now, each file retried with backoff."""
     log = tmp_path / "sync.log.jsonl"
-    syncer = Syncer(StateDB(full_state_fs / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
+    syncer = Syncer(StateDB(small_fs / "state"), SyncLog(log), settle_seconds=0.0, hash_name=DEFAULT_HASH)
     watch = Watch(path=tmp_path / "runs")
     sources = [_saved_in(watch.path / f"run{i}") for i in range(3)]
-    filler = _fill(full_state_fs)
+    filler = fill_up(small_fs)
     outcomes = [syncer.process(watch, source, closed=True) for source in sources for _ in range(3)]
     assert {outcome.status for outcome in outcomes} == {Status.ERROR}
     assert [outcome.retry_in for outcome in outcomes[:3]] == [5.0, 10.0, 20.0]  # one file's looks, backing off
@@ -482,7 +455,7 @@ def test_a_full_state_disk_is_said_once_while_it_lasts_and_each_file_backs_off(
     assert [r["status"] for r in said] == ["error"] and "disk is full" in said[0]["error"]
     filler.unlink()
     assert syncer.process(watch, sources[0], closed=True).status is Status.CONVERTED  # it heals
-    _fill(full_state_fs)
+    fill_up(small_fs)
     assert syncer.process(watch, sources[1], closed=True).status is Status.ERROR  # a new fault: said again
     assert [json.loads(line)["status"] for line in log.read_text().splitlines()] == ["error", "converted", "error"]
 

@@ -17,7 +17,7 @@ import torch
 import yaml
 from conftest import MNIST_BPK
 from convcheck import assert_one_line_error, cli_env, run_cli
-from daemonutil import NOBODY, runnable_by_others
+from daemonutil import NOBODY, as_nobody
 from safetensors.torch import save_file
 
 from syncd.daemon.state import StateDB
@@ -37,17 +37,7 @@ def _config(root: Path) -> Path:
 
 def _as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
     """`syncd ARGS` run as the user nobody (the suite runs as root), from this checkout."""
-    runnable_by_others()
-    return subprocess.run(
-        [sys.executable, "-m", "syncd", *args],
-        env=cli_env(),
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return as_nobody([sys.executable, "-m", "syncd", *args], cli_env())
 
 
 def _failed(root: Path, name: str) -> Path:

@@ -12,7 +12,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
@@ -271,21 +270,6 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_destination(tmp_path: 
 
 
 # --- failures before publishing ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs: writes past it fail with a real ENOSPC from the kernel (needs root, which we have)."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, f"cannot mount a tmpfs for the ENOSPC test: {done.stderr.strip()}"
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 @pytest.mark.root

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from conftest import fill_up
 from convcheck import cli_env
-from daemonutil import NOBODY, runnable_by_others
+from daemonutil import NOBODY, as_nobody
 
 from syncd.cli.log import (
     add_log_arguments,
@@ -176,33 +174,16 @@ def test_a_log_moved_away_by_someone_else_is_reopened(tmp_path: Path) -> None:
     assert [r["status"] for r in read_lines(tmp_path / "old.jsonl")] == ["started"]
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (needs root, which we have)."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
-    assert done.returncode == 0, done.stderr
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
 @pytest.mark.root
 def test_a_line_the_disk_had_room_for_only_part_of_leaves_nothing_behind(small_fs: Path) -> None:
     """A full disk took part of a line: the next line, written once there was room, was fused to that piece
     and both were lost to `syncd log` ("skipped 1 corrupt line")."""
     log_path = small_fs / "sync.jsonl"
-    filler, page = small_fs / "filler", small_fs / "page"
+    page = small_fs / "page"
     with SyncLog(log_path) as log:
         log.log("started")
         page.write_bytes(b"\0" * 8192)
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        with contextlib.suppress(OSError):
-            while True:
-                os.write(fd, b"\0" * 4096)
-        os.close(fd)
+        filler = fill_up(small_fs)
         page.unlink()  # two pages of room left: part of the next line fits
         log.log("converted", reason="x" * 20000)
         assert log_path.read_bytes().endswith(b"\n")
@@ -227,17 +208,7 @@ def test_a_log_directory_made_unreadable_still_takes_lines_in_the_file_held_open
             "log.log('converted')\n"
             "os.chmod(sys.argv[1], 0o755)\n"
         )
-        runnable_by_others()
-        done = subprocess.run(
-            [sys.executable, "-c", script, str(directory)],
-            env=cli_env(),
-            user=NOBODY,
-            group=NOBODY,
-            extra_groups=[],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = as_nobody([sys.executable, "-c", script, str(directory)], cli_env())
         assert done.returncode == 0 and "cannot write the sync log" not in done.stderr, done.stderr
         assert [r["status"] for r in read_lines(directory / "sync.jsonl")] == ["started", "converted"]
     finally:
