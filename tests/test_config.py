@@ -334,6 +334,10 @@ def test_mirror_inside_a_watched_tree_is_refused(tmp_path: Path, runs: Path) -> 
     ]
 
 
+def test_an_include_of_index_names_takes_sets(tmp_path: Path, runs: Path) -> None:
+    assert check_config(write_config(tmp_path, "watches:\n  - path: runs\n    include: ['*.index.json']\n")) == []
+
+
 def test_a_character_yaml_refuses_is_one_problem_not_an_internal_error(tmp_path: Path) -> None:
     path = write_config(tmp_path, "watches:\n  - path: runs\n    x: \x07\n")
     assert check_config(path) == [

@@ -54,6 +54,17 @@ def test_direction_include_exclude_and_ignore() -> None:
     assert is_candidate(picky, ROOT / "exp" / ".tmp-1.bpk")  # the watch's own list replaced the default
 
 
+def test_a_sets_index_is_matched_by_its_own_name_and_by_the_weights_file_it_stands_for() -> None:
+    """`exclude: ["*.index.json"]` converted sets all the same (an index was judged only as model.safetensors),
+    and check-config refused `include: ["*.index.json"]` as matching nothing."""
+    index = ROOT / "bert" / "model.safetensors.index.json"
+    assert is_candidate(Watch(path=ROOT), index)
+    assert not is_candidate(Watch(path=ROOT, exclude=("*.index.json",)), index)
+    assert not is_candidate(Watch(path=ROOT, exclude=("model.safetensors",)), index)
+    only_sets = Watch(path=ROOT, include=("*.index.json",))
+    assert is_candidate(only_sets, index) and not is_candidate(only_sets, ROOT / "bert" / "model.safetensors")
+
+
 def test_syncd_scratch_files_are_never_candidates_whatever_the_configuration() -> None:
     watch = Watch(path=ROOT, include=("*",), ignore=())
     assert is_candidate(watch, ROOT / ".hidden.bpk")

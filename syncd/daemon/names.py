@@ -13,7 +13,7 @@ name that one of them skips is skipped by all three. A candidate:
   `.~*`. They match the file name only, never a directory on the way, so a tree below a hidden directory is
   still served;
 * matches the watch's `include` patterns and none of its `exclude` patterns (each tried on the name and on
-  the path relative to the watch).
+  the path relative to the watch; an index's own name too).
 
 A sharded set's index (`model.safetensors.index.json`) stands for the set and is judged as the weights file
 it names (`model.safetensors`); its shards are candidates too, and the decision code takes them to their set.
@@ -35,6 +35,7 @@ from syncd.formats.shards import is_set_index, set_stem, shard_extension
 
 def is_candidate(watch: Watch, path: Path) -> bool:
     """True if `path` names a checkpoint this watch converts (decided from the name alone)."""
+    own = path
     if is_set_index(path.name):  # judged as the weights file it stands for
         path = path.with_name(set_stem(path.name) + shard_extension(path.name))
     name = path.name
@@ -43,7 +44,7 @@ def is_candidate(watch: Watch, path: Path) -> bool:
         return False
     if is_scratch_name(name) or is_claim_name(name) or is_ignored(watch, name):
         return False
-    return matches_patterns(watch, path)
+    return matches_patterns(watch, path, own)
 
 
 def is_ignored(watch: Watch, name: str) -> bool:
@@ -51,12 +52,16 @@ def is_ignored(watch: Watch, name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in watch.ignore)
 
 
-def matches_patterns(watch: Watch, path: Path) -> bool:
-    """The watch's `include` and `exclude` patterns, each tried on the name and the path below the watch."""
-    rel = os.fsdecode(path.relative_to(watch.path)) if path.is_relative_to(watch.path) else path.name
-    name = path.name
+def matches_patterns(watch: Watch, *paths: Path) -> bool:
+    """The watch's `include` and `exclude` patterns, each tried on the name and the path below the watch of
+    each of `paths` (a set's index: its own and the weights file's it stands for, so `exclude: ["*.index.json"]`
+    leaves sets out and `include: ["*.index.json"]` takes only them)."""
+    subjects = []
+    for path in paths:
+        rel = os.fsdecode(path.relative_to(watch.path)) if path.is_relative_to(watch.path) else path.name
+        subjects += [path.name, rel]
 
     def hit(patterns: tuple[str, ...]) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(rel, p) for p in patterns)
+        return any(fnmatch.fnmatchcase(subject, p) for p in patterns for subject in subjects)
 
     return hit(watch.include) and not hit(watch.exclude)

@@ -298,10 +298,12 @@ def _source_extensions(direction: str) -> list[str]:
 
 
 def _could_take(pattern: str, direction: str) -> bool:
-    """Whether an `include` glob can match a name of a format the direction converts: the literal text after
-    its last wildcard must fit the end of such a name (`*.safetensors` never matches a .bpk; `model*` may)."""
+    """Whether an `include` glob can match a name of a format the direction converts, or of a set's index of
+    one: the literal text after its last wildcard must fit the end of such a name (`*.safetensors` never
+    matches a .bpk; `model*` may; `*.index.json` takes sets)."""
     tail = re.split(r"[*?\]]", pattern)[-1]
-    return any(tail.endswith(ext) or ext.endswith(tail) for ext in _source_extensions(direction))
+    ends = [end for ext in _source_extensions(direction) for end in (ext, ext + ".index.json")]
+    return any(tail.endswith(end) or end.endswith(tail) for end in ends)
 
 
 def _default_include(direction: str) -> tuple[str, ...]:
