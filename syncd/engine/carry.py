@@ -22,7 +22,7 @@ from typing import Any
 from syncd.adapters import BURN, PYTORCH
 from syncd.errors import FormatError
 from syncd.formats import BURNPACK
-from syncd.formats.burnpack import LAYOUT_ALIGNED, LAYOUT_PACKED, Scalar
+from syncd.formats.burnpack import LAYOUT_ALIGNED, LAYOUT_PACKED, NAN_PREFIX, Scalar, nan_text
 from syncd.formats.dtypes import ITEMSIZE, byte_length
 from syncd.formats.shards import ShardLayout
 from syncd.formats.table import CheckpointHeader, TensorInfo
@@ -49,7 +49,6 @@ PRECISION = "syncd.precision"
 
 # Burn dtypes whose safetensors form loses what they are (docs/burn-format.md#dtypes): restored from DTYPES.
 LOSSY_IN_SAFETENSORS = frozenset(["Flex32", "Bool", "Bool(U8)", "Bool(U32)"])
-NAN_PREFIX = "nan:"  # then the IEEE 754 binary64 bits, big-endian hex
 MAX_DROPPED_BYTES = 1 << 16  # carried tensors are counters and flags, never weights
 
 
@@ -98,11 +97,6 @@ def _scalar_text(scalar: Scalar) -> str:
         value = float(scalar.value)
         return nan_text(value) if math.isnan(value) else value.hex()
     return str(scalar.value).lower() if scalar.kind == "Bool" else str(scalar.value)
-
-
-def nan_text(value: float) -> str:
-    """A NaN with its sign and payload: `nan:` and its binary64 bits (`str` and `float.hex` say "nan")."""
-    return NAN_PREFIX + struct.pack(">d", value).hex()
 
 
 def encode_dropped(dropped: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:

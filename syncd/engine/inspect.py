@@ -7,9 +7,9 @@ import math
 import os
 from typing import Any, TextIO
 
-from syncd.engine.carry import nan_text
 from syncd.errors import one_line
 from syncd.formats import open_checkpoint
+from syncd.formats.burnpack import nan_text
 from syncd.formats.fileio import TensorFileReader
 from syncd.formats.shards import ShardedReader, is_set_index
 

@@ -65,6 +65,14 @@ class Scalar:
     value: int | float | bool
 
 
+NAN_PREFIX = "nan:"  # then the IEEE 754 binary64 bits, big-endian hex
+
+
+def nan_text(value: float) -> str:
+    """A NaN scalar with its sign and payload: `nan:` and its binary64 bits (`str` and `float.hex` say "nan")."""
+    return NAN_PREFIX + struct.pack(">d", value).hex()
+
+
 def align_up(value: int, alignment: int = TENSOR_ALIGNMENT) -> int:
     return (value + alignment - 1) // alignment * alignment
 
