@@ -411,6 +411,14 @@ def test_modules_read_as_convert_reads_them(tmp_path: Path, runs: Path) -> None:
     ]
 
 
+def test_a_module_map_file_shared_by_watches_is_said_wrong_once(tmp_path: Path, runs: Path) -> None:
+    (tmp_path / "other").mkdir()
+    modules = write_config(tmp_path, "modules:\n  a: Linear\n  b: Dense\n", name="model.yaml")
+    text = "watches:\n  - path: runs\n    modules: model.yaml\n  - path: other\n    modules: model.yaml\n"
+    problems = check_config(write_config(tmp_path, text))
+    assert len(problems) == 1 and problems[0].startswith(f"{modules.resolve()}:3: modules['b']"), problems
+
+
 def test_problems_in_a_modules_file_name_that_file(tmp_path: Path, runs: Path) -> None:
     modules = write_config(tmp_path, "modules:\n  a: Linear\n  b: Dense\n", name="model.yaml")
     path = write_config(tmp_path, "watches:\n  - path: runs\n    modules: model.yaml\n    direction: up\n")

@@ -41,14 +41,15 @@ class Problem:
 
 
 def in_reading_order(problems: list[Problem], main_file: str) -> list[Problem]:
-    """File-wide problems first, then the main file's own lines top to bottom, then included files'."""
+    """File-wide problems first, then the main file's own lines top to bottom, then included files'; each said
+    once (a module map file shared by several watches is read for each of them)."""
 
     def order(problem: Problem) -> tuple[int, int]:
         if problem.line is None:
             return (0, 0)
         return (1 if problem.file == main_file else 2, problem.line)
 
-    return sorted(problems, key=order)
+    return sorted(dict.fromkeys(problems), key=order)
 
 
 def describe(value: Any) -> str:
