@@ -368,11 +368,11 @@ def _converted_set_and_its_next_save(syncer: Syncer, tmp_path: Path, age: float)
 
     watch = Watch(path=tmp_path / "runs")
     index = save_llama(watch.path / "llama", sharded=True, seed=0)
-    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
-    following = save_llama(tmp_path / "following", sharded=True, seed=1)
     for shard in _shards(index):
         _aged(shard, age + 1)
     _aged(index, age)
+    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
+    following = save_llama(tmp_path / "following", sharded=True, seed=1)
     return watch, index, following
 
 
@@ -391,7 +391,10 @@ def test_a_converted_set_whose_shards_change_without_its_index_waits_for_it_howe
     said = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["status"] for r in said] == ["converted", "warning"]
     assert "`touch` the index" in said[1]["reason"]
-    index.touch()  # the shard was edited alone: the set as it is now
+    index.touch()  # the shard was edited alone: the set as it is now, once left so
+    waiting = syncer.process(watch, index, closed=True)
+    assert waiting.status is None and waiting.retry_in is not None
+    _aged(index, INCOMPLETE_GRACE_SECONDS + 1)  # a minute after the touch
     assert syncer.process(watch, index, closed=True).status is Status.UPDATED
 
 
@@ -416,6 +419,31 @@ def test_a_converted_set_copied_again_index_first_ends_converted_with_its_new_sh
     again = syncer.process(watch, index, closed=True)  # as converted: nothing waited for, nothing said
     assert again.status is None and again.retry_in is None
     assert "warning" not in [json.loads(line)["status"] for line in log.read_text().splitlines()]
+
+
+def test_the_next_save_of_a_set_copied_in_index_first_is_waited_for_until_whole(tmp_path: Path) -> None:
+    """A set copied in index first was converted with every shard newer than its index; the next save's first
+    shard then made them all "newer than the index", a whole set: the output mixed two saves."""
+    from hfsets import save_llama
+
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs")
+    index = save_llama(watch.path / "llama", sharded=True, seed=0)
+    _aged(index, 300)
+    for shard in _shards(index):
+        _aged(shard, 200)
+    assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
+    following = save_llama(tmp_path / "following", sharded=True, seed=1)
+    first, *others = _shards(index)
+    shutil.copyfile(following.parent / first.name, first)
+    waiting = syncer.process(watch, index, closed=True)
+    assert waiting.status is None and waiting.retry_in is not None
+    for shard in others:
+        shutil.copyfile(following.parent / shard.name, shard)
+    assert syncer.process(watch, index, closed=True).status is Status.UPDATED
+    expected = convert(ConvertRequest(source=following, dest=tmp_path / "expected.bpk", within=tmp_path))
+    assert read_bpk(index.parent / "model.bpk").tensors == read_bpk(expected.dest).tensors
+    assert [json.loads(line)["status"] for line in log.read_text().splitlines()] == ["converted", "updated"]
 
 
 def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -> None:

@@ -267,10 +267,10 @@ class Syncer:
         then the index, the commit point; a copy or a download may write them in any order. Converted before
         the set is whole again, the output would be new shards with old ones, a model no save ever held.
         - As it was converted: nothing under way (whether done already is decided elsewhere).
-        - The index as converted, shards written since, some newer than it and some not: the next save, shard
+        - The index as converted, some shards written since the conversion and some not: the next save, shard
           by shard, for as long as it takes (a shard copied a minute after the one before, over a slow link,
-          was published beside the earlier save's). Every shard newer: the whole next save (or a set copied
-          in index first), converted; the index that follows is converted again.
+          was published beside the earlier save's). Every shard written since: the whole next save, converted;
+          the index that follows is converted again.
         - A new index, some shards changed since the set was converted and some not: replaced in any order
           (a download), waited for until left INCOMPLETE_GRACE_SECONDS (a download that skips unchanged files
           ends so). All changed, or none: committed.
@@ -281,9 +281,12 @@ class Syncer:
         converted = self._converted_version(index)
         if converted is not None and not set_version(stats).changed(converted):
             return False
-        newer = [st.st_mtime_ns > info.st_mtime_ns for st in shards]
         if converted is not None and converted.ino == info.st_ino and info.st_mtime_ns <= converted.mtime_ns:
-            return any(newer) and not all(newer)
+            # changed since the conversion, not since the index: a set copied in index first was converted with
+            # every shard newer than its index, and then the next save's first shard made them all "newer"
+            since = [st.st_mtime_ns > converted.mtime_ns for st in shards]
+            return any(since) and not all(since)
+        newer = [st.st_mtime_ns > info.st_mtime_ns for st in shards]
         if not any(newer):
             since = [st.st_mtime_ns > converted.mtime_ns for st in shards] if converted is not None else []
             mixed = any(since) and not all(since)
@@ -308,7 +311,7 @@ class Syncer:
                 index,
                 "shards written after this index and the index not written since: a save under way, waited for "
                 "(save_pretrained writes the index last); a shard edited alone: `touch` the index to convert the "
-                "set as it is",
+                "set as it is (a minute after the touch, if nothing changes meanwhile)",
             )
             looks = -1  # said: no more lines until the set leaves this state
         if len(self._uncommitted_looks) > 10_000:
