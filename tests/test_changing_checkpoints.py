@@ -446,6 +446,21 @@ def test_the_next_save_of_a_set_copied_in_index_first_is_waited_for_until_whole(
     assert [json.loads(line)["status"] for line in log.read_text().splitlines()] == ["converted", "updated"]
 
 
+@pytest.mark.parametrize("pattern", ["*.index.json", "llama/model.safetensors.index.json"])
+def test_a_set_left_out_by_its_index_name_is_not_converted_through_its_shards(tmp_path: Path, pattern: str) -> None:
+    """`exclude` naming a set's index left the index out, but a shard's event (the start's scan, a rescan, a
+    shard written again) still brought the set through that index, and it was converted."""
+    from hfsets import save_llama
+
+    syncer, log = _syncer(tmp_path)
+    watch = Watch(path=tmp_path / "runs", exclude=(pattern,))
+    index = save_llama(watch.path / "llama", sharded=True)
+    for path in [*_shards(index), index]:
+        outcome = syncer.process(watch, path, closed=True)
+        assert outcome.status is None and outcome.retry_in is None
+    assert not (index.parent / "model.bpk").exists() and not log.exists()
+
+
 def test_a_set_copied_in_index_first_is_converted_once_settled(tmp_path: Path) -> None:
     """Every shard newer than an index never converted: a copy that put the index first, not a save under way.
     Some older and some newer: a download in any order, converted once left a minute."""

@@ -197,6 +197,8 @@ class Syncer:
             return SILENT
         index = _set_index_of(path, self._index_files)
         if index is not None:  # a shard is converted with its set, through the set's index
+            if index != path and not is_candidate(watch, index):
+                return SILENT  # the set is left out by its index's name (exclude: ["*.index.json"])
             return self._process_set(watch, index, closed=closed and index == path)
         if _awaits_index(path):
             return SILENT  # save_pretrained writes the index last: its arrival brings the set
