@@ -312,6 +312,39 @@ def test_the_tensor_filter_decides_carried_tensors_too(tmp_path: Path) -> None:
         assert "left out by the tensor filter: norm1.num_batches_tracked" in done.stdout
 
 
+def _converted(source: Path, out: Path, *args: str) -> Path:
+    done = run_cli("convert", source, "-o", out, *args)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_carried_counters_follow_the_filter_and_renames_of_the_files_they_go_through(tmp_path: Path) -> None:
+    """A .bpk's carried BatchNorm counters are its tensors too, under the name their module has in it: a .bpk
+    converted to .bpk kept the counter of a module the filter left out; on a renamed .bpk the filter judged them
+    by their original names; a PyTorch-layout renamed .bpk going to Burn's layout carried them under the file's
+    names, which the way back then wrote (`first.num_batches_tracked` beside `norm1.weight`)."""
+    source = _copy(MNIST_PT, tmp_path)
+    original = read_safetensors(MNIST_PT)
+    norm1 = {name for name in original.tensors if name.startswith("norm1.")}
+    a_bpk = _converted(source, tmp_path / "a.bpk")
+    b_bpk = _converted(a_bpk, tmp_path / "b.bpk", "--exclude", r"^norm1\.")
+    back = read_safetensors(_converted(b_bpk, tmp_path / "b.safetensors"))
+    assert set(back.tensors) == set(original.tensors) - norm1
+
+    renamed = _converted(source, tmp_path / "r.bpk", "--remap", r"^norm1\.=first.")
+    without = read_safetensors(_converted(renamed, tmp_path / "x1.safetensors", "--exclude", r"^first\."))
+    assert set(without.tensors) == set(original.tensors) - norm1
+    only = read_safetensors(_converted(renamed, tmp_path / "x2.safetensors", "--include", r"^first\."))
+    assert set(only.tensors) == norm1
+
+    kept = _converted(source, tmp_path / "k.bpk", "--layout", "keep", "--remap", r"^norm1\.=first.")
+    burn = _converted(kept, tmp_path / "k2.bpk")
+    again = read_safetensors(_converted(burn, tmp_path / "k2.safetensors"))
+    assert set(again.tensors) == set(original.tensors)
+    for name in original.tensors:
+        assert again.tensors[name] == original.tensors[name], name
+
+
 def test_a_bpk_converted_again_passes_its_carried_counters_on(tmp_path: Path) -> None:
     """A .bpk cast (or converted to .bpk in any way) left its carried BatchNorm counters behind, and the way
     back from the new file started them at 0; a PyTorch-layout .bpk (--layout keep) going to Burn's layout

@@ -267,6 +267,8 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     carried = carry.parse(source.header.metadata, source.path)
     target.check_dtypes(source.tensors, source.path)
     adapted, store = _adapt(source, request, target, carried)
+    if len(store.carried_on) != len(carried.dropped):  # the tensor filter left some out
+        carried = replace(carried, dropped={name: carried.dropped[name] for name in store.carried_on})
     adapted = replace(adapted, decisions=[*source_notes(source.header.facts), *adapted.decisions])
     entries = target.order(adapted.entries, carried)
     casts = _casts(source, store, entries)
@@ -372,7 +374,7 @@ def _adapt(
             module_map=request.module_map,
             context=context,
         )
-        restoring = list(carried.dropped) if to_layout == PYTORCH else []
+        restoring = list(carried.dropped)
         options = request.store.for_conversion(source.header.format, target.format.name)
         store = apply_options(adapted, refs, real, options, restoring, to_layout)
     except SyncdError as exc:

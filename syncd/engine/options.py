@@ -70,6 +70,7 @@ class StorePlan:
     restored: dict[str, str]  # real source name -> original name given back from carried renames
     notes: list[str] = field(default_factory=list)  # what the user should know: index gaps, rules that matched nothing
     carried_names: dict[str, str] = field(default_factory=dict)  # carried tensor written back -> its final name
+    carried_on: list[str] = field(default_factory=list)  # carried tensors the filter kept (the names they have)
 
     @classmethod
     def empty(cls) -> StorePlan:
@@ -95,17 +96,20 @@ def apply_options(
     to_layout: str = BURN,
 ) -> StorePlan:
     """Filter, rename and pick casts for `plan` (made over `refs`, whose names map to the file's by `real`).
-    `restoring`: tensors a .bpk carried that are written back (BatchNorm counters): the rules move them with
-    their module. `to_layout`: the output's; only PyTorch's is given back the original names of what a syncd
-    output carried renames of: elsewhere they stay as the file has them (what Burn loads), the record passed on
-    for the way back."""
+    `restoring`: tensors a .bpk carried (BatchNorm counters), under their original names: the filter decides
+    them by the name their module has in the file, as it does the file's tensors; written back to PyTorch's
+    layout, the rules move them with their module. `to_layout`: the output's; only PyTorch's is given back the
+    original names of what a syncd output carried renames of: elsewhere they stay as the file has them (what
+    Burn loads), the record passed on for the way back."""
     kept, excluded = _filtered(plan.entries, real, options.tensors)
     left_out = list(dict.fromkeys(real[name] for e in excluded for name in e.sources))
     left_out += [real[name] for name in plan.dropped if not options.tensors.keeps(real[name])]
     dropped = [real[name] for name in plan.dropped if options.tensors.keeps(real[name])]
-    # carried tensors written back (a BatchNorm's counter) are the file's too: the filter decides them as well
-    left_out += [name for name in restoring if not options.tensors.keeps(name)]
-    restoring = [name for name in restoring if options.tensors.keeps(name)]
+    # carried tensors (a BatchNorm's counter) are the file's too: the filter decides them as well, by the name
+    # they would have in the file (their module where the file has it)
+    in_file = _carried_in_file(restoring, real)
+    left_out += [in_file[name] for name in restoring if not options.tensors.keeps(in_file[name])]
+    restoring = [name for name in restoring if options.tensors.keeps(in_file[name])]
     casts = {}
     notes: list[str] = []
     if options.precision is not None:
@@ -118,8 +122,13 @@ def apply_options(
     # (names kept as they are, the common case, told in C: these run over every tensor)
     real_as_is = all(map(eq, real.keys(), real.values()))
     gaps = to_layout == BURN  # (only a Burn Vec wants indices 0..n-1: PyTorch's Sequential has gaps of its own)
-    if to_layout != PYTORCH and not real_as_is:
-        return _keeping_file_names(kept, real, options, dropped, left_out, casts, gaps, notes)
+    if to_layout != PYTORCH:
+        carried_on, restoring = restoring, []  # carried on in the output's metadata, not written back
+        if not real_as_is:
+            store = _keeping_file_names(kept, real, options, dropped, left_out, casts, gaps, notes)
+            return replace(store, carried_on=carried_on)
+    else:
+        carried_on = restoring
     carried = [PlanEntry(name, name, False, ()) for name in restoring]
     final = final_names([*kept, *carried], options)
     targets = [e.target for e in kept]
@@ -127,6 +136,7 @@ def apply_options(
     return StorePlan(
         entries=kept if as_planned else [_with_real_sources(e, real, final[e.target]) for e in kept],
         carried_names={name: final[name] for name in restoring},
+        carried_on=carried_on,
         dropped=dropped,
         left_out=left_out,
         casts=casts,
@@ -149,13 +159,11 @@ def _keeping_file_names(
     """apply_options' renaming where the carried renames are not undone: each entry under the file's name for
     it (its module where the file has it), the rules and contiguous indices on those, as on any file's names;
     the record the output carries takes each final name back to the original one."""
-    moved = {
-        original.rpartition(".")[0]: name.rpartition(".")[0]
-        for original, name in real.items()
-        if original != name and "." in original
-    }
+    moved = _module_moves(real)
     in_file = [
-        _with_real_sources(entry, real, real[entry.target] if entry.target == entry.source else _moved(entry, moved))
+        _with_real_sources(
+            entry, real, real[entry.target] if entry.target == entry.source else _moved(entry.target, moved)
+        )
         for entry in kept
     ]
     original_of = {entry.target: planned.target for entry, planned in zip(in_file, kept, strict=True)}
@@ -181,17 +189,34 @@ def _nothing_cast(precision: str) -> str:
     )
 
 
-def _moved(entry: PlanEntry, modules: dict[str, str]) -> str:
-    """The target of an entry the adapter renamed, under the module where the file has its source: the
-    longest moved module path it starts with, and what the adapter put after it kept (`module.1.weight` ->
+def _module_moves(real: dict[str, str]) -> dict[str, str]:
+    """Original module path -> the one the file has, for the modules carried renames moved."""
+    return {
+        original.rpartition(".")[0]: name.rpartition(".")[0]
+        for original, name in real.items()
+        if original != name and "." in original
+    }
+
+
+def _carried_in_file(carried: Sequence[str], real: dict[str, str]) -> dict[str, str]:
+    """Each carried tensor's original name -> the name it would have in the file: under its module's name there."""
+    if not carried:
+        return {}
+    moved = _module_moves(real)
+    return {name: _moved(name, moved) for name in carried}
+
+
+def _moved(target: str, modules: dict[str, str]) -> str:
+    """A name the adapter gave (or a carried tensor's original name) under the module where the file has it:
+    the longest moved module path it starts with, and what follows it kept (`module.1.weight` ->
     `module.1.gamma` in a file whose module is `1`: `1.gamma`; a packed attention's `2.attn.in_proj_weight`
     -> `2.attn.query.weight` in a file whose module is `1.attn`: `1.attn.query.weight`)."""
-    segments = entry.target.split(".")
+    segments = target.split(".")
     for cut in range(len(segments) - 1, 0, -1):
         module = ".".join(segments[:cut])
         if module in modules:
             return ".".join([modules[module], *segments[cut:]])
-    return entry.target
+    return target
 
 
 def _filtered(

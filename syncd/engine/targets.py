@@ -133,7 +133,8 @@ class BurnpackTarget(Target):
     def metadata(
         self, source: Source, carried: carry.Carried, plan: AdapterPlan, entries: list[PlanEntry]
     ) -> tuple[dict[str, str], dict[str, Any]]:
-        return carry.for_burnpack(source.header, carried, _dropped_tensors(source, plan.dropped), plan.target_layout)
+        dropped = _dropped_tensors(source, plan.dropped, carried.renames)
+        return carry.for_burnpack(source.header, carried, dropped, plan.target_layout)
 
     def lay_out(
         self,
@@ -214,14 +215,16 @@ def _burn_dtype(source: Source, carried: carry.Carried, info: TensorInfo) -> tup
     return restored, None
 
 
-def _dropped_tensors(source: Source, names: list[str]) -> carry.Dropped:
-    """Source tensors with no Burn slot, read to be carried in the output's metadata."""
+def _dropped_tensors(source: Source, names: list[str], renames: dict[str, str]) -> carry.Dropped:
+    """Source tensors with no Burn slot, read to be carried in the output's metadata under their original names
+    (`renames`: what the source carried, final -> original), as every carried tensor is: the way back gives the
+    file's tensors their original names, and the carried ones join them there."""
     dropped = {}
     for name in names:
         info = source.tensor(name)
         if info.nbytes > carry.MAX_DROPPED_BYTES:
             raise UnsupportedError(f"tensor '{name}' has no Burn counterpart and is too large to carry", source.path)
-        dropped[name] = (info.dtype, info.shape, source.read(name))
+        dropped[renames.get(name, name)] = (info.dtype, info.shape, source.read(name))
     return dropped
 
 
