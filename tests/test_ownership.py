@@ -19,8 +19,13 @@ from convcheck import run_cli
 from daemonutil import DaemonRun, stop_cleanly, wait_until
 from safetensors.numpy import safe_open, save, save_file
 
+from syncd.daemon.config import Watch
 from syncd.daemon.state import StateDB
+from syncd.daemon.statuses import Status
+from syncd.daemon.sync import Syncer
+from syncd.daemon.synclog import SyncLog
 from syncd.engine.convert import ConvertRequest, convert
+from syncd.engine.hashing import DEFAULT_HASH
 
 pytestmark = pytest.mark.daemon
 
@@ -350,12 +355,6 @@ def test_an_output_published_beside_its_source_is_not_converted_into_a_mirror_se
     """The watch wrote model.bpk beside model.safetensors, then was given a mirror: model.bpk is still the
     daemon's own output of the model.safetensors beside it, not a checkpoint to convert into the mirror
     (where it made a stale model.safetensors beside the new model.bpk, for good)."""
-    from syncd.daemon.config import Watch
-    from syncd.daemon.statuses import Status
-    from syncd.daemon.sync import Syncer
-    from syncd.daemon.synclog import SyncLog
-    from syncd.engine.hashing import DEFAULT_HASH
-
     runs, mirror = tmp_path / "runs", tmp_path / "mirror"
     runs.mkdir()
     mirror.mkdir()
@@ -369,3 +368,56 @@ def test_an_output_published_beside_its_source_is_not_converted_into_a_mirror_se
     assert syncer.process(mirrored, source, closed=True).status is Status.CONVERTED
     assert syncer.process(mirrored, runs / "model.bpk", closed=True).status is None
     assert sorted(path.name for path in mirror.iterdir()) == ["model.bpk"]
+
+
+def _node(tmp_path: Path, name: str, runs: Path) -> Syncer:
+    """One node's daemon decisions, with its own state, over a tree shared with other nodes."""
+    syncer = Syncer(
+        StateDB(tmp_path / name), SyncLog(tmp_path / f"{name}.log"), settle_seconds=0.0, hash_name=DEFAULT_HASH
+    )
+    syncer.shared = frozenset({runs})
+    return syncer
+
+
+def test_an_output_whose_source_was_rotated_away_is_left_to_a_node_without_state(tmp_path: Path) -> None:
+    """A trainer removed ckpt-1.safetensors and kept syncd's ckpt-1.bpk; a node that then started without state
+    took that output for a checkpoint and made ckpt-1.safetensors again, which the first node converted as its
+    source saved again, and the two converted each other's outputs for ever. The claim's record beside the
+    output says which node published it from what."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    watch = Watch(path=runs, direction="both")
+    source, output = runs / "ckpt-1.safetensors", runs / "ckpt-1.bpk"
+    write_file(source, checkpoint(1))
+    assert _node(tmp_path, "node-a", runs).process(watch, source, closed=True).status is Status.CONVERTED
+    source.unlink()
+    outcome = _node(tmp_path, "node-b", runs).process(watch, output, closed=True)
+    assert outcome.status is None and outcome.retry_in is None
+    assert not source.exists()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_bpk_of_a_checkpoint_converted_to_a_set_is_not_converted_back_into_a_second_copy(
+    tmp_path: Path, shared: bool
+) -> None:
+    """With `shard_size`, model.safetensors's output model.bpk names model.safetensors, not the set its own
+    conversion would be: a node without the state that knows it (another node, a wiped state) converted it
+    into model.safetensors.index.json and its shards, a second copy of the model in the user's tree."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    watch = Watch(path=runs, direction="both", shard_size=1024)
+    source, output = runs / "model.safetensors", runs / "model.bpk"
+    write_file(source, checkpoint(1, width=64))
+    first = _node(tmp_path, "node-a", runs)
+    if not shared:
+        first.shared = frozenset()
+    assert first.process(watch, source, closed=True).status is Status.CONVERTED
+    second = _node(tmp_path, "node-b", runs)
+    if not shared:
+        second.shared = frozenset()
+    outcome = second.process(watch, output, closed=True)
+    assert outcome.status is None and outcome.retry_in is None
+    assert sorted(path.name for path in runs.iterdir() if not path.name.startswith(".")) == [
+        "model.bpk",
+        "model.safetensors",
+    ]

@@ -34,7 +34,7 @@ from syncd.engine.directions import converts_to
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint, read_metadata
 from syncd.formats.fileio import FileStamp
-from syncd.formats.registry import BY_NAME, READ_ONLY, format_for_path
+from syncd.formats.registry import BY_NAME, format_for_path
 from syncd.formats.shards import BIN_INDEX_SUFFIX, INDEX_SUFFIX, is_set_index, read_index, set_stem
 
 # the failure recorded for a source whose destination holds a file not proven syncd's (`syncd retry --adopt`)
@@ -294,7 +294,10 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
             # the file it names, beside it: the destination itself, unless the watch's outputs now go to a
             # mirror (an output published beside its source before then names that source, still there)
             if not os.path.lexists(source.parent / dest.name):
-                return False
+                # gone (a trainer's rotation): still an output where a node's record says it published exactly
+                # this file from it (a node without state made the source again, and two nodes then converted
+                # each other's outputs for ever)
+                return _recorded_output_of(source, source.parent / dest.name)
         elif not _is_conversion_of(watch, source, named):
             return False
         with open_checkpoint(source, watch.path):  # (the rare case: a broken table is for the conversion to report)
@@ -303,10 +306,20 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
         return False  # a broken file is reported by the conversion itself
 
 
+def _recorded_output_of(output: Path, original: Path) -> bool:
+    """A claim's record says a node published `output`, as it is now, from `original`."""
+    published, placing = records_of(output)
+    return any(
+        record is not None and published_by_syncd(record, original, output, placed_only=placed_only) is not None
+        for record, placed_only in ((published, False), (placing, True))
+    )
+
+
 def _is_conversion_of(watch: Watch, source: Path, named: object) -> bool:
     """`source` names, beside it, a checkpoint whose conversion it is though not its namesake: the .bpk of a
-    `.pt` (syncd writes no pickles, so its conversion goes to a third name, a .safetensors). Converting it
-    would make that third file from an output, and only when the .bpk came first: `model.bpk` converted from
+    `.pt` (syncd writes no pickles, so its conversion goes to a third name, a .safetensors), or of a
+    .safetensors whose conversion is a set (`shard_size`). Converting it would make that third file (a second
+    copy of the model) from an output, and only when the .bpk came first: `model.bpk` converted from
     `model.pt` is an output whichever of the two the daemon looks at first."""
     if not isinstance(named, str) or not named or "/" in named or named in (".", ".."):
         return False
@@ -319,7 +332,7 @@ def _is_conversion_of(watch: Watch, source: Path, named: object) -> bool:
     if not is_candidate(watch, original):
         return False
     from_format = format_for_path(original)
-    if from_format is None or from_format not in READ_ONLY:
+    if from_format is None:
         return False
     return destination_for(watch, original, from_format) == source
 
