@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -478,6 +480,46 @@ EXPERTS_WRITTEN_BACK = [
     "qwen3_moe",
     "solar_open",
 ]
+
+
+# Mixtral 8x7B's own config: 32 layers of 8 experts of 4096 x 14336, 47 billion parameters
+MIXTRAL_8X7B = {
+    "model_type": "mixtral",
+    "architectures": ["MixtralForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+
+
+def test_the_experts_of_a_full_size_model_are_found_within_a_bounded_memory() -> None:
+    """Which saved names are experts' Linears is found by reverting transformers' weight conversions on a probe
+    state dict; a probe of CPU tensors made the conversions copy every expert's weight: 24 GiB for Mixtral
+    8x7B's config, killed by the kernel (or, under a limit, the experts not found). Built here under a 2 GiB
+    data limit."""
+    script = (
+        "import json, resource, sys; "
+        "resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, resource.RLIM_INFINITY)); "
+        "from syncd.engine.definition import definition_for; "
+        "found, note = definition_for(json.loads(sys.argv[1]), 995); "
+        "print(json.dumps({'note': note, 'kinds': found.kinds if found else {}}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(MIXTRAL_8X7B)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    reply = json.loads(done.stdout)
+    assert reply["note"] is None
+    experts = {path: kind for path, kind in reply["kinds"].items() if ".experts." in path}
+    assert {
+        f"model.layers.{i}.block_sparse_moe.experts.{e}.w{w}" for i in (0, 31) for e in (0, 7) for w in (1, 2, 3)
+    } <= set(experts)
+    assert set(experts.values()) == {"Linear"}
 
 
 @pytest.mark.parametrize("model_type", EXPERTS_WRITTEN_BACK)
