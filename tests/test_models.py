@@ -29,7 +29,7 @@ from torch import nn
 
 from syncd.adapters import FileContext, LayoutAmbiguityError, ModuleMap, TensorRef, plan_conversion
 from syncd.engine.convert import ConvertRequest, convert
-from syncd.engine.definition import module_budget
+from syncd.engine.definition import BUILD_MEMORY_BYTES, module_budget
 from syncd.errors import UnsupportedError
 
 pytestmark = pytest.mark.torch
@@ -480,6 +480,28 @@ EXPERTS_WRITTEN_BACK = [
     "qwen3_moe",
     "solar_open",
 ]
+
+
+def test_a_config_json_whose_model_takes_gigabytes_to_build_is_given_up_and_the_conversion_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A config.json lies in a watched directory: ConvNeXt's depths are summed into a CPU list in its
+    `__init__`, meta device or not, so one number took 1.6 GiB of syncd's memory (VideoMAE's image size
+    likewise, in plain Python). The build runs apart, under a memory limit; past it, the other evidence decides."""
+    save_file(
+        {"classifier.weight": torch.randn(2, 8), "classifier.bias": torch.randn(2)}, tmp_path / "model.safetensors"
+    )
+    config = {
+        "model_type": "convnext",
+        "architectures": ["ConvNextForImageClassification"],
+        "depths": [30_000_000, 1, 1, 1],
+        "hidden_sizes": [8, 8, 8, 8],
+        "num_labels": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = convert(ConvertRequest(source=tmp_path / "model.safetensors"))
+    assert f"model definition not used: building it took more than {BUILD_MEMORY_BYTES >> 20} MiB" in result.decisions
+    assert result.status == "published"
 
 
 # Mixtral 8x7B's own config: 32 layers of 8 experts of 4096 x 14336, 47 billion parameters

@@ -15,20 +15,32 @@ base model may be saved with or without its prefix. The table is keyed by every 
 `transformers` is an optional extra (`pip install 'syncd[transformers]'`): without it, or for a class it
 cannot build, the result is None and a note saying why; the module map, the architectures table and the
 conventions decide as before. Built once per distinct config (the daemon converts the same model many times).
+
+The build runs in a child process (`serve`), never in syncd's own: a config.json lies in a watched directory,
+and one number in it (VideoMAE's image size, ConvNeXt's depths) made a model's `__init__` allocate gigabytes
+in plain Python even on the meta device, past the unit's MemoryMax; the module budget only counts modules.
+The child imports torch and transformers once (the daemon's own memory stays free of them), builds under a
+memory limit and a time limit, and is killed past either: the conversion then goes on without the
+definition, with a note. It exits when idle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import json
 import os
 import re
+import select
+import subprocess
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 from syncd.adapters import ModelDefinition
 from syncd.adapters.model import (
@@ -80,26 +92,215 @@ def definition_for(
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cached_definition(config_json: str, budget: int) -> tuple[ModelDefinition | None, str | None]:
-    try:  # transformers first: without it, torch is not worth its import time here
-        import transformers
-    except ImportError:
-        return None, "model definition not used: transformers is not installed (pip install 'syncd[transformers]')"
+    reply = _BUILDER.build(config_json, budget)
+    if "note" in reply:
+        return None, str(reply["note"])
+    return ModelDefinition(dict(reply["kinds"]), str(reply["source"]), tuple(reply["written"])), None
+
+
+# What a build may take beyond the child's own start (torch and transformers imported): a Llama of 32 layers
+# takes about 100 MiB on the meta device, Qwen3-MoE 235B (94 layers of 128 experts) 156 MiB; the hostile
+# configs above took 0.9-2.9 GiB, and minutes.
+BUILD_MEMORY_BYTES = 384 << 20
+BUILD_SECONDS = 120.0
+IDLE_SECONDS = 60.0  # the child exits after this long without a build (its imports hold ~250 MiB)
+# what the child may keep between builds (each family's modeling code, imported once, stays): past it, it exits
+RETAINED_BYTES = 512 << 20
+_WATCH_SECONDS = 0.1  # how often the child's memory is looked at while it builds
+_NOT_INSTALLED = "model definition not used: transformers is not installed (pip install 'syncd[transformers]')"
+
+
+class _Builder:
+    """The child process that builds definitions, one at a time, and syncd's side of its one-line JSON
+    requests and replies. Its memory is watched while it builds (and limited from inside where the system
+    lets it lower its own limit); past the limit or the time it is killed, and started again for the next."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._last_used = 0.0
+        self._refused: dict[str, Any] | None = None  # what a child that could not build said (no transformers)
+
+    def build(self, config_json: str, budget: int) -> dict[str, Any]:
+        with self._lock:
+            try:
+                return self._build(config_json, budget)
+            except OSError as exc:  # no process could be started (a task limit): the other evidence decides
+                self._stop()
+                return {"note": f"model definition not used: cannot start the process building it ({exc.strerror})"}
+
+    def _build(self, config_json: str, budget: int) -> dict[str, Any]:
+        proc = self._running()
+        if isinstance(proc, dict):
+            return proc  # it could not start (transformers missing): said by its first line
+        assert proc.stdin is not None and proc.stdout is not None
+        request = json.dumps({"config": config_json, "budget": budget}) + "\n"
+        before = _resident_bytes(proc.pid) or 0
+        try:
+            proc.stdin.write(request.encode())
+            proc.stdin.flush()
+        except BrokenPipeError:
+            return self._died(proc)
+        reply, why = _reply_of(proc, proc.stdout.fileno(), before + BUILD_MEMORY_BYTES, BUILD_SECONDS)
+        self._last_used = time.monotonic()
+        if reply is None:
+            self._stop()
+            return {"note": f"model definition not used: building it {why}"}
+        if not reply:
+            return self._died(proc)
+        return dict(json.loads(reply))
+
+    def _running(self) -> subprocess.Popen[bytes] | dict[str, Any]:
+        """The child, started if it is not running or may have exited idle meanwhile; or its refusal."""
+        if self._refused is not None:
+            return self._refused
+        proc = self._proc
+        if proc is not None and proc.poll() is None and time.monotonic() - self._last_used < IDLE_SECONDS / 2:
+            return proc
+        self._stop()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from syncd.engine.definition import serve; serve()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # transformers' warnings: not the journal's business
+            env=_child_environment(),
+        )
+        self._proc = proc
+        assert proc.stdout is not None
+        hello, why = _reply_of(proc, proc.stdout.fileno(), None, BUILD_SECONDS)
+        if not hello:
+            self._stop()
+            return {"note": f"model definition not used: its process did not start ({why or 'it exited'})"}
+        ready = json.loads(hello)
+        if "note" in ready:  # the same for every build of this process: said without starting it again
+            self._stop()
+            self._refused = dict(ready)
+            return self._refused
+        self._last_used = time.monotonic()
+        return proc
+
+    def _died(self, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+        code = proc.wait()
+        self._proc = None
+        how = f"signal {-code}" if code < 0 else f"status {code}"
+        return {"note": f"model definition not used: the process building it died ({how})"}
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
+
+
+_BUILDER = _Builder()
+
+
+def _child_environment() -> dict[str, str]:
+    """The child imports this very syncd (a checkout, a snapshot), whatever else the path holds."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def _reply_of(
+    proc: subprocess.Popen[bytes], fd: int, max_resident: int | None, seconds: float
+) -> tuple[bytes | None, str]:
+    """(the child's next line, b"" if it exited first) or (None, why) once it holds more than `max_resident`
+    bytes or takes longer than `seconds`."""
+    deadline = time.monotonic() + seconds
+    chunks: list[bytes] = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, f"took more than {seconds:.0f} s"
+        ready, _, _ = select.select([fd], [], [], min(left, _WATCH_SECONDS))
+        if ready:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"", ""
+            chunks.append(chunk)
+            if chunk.endswith(b"\n"):  # (a reply is one line: JSON holds no raw newline)
+                return b"".join(chunks), ""
+        elif max_resident is not None and (_resident_bytes(proc.pid) or 0) > max_resident:
+            return None, f"took more than {BUILD_MEMORY_BYTES >> 20} MiB"
+
+
+def _resident_bytes(pid: int) -> int | None:
     try:
-        import torch
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def serve() -> None:
+    """The child's loop: one JSON request per line on stdin, one reply per line on the original stdout
+    (anything a model prints goes to stderr instead). Exits at EOF, after IDLE_SECONDS without a request, or
+    once what its builds left behind (the modeling code of each family, freed memory Python keeps) passes
+    RETAINED_BYTES."""
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    try:  # transformers first: without it, torch is not worth its import time here
+        transformers = importlib.import_module("transformers")
+        torch = importlib.import_module("torch")
     except ImportError:
-        return None, "model definition not used: transformers is not installed (pip install 'syncd[transformers]')"
+        _say(replies, {"note": _NOT_INSTALLED})
+        return
+    started = _resident_bytes(os.getpid()) or 0
+    _say(replies, {"ready": True})
+    while select.select([sys.stdin], [], [], IDLE_SECONDS)[0]:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            return
+        request = json.loads(line)
+        _limit_own_memory()
+        _say(replies, _built(request["config"], int(request["budget"]), transformers, torch))
+        if (_resident_bytes(os.getpid()) or 0) > started + RETAINED_BYTES:
+            return
+
+
+def _say(replies: IO[bytes], reply: dict[str, Any]) -> None:
+    replies.write(json.dumps(reply).encode() + b"\n")
+    replies.flush()
+
+
+def _limit_own_memory() -> None:
+    """The data limit set to what the child holds now plus a build's allowance, so an allocation past it
+    fails at once (MemoryError) rather than when the parent next looks; where the system refuses (a unit's
+    system call filter), the parent's watch alone bounds it."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as status:
+            data = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmData:"))
+        _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        wanted = data + BUILD_MEMORY_BYTES
+        if hard == resource.RLIM_INFINITY or wanted < hard:
+            resource.setrlimit(resource.RLIMIT_DATA, (wanted, hard))
+    except (OSError, ValueError, StopIteration):
+        pass
+
+
+def _built(config_json: str, budget: int, transformers: Any, torch: Any) -> dict[str, Any]:
+    """One build's reply: the definition's parts, or a note saying why there is none."""
     config = json.loads(config_json)
     try:
         with _at_most(budget, torch):
             model, class_name = _build_on_meta(transformers, torch, config)
+        kinds = _saved_module_kinds(model, torch)
+        written = _written_names(model)
     except _TooManyModules:
-        return None, f"model definition not used: config.json describes a model of more than {budget} modules"
+        return {"note": f"model definition not used: config.json describes a model of more than {budget} modules"}
+    except MemoryError:
+        return {"note": f"model definition not used: building it took more than {BUILD_MEMORY_BYTES >> 20} MiB"}
     except Exception as exc:  # a class transformers cannot build here: the other evidence decides
         text = " ".join(str(exc).split())[:160] or type(exc).__name__
-        return None, f"model definition not used: transformers cannot build it ({text})"
-    kinds = _saved_module_kinds(model, torch)
+        return {"note": f"model definition not used: transformers cannot build it ({text})"}
     source = f"model definition {class_name} (transformers {transformers.__version__})"
-    return ModelDefinition(kinds, source, tuple(_written_names(model))), None
+    return {"kinds": kinds, "source": source, "written": list(written)}
 
 
 def _build_on_meta(transformers: Any, torch: Any, config: dict[str, Any]) -> tuple[Any, str]:
