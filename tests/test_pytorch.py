@@ -4,6 +4,7 @@ each refused in one line with nothing executed."""
 
 from __future__ import annotations
 
+import _codecs
 import io
 import json
 import os
@@ -312,6 +313,24 @@ def test_a_training_checkpoint_is_read_from_its_usual_key_and_says_what_it_left(
     assert "tensors taken from top-level key 'model_state_dict'" in proc.stdout
     assert "not converted: epoch (int 3), optimizer_state_dict (18 tensors), loss (float 0.25)" in proc.stdout
     assert_safetensors_equal(tmp_path / "ckpt.safetensors", model.state_dict())
+
+
+def test_a_bytes_value_saved_with_the_default_pickle_protocol_is_read_and_said_not_converted(tmp_path: Path) -> None:
+    """torch.save's default pickle protocol (2) writes bytes as `_codecs.encode(text, 'latin1')`: the whole
+    checkpoint was refused for that call, which torch.load(weights_only=True) reads. Only that call is read:
+    another encoding is refused."""
+    source = tmp_path / "ckpt.pt"
+    torch.save({"fc.weight": torch.randn(4, 3), "blob": bytes(range(256))}, source)
+    with zipfile.ZipFile(source) as archive:
+        assert b"_codecs" in archive.read("ckpt/data.pkl")
+    proc = run_cli("convert", source, "-o", tmp_path / "ckpt.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert "not converted: blob (bytes)" in proc.stdout
+    other = tmp_path / "other.pt"
+    other.write_bytes(with_pickle(tmp_path, pickle.dumps({"blob": _Reduce(_codecs.encode, ("abc", "utf-8"))}, 2)))
+    refused = run_cli("convert", other, "-o", tmp_path / "other.safetensors")
+    assert refused.returncode == 1
+    assert "_codecs.encode with arguments other than a text and 'latin1'" in refused.stderr
 
 
 def test_tensors_in_a_list_below_the_top_are_said_not_converted(tmp_path: Path) -> None:

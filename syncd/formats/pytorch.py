@@ -301,7 +301,7 @@ class _Global:
 
     module: str
     name: str
-    role: str  # "dict" | "rebuild" | "parameter" | "from_type" | "storage" | "dtype" | "type"
+    role: str  # "dict" | "rebuild" | "parameter" | "from_type" | "bytes" | "storage" | "dtype" | "type"
     dtype: str | None = None
 
 
@@ -315,6 +315,8 @@ def _globals() -> dict[tuple[str, str], _Global]:
             "torch._utils", "_rebuild_parameter_with_state", "parameter"
         ),
         ("torch._tensor", "_rebuild_from_type_v2"): _Global("torch._tensor", "_rebuild_from_type_v2", "from_type"),
+        # pickle protocol 2 (torch.save's default) writes a bytes value as _codecs.encode(text, "latin1")
+        ("_codecs", "encode"): _Global("_codecs", "encode", "bytes"),
         ("torch._tensor", "Tensor"): _Global("torch._tensor", "Tensor", "type"),
         ("torch", "Tensor"): _Global("torch", "Tensor", "type"),
         ("torch.nn.parameter", "Parameter"): _Global("torch.nn.parameter", "Parameter", "type"),
@@ -768,6 +770,14 @@ def _call(p: _Interpreter, func: _Global, args: tuple) -> Any:
         if args[0].role not in ("rebuild", "parameter"):
             raise p.fail("_rebuild_from_type_v2 calls something other than a tensor rebuild")
         return _call(p, args[0], args[2])
+    if func.role == "bytes":
+        # (what torch.load's weights_only unpickler allows too: latin-1 text back to its bytes, nothing else)
+        if len(args) != 2 or not isinstance(args[0], str) or args[1] not in ("latin1", "latin-1"):
+            raise p.fail("_codecs.encode with arguments other than a text and 'latin1'")
+        try:
+            return args[0].encode("latin-1")
+        except UnicodeEncodeError:
+            raise p.fail("_codecs.encode of a text that is not latin-1") from None
     raise p.fail(f"calls {func.module}.{func.name}, which is not a function")
 
 
