@@ -590,6 +590,19 @@ def test_a_legacy_torch_save_is_named_for_what_it_is(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("convert", source), 1, str(source), "legacy format", "re-save it")
 
 
+@pytest.mark.parametrize("how", ["scripted", "traced"])
+def test_a_torchscript_archive_is_named_for_what_it_is(tmp_path: Path, how: str) -> None:
+    """torch.jit.save's archive was refused as a zip with a compressed entry, as if the file were damaged."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    program = torch.jit.script(model) if how == "scripted" else torch.jit.trace(model, torch.randn(2, 3))
+    source = tmp_path / "model.pt"
+    torch.jit.save(program, source)
+    for command in (["convert", source, "-o", tmp_path / "model.bpk"], ["inspect", source]):
+        proc = run_cli(*command)
+        assert_one_line_error(proc, 1, "a TorchScript archive (torch.jit.save), not a torch.save checkpoint")
+    assert not (tmp_path / "model.bpk").exists()
+
+
 def test_a_whole_pickled_model_is_refused_by_name(tmp_path: Path) -> None:
     source = tmp_path / "model.pt"
     torch.save(small_mlp(), source)

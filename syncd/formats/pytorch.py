@@ -142,6 +142,20 @@ class ZipEntry:
     header_start: int
 
 
+# torch.jit.save's archive holds the model's code (`<name>/code/__torch__/...`, compressed) and constants.pkl
+# beside its data.pkl, which pickles TorchScript classes: a program, not a checkpoint of tensors
+TORCHSCRIPT = (
+    "a TorchScript archive (torch.jit.save), not a torch.save checkpoint: save the model's state_dict() with "
+    "torch.save (torch.jit.load(path).state_dict() for this one)"
+)
+
+
+def is_torchscript_entry(name: str) -> bool:
+    """An entry only TorchScript archives hold: the model's code, or its constants."""
+    _, _, rest = name.partition("/")
+    return rest.startswith("code/") or rest == "constants.pkl"
+
+
 def _u16(raw: bytes, at: int) -> int:
     return int.from_bytes(raw[at : at + 2], "little")
 
@@ -218,6 +232,8 @@ class _Zip:
             usize, csize, local = _zip64_sizes(extra, usize, csize, local)
             if flags & 1:
                 raise FormatError(f"zip entry {name!r} is encrypted", self.path)
+            if is_torchscript_entry(name):
+                raise FormatError(TORCHSCRIPT, self.path)
             if method != 0:
                 raise FormatError(
                     f"zip entry {name!r} is compressed (method {method}); torch.save stores entries uncompressed, "
