@@ -5,6 +5,7 @@ each refused in one line with nothing executed."""
 from __future__ import annotations
 
 import _codecs
+import argparse
 import io
 import json
 import os
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from convcheck import assert_one_line_error, dir_listing, read_any, read_bpk, run_cli
@@ -331,6 +333,46 @@ def test_a_bytes_value_saved_with_the_default_pickle_protocol_is_read_and_said_n
     refused = run_cli("convert", other, "-o", tmp_path / "other.safetensors")
     assert refused.returncode == 1
     assert "_codecs.encode with arguments other than a text and 'latin1'" in refused.stderr
+
+
+def test_objects_of_other_classes_beside_the_weights_are_said_not_converted_and_never_made(tmp_path: Path) -> None:
+    """timm's and torchvision's training scripts save `args` (an argparse.Namespace) beside the weights, and
+    a metric as a numpy scalar: any such object refused the whole checkpoint. Beside the weights it is said not
+    converted now, never built; among the weights, or holding tensors at their top, it is still refused."""
+    model = small_mlp()
+    source = tmp_path / "checkpoint.pth"
+    saved = {
+        "state_dict": model.state_dict(),
+        "args": argparse.Namespace(lr=0.1, epochs=90),
+        "best_acc1": np.float64(71.5),
+        "ema": small_mlp(),  # a whole module pickled: its tensors counted, nothing built
+    }
+    torch.save(saved, source)
+    proc = run_cli("convert", source, "-o", tmp_path / "checkpoint.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert "not converted: args (argparse.Namespace), best_acc1 (numpy." in proc.stdout
+    assert f"ema ({len(small_mlp().state_dict())} tensors)" in proc.stdout
+    assert_safetensors_equal(tmp_path / "checkpoint.safetensors", model.state_dict())
+    beside = tmp_path / "beside.pt"
+    torch.save({**model.state_dict(), "args": argparse.Namespace(lr=0.1)}, beside)
+    proc = run_cli("convert", beside, "-o", tmp_path / "beside.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert "not converted: args (argparse.Namespace)" in proc.stdout
+    for name, weights in (
+        ("among.pt", {"state_dict": {"fc": {"meta": argparse.Namespace()}, **model.state_dict()}}),
+        ("holding.pt", {**model.state_dict(), "extra": _Holder(torch.ones(2))}),
+    ):
+        torch.save(weights, tmp_path / name)
+        refused = run_cli("convert", tmp_path / name, "-o", tmp_path / f"{name}.safetensors")
+        assert_one_line_error(refused, 1, "refuses the global")
+        assert not (tmp_path / f"{name}.safetensors").exists()
+
+
+class _Holder:
+    """A class of one's own holding a tensor."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 def test_tensors_in_a_list_below_the_top_are_said_not_converted(tmp_path: Path) -> None:

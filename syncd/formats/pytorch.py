@@ -16,7 +16,11 @@ watched directory would run anyone's code. So the pickle is read by our own inte
 names, which an index of 2^32 turns into a multi-gigabyte allocation), while here every opcode does only
 what this module says, every global is looked up in an explicit table of names (nothing is imported), and
 every object built is charged against a budget. What can be built: tensors, dicts, lists, tuples and plain
-values (None, bools, ints, floats, text, bytes).
+values (None, bools, ints, floats, text, bytes). An object of any other class (`args: Namespace` beside the
+weights, as timm and torchvision's scripts save; a numpy scalar) is never created: it stands as a placeholder
+holding what was pickled into it. Beside the dict the tensors are taken from, or beside the top-level tensors
+and holding none, it is said not converted; deeper among them, holding tensors, or as the saved object itself,
+the file is refused, naming its class.
 
 The tensor table describes each tensor where its bytes lie in the file: a C-contiguous tensor is one window
 of its storage's entry. A view (a transpose, a strided slice) or a tensor sharing bytes with an earlier one
@@ -366,6 +370,31 @@ class _Tensor:
     strides: tuple[int, ...]
 
 
+class _Foreign:
+    """A global outside the table (a class, a function): looked up by name only, never imported."""
+
+    __slots__ = ("shown",)
+
+    def __init__(self, module: str, name: str) -> None:
+        self.shown = f"{module}.{name}"[:200]
+
+
+class _Object:
+    """What a pickle builds by calling a _Foreign (REDUCE, NEWOBJ), never made: the class's name and what was
+    pickled into it (arguments, state, items), kept so the tensors in it can be counted."""
+
+    __slots__ = ("parts", "shown")
+
+    def __init__(self, shown: str, first: Any) -> None:
+        self.shown, self.parts = shown, [first]
+
+
+def refused_global(shown: str) -> str:
+    return (
+        f"data.pkl: refuses the global {shown!r}: only tensors, containers and plain values are read (nothing is run)"
+    )
+
+
 class _Mark:
     """The MARK opcode's place on the stack."""
 
@@ -528,14 +557,8 @@ def _op_stack_global(p: _Interpreter) -> None:
     p.push(_lookup(p, module, name))
 
 
-def _lookup(p: _Interpreter, module: str, name: str) -> _Global:
-    found = _ALLOWED.get((module, name))
-    if found is None:
-        shown = f"{module}.{name}"[:200]
-        raise p.fail(
-            f"refuses the global {shown!r}: only tensors, containers and plain values are read (nothing is run)"
-        )
-    return found
+def _lookup(p: _Interpreter, module: str, name: str) -> _Global | _Foreign:
+    return _ALLOWED.get((module, name)) or _Foreign(module, name)
 
 
 def _op_put(p: _Interpreter, index: int) -> None:
@@ -555,6 +578,9 @@ def _op_get(p: _Interpreter, index: int) -> None:
 
 def _op_reduce(p: _Interpreter) -> None:
     args, func = p.pop(), p.pop()
+    if isinstance(func, _Foreign) and isinstance(args, tuple):
+        p.push(_Object(func.shown, args), 64)  # never called
+        return
     if not isinstance(func, _Global) or not isinstance(args, tuple):
         raise p.fail(f"calls something that is not a permitted function at byte {p.pos}")
     p.push(_call(p, func, args), 64)
@@ -562,14 +588,20 @@ def _op_reduce(p: _Interpreter) -> None:
 
 def _op_newobj(p: _Interpreter) -> None:
     args, cls = p.pop(), p.pop()
+    if isinstance(cls, _Foreign) and isinstance(args, tuple):
+        p.push(_Object(cls.shown, args), 64)  # never made
+        return
     if not (isinstance(cls, _Global) and cls.role == "dict" and args == ()):
         raise p.fail(f"creates an object other than a dict at byte {p.pos}")
     p.push({}, 64)
 
 
 def _op_build(p: _Interpreter) -> None:
-    p.pop()  # the state: an OrderedDict's attributes (`_metadata`), a Parameter's: not applied
+    state = p.pop()  # an OrderedDict's attributes (`_metadata`), a Parameter's: not applied
     target = p.top()
+    if isinstance(target, _Object):
+        target.parts.append(state)
+        return
     if not isinstance(target, dict | _Tensor):
         raise p.fail(f"BUILD applies a state to a {type(target).__name__} at byte {p.pos}")
 
@@ -581,6 +613,10 @@ def _op_persid(p: _Interpreter, pid: Any) -> None:
 def _op_setitems(p: _Interpreter) -> None:
     items = p.pop_mark()
     target = p.top()
+    if isinstance(target, _Object):  # (a dict of a class of its own: an OrderedDict subclass, a defaultdict)
+        p.budget.charge(50 * len(items))
+        target.parts.append(tuple(items))
+        return
     if not isinstance(target, dict) or len(items) % 2:
         raise p.fail(f"SETITEMS on a {type(target).__name__} at byte {p.pos}")
     p.budget.charge(50 * len(items))
@@ -598,6 +634,10 @@ def _setitem(p: _Interpreter, target: dict, key: Any, value: Any) -> None:
 def _op_setitem(p: _Interpreter) -> None:
     value, key = p.pop(), p.pop()
     target = p.top()
+    if isinstance(target, _Object):
+        p.budget.charge(100)
+        target.parts.append((key, value))
+        return
     if not isinstance(target, dict):
         raise p.fail(f"SETITEM on a {type(target).__name__} at byte {p.pos}")
     p.budget.charge(100)
@@ -607,6 +647,10 @@ def _op_setitem(p: _Interpreter) -> None:
 def _op_appends(p: _Interpreter) -> None:
     items = p.pop_mark()
     target = p.top()
+    if isinstance(target, _Object):
+        p.budget.charge(8 * len(items))
+        target.parts.append(tuple(items))
+        return
     if not isinstance(target, list):
         raise p.fail(f"APPENDS on a {type(target).__name__} at byte {p.pos}")
     p.budget.charge(8 * len(items))
@@ -616,6 +660,10 @@ def _op_appends(p: _Interpreter) -> None:
 def _op_append(p: _Interpreter) -> None:
     value = p.pop()
     target = p.top()
+    if isinstance(target, _Object):
+        p.budget.charge(8)
+        target.parts.append(value)
+        return
     if not isinstance(target, list):
         raise p.fail(f"APPEND on a {type(target).__name__} at byte {p.pos}")
     p.budget.charge(8)
@@ -1197,6 +1245,8 @@ def find_tensors(root: Any, top_level_key: str | None, path: str) -> Found:
     """The tensors of the saved object, named by their dict keys joined with '.' (as Burn's PytorchStore);
     with `top_level_key`, those under that key; without, those under the one usual key that holds them."""
     found = Found()
+    if isinstance(root, _Object | _Foreign):  # a whole pickled model, or a payload
+        raise FormatError(refused_global(root.shown), path)
     if isinstance(root, _Tensor):
         raise FormatError("holds a single tensor, not a dict of named tensors", path)
     if not isinstance(root, dict):
@@ -1237,6 +1287,13 @@ def _collect(node: dict, prefix: str, found: Found, path: str, depth: int) -> No
             found.tensors[name] = value
         elif isinstance(value, dict):
             _collect(value, f"{name}.", found, path, depth + 1)
+        elif isinstance(value, _Object | _Foreign):
+            # beside the top-level tensors and holding none, said not converted as any other value; holding
+            # tensors, or deeper among them (a tensor subclass, a module of its own), what it holds is not read,
+            # and leaving it out would be a model short of a weight
+            if prefix or _count_tensors(value, found, path):
+                raise FormatError(refused_global(value.shown), path)
+            found.left.append(_left(name, value, found, path))
         elif prefix == "" or _count_tensors(value, found, path):
             # what is not converted is said: every top-level value, and tensors deeper down in a list or
             # tuple (`encoder.layers: [t, t]`; Burn's store reads dicts only), by their full name
@@ -1268,18 +1325,24 @@ def _count_tensors(value: Any, found: Found, path: str) -> int:
         found.visit(path)
         if depth > MAX_DEPTH:
             raise FormatError(f"values nested more than {MAX_DEPTH} deep", path)
-        if isinstance(item, _Tensor):
+        if isinstance(item, _Tensor | _Storage):  # (a storage in an object: a tensor syncd cannot build)
             count += 1
         elif isinstance(item, dict):
             stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, list | tuple):
             stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, _Object):
+            stack.extend((v, depth + 1) for v in item.parts)
     return count
 
 
 def _kind(value: Any) -> str:
     if isinstance(value, _Tensor):
         return "a tensor"
+    if isinstance(value, _Object):
+        return value.shown
+    if isinstance(value, _Foreign):
+        return f"class {value.shown}"
     if isinstance(value, bool | int | float):
         return f"{type(value).__name__} {value!r}"[:60]
     return type(value).__name__
