@@ -200,8 +200,8 @@ def test_global_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, 
          "(did you mean 'Linear'?)"),
         ("modules: {a..b: Linear}", "watches[0].modules['a..b']: empty path segment in pattern"),
         ("modules: [Linear]", "watches[0].modules: expected a mapping of pattern -> kind or a file path, got a list"),
-        ("include: []", "watches[0].include: matches no file direction both converts (*.bin, *.bpk, *.pt, *.pth, "
-         "*.safetensors): the watch would convert nothing"),
+        ("include: []", "watches[0].include: matches no file direction both converts (*.bin, *.bpk, *.ckpt, *.pt, "
+         "*.pth, *.safetensors, *.tar): the watch would convert nothing"),
         ("include: ['*.safetensors']\n    direction: bpk->safetensors", "watches[0].include: matches no file "
          "direction bpk->safetensors converts (*.bpk): the watch would convert nothing"),
         ("shard_size: 1.5", "watches[0].shard_size: shard size '1.5' is not a whole number of bytes (a unit: "

@@ -699,7 +699,7 @@ def test_a_watch_converts_pytorch_checkpoints_only_when_asked(make_daemon: Calla
     run = make_daemon(
         [
             {"path": "plain"},  # the defaults: .bpk and .safetensors only, as before
-            {"path": "torch", "direction": "pt->bpk"},  # *.pt, *.pth, pytorch_model*.bin
+            {"path": "torch", "direction": "pt->bpk"},  # *.pt, *.pth, pytorch_model*.bin, *.ckpt, *.pth.tar
             {"path": "named", "include": ["*.pt"], "top_level_key": "ema"},
         ]
     )
@@ -709,13 +709,18 @@ def test_a_watch_converts_pytorch_checkpoints_only_when_asked(make_daemon: Calla
     torch.save(model.state_dict(), plain / "ckpt.pt")
     torch.save(training_checkpoint(model), torch_dir / "ckpt.pt")
     torch.save(model.state_dict(), torch_dir / "pytorch_model.bin")
+    torch.save({"state_dict": model.state_dict(), "epoch": 1}, torch_dir / "epoch=1-step=10.ckpt")  # Lightning's
+    torch.save({"state_dict": model.state_dict(), "epoch": 1}, torch_dir / "model_best.pth.tar")  # timm's
     torch.save(model.state_dict(), torch_dir / "optimizer.bin")  # not a name the direction takes
     (torch_dir / "evil.pth").write_bytes(
         with_pickle(run.root, pickle.dumps(_Reduce(os.system, (f"touch {marker}",)), protocol=2))
     )
     torch.save({"ema": model.state_dict(), "step": 3}, named / "model.pt")
     run.start()
-    run.wait_for("converted", [torch_dir / "ckpt.pt", torch_dir / "pytorch_model.bin", named / "model.pt"])
+    lightning, timm = torch_dir / "epoch=1-step=10.ckpt", torch_dir / "model_best.pth.tar"
+    run.wait_for(
+        "converted", [torch_dir / "ckpt.pt", torch_dir / "pytorch_model.bin", named / "model.pt", lightning, timm]
+    )
     run.wait_for("refused", [torch_dir / "evil.pth"])
     code, _ = run.stop()
     assert code == 0, run.stderr()
@@ -728,7 +733,8 @@ def test_a_watch_converts_pytorch_checkpoints_only_when_asked(make_daemon: Calla
     assert any(line.startswith("not converted: epoch (int 3), optimizer_state_dict") for line in ckpt["layout"])
     (ema,) = [r for r in run.statuses("converted") if r["source"] == str(named / "model.pt")]
     assert "tensors taken from top-level key 'ema' (as asked)" in ema["layout"]
-    for bpk in (torch_dir / "ckpt.bpk", torch_dir / "pytorch_model.bpk", named / "model.bpk"):
+    names = ("ckpt.bpk", "pytorch_model.bpk", "epoch=1-step=10.bpk", "model_best.bpk")
+    for bpk in (*(torch_dir / name for name in names), named / "model.bpk"):
         same_tensors(bpk, torch_dir / "ckpt.bpk")
     assert dir_listing(plain) == ["ckpt.pt"]
     assert not (torch_dir / "optimizer.bpk").exists()

@@ -128,8 +128,8 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     convert.add_argument(
         "source",
         type=Path,
-        help="the checkpoint to convert: a .bpk or .safetensors file, a PyTorch .pt/.pth/.bin, or a sharded set's "
-        "index or directory",
+        help="the checkpoint to convert: a .bpk or .safetensors file, a PyTorch .pt/.pth/.bin/.ckpt/.pth.tar, or a "
+        "sharded set's index or directory",
     )
     convert.add_argument(
         "-o", "--output", type=_output_path, help="destination (default: SOURCE with the other extension)"
@@ -147,8 +147,8 @@ def _add_convert_arguments(convert: argparse.ArgumentParser) -> None:
     convert.add_argument(
         "--top-level-key",
         metavar="KEY",
-        help="a PyTorch .pt/.pth/.bin: the key of the saved dict that holds the tensors (default: the one of "
-        "state_dict, model_state_dict, model that holds tensors, else the whole dict)",
+        help="a PyTorch .pt/.pth/.bin/.ckpt/.pth.tar: the key of the saved dict that holds the tensors (default: the "
+        "one of state_dict, model_state_dict, model that holds tensors, else the whole dict)",
     )
     stores = convert.add_argument_group("names, filters, precision and shards (as Burn's stores)")
     stores.add_argument(

@@ -34,7 +34,7 @@ from syncd.engine.directions import converts_to
 from syncd.errors import ConflictError, SyncdError
 from syncd.formats import BURNPACK, Format, open_checkpoint, read_metadata
 from syncd.formats.fileio import FileStamp
-from syncd.formats.registry import BY_NAME, format_for_path
+from syncd.formats.registry import BY_NAME, checkpoint_stem, format_for_path
 from syncd.formats.shards import BIN_INDEX_SUFFIX, INDEX_SUFFIX, is_set_index, read_index, set_stem
 
 # the failure recorded for a source whose destination holds a file not proven syncd's (`syncd retry --adopt`)
@@ -50,7 +50,7 @@ def destination_for(watch: Watch, source: Path, from_format: Format) -> Path:
         index = _set_destination(watch, source)
         if index is not None:
             return index
-    return watch.output_dir_for(source) / (source.stem + converts_to(from_format).extension)
+    return watch.output_dir_for(source) / (checkpoint_stem(source) + converts_to(from_format).extension)
 
 
 def set_destination(watch: Watch, index: Path) -> Path:

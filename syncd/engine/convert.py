@@ -73,7 +73,7 @@ from syncd.errors import (
 )
 from syncd.formats import BURNPACK, SAFETENSORS
 from syncd.formats.fileio import FileStamp, TensorFileReader, open_regular_file, pwrite_all
-from syncd.formats.registry import BY_NAME
+from syncd.formats.registry import BY_NAME, checkpoint_stem
 from syncd.formats.shards import (
     INDEX_SUFFIX,
     ShardLayout,
@@ -158,7 +158,7 @@ def default_destination(source: Path, to_format: str) -> Path:
     extension = BY_NAME[to_format].extension
     if is_set_index(source):  # model.safetensors.index.json -> model.bpk
         return source.parent / (set_stem(source) + extension)
-    return source.with_suffix(extension) if source.suffix else Path(f"{source}{extension}")
+    return source.parent / (checkpoint_stem(source) + extension) if source.suffix else Path(f"{source}{extension}")
 
 
 def convert(request: ConvertRequest) -> ConvertResult:

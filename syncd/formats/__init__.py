@@ -1,5 +1,5 @@
 """Byte-exact readers and writers for burnpack (.bpk) and safetensors, and a reader of PyTorch's own
-`torch.save` checkpoints (.pt, .pth, .bin). Nothing here knows of modules.
+`torch.save` checkpoints (.pt, .pth, .bin, .ckpt, .pth.tar). Nothing here knows of modules.
 
 What each format is (name, extension, reader, dtypes) is described once, in registry.py; how formats are
 converted is the engine's (engine/targets.py, engine/directions.py).
@@ -71,8 +71,8 @@ def looks_like(head: bytes, size: int) -> str | None:
 
 def sniff_format(path: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> str:
     """Decide by content: a format's magic, else the format without one; the name only breaks ties. A zip is
-    read as a torch.save checkpoint only under a PyTorch name (.pt, .pth, .bin): under a checkpoint's name of
-    the other formats it is named for what it is, not converted."""
+    read as a torch.save checkpoint only under a PyTorch name (.pt, .pth, .bin, .ckpt, .tar): under a
+    checkpoint's name of the other formats it is named for what it is, not converted."""
     fd, size = open_regular_file(path, within)
     try:
         longest = max(len(fmt.magic or b"") for fmt in FORMATS)

@@ -83,6 +83,15 @@ BY_SHORT = {fmt.short: fmt for fmt in FORMATS}
 BY_EXTENSION = {ext: fmt for fmt in (*FORMATS, *READ_ONLY) for ext in (fmt.extension, *fmt.aliases)}
 
 
+def checkpoint_stem(path: str | os.PathLike[str]) -> str:
+    """A checkpoint's name without its extension, both of `model_best.pth.tar`'s."""
+    name = os.path.basename(os.fspath(path))
+    for double in pytorch_facts.DOUBLE_EXTENSIONS:
+        if name.lower().endswith(double) and len(name) > len(double):
+            return name[: -len(double)]
+    return os.path.splitext(name)[0]
+
+
 def format_for_path(path: str | os.PathLike[str]) -> Format | None:
     """The format a file name announces, or None."""
     return BY_EXTENSION.get(os.path.splitext(os.fspath(path))[1].lower())
