@@ -44,6 +44,7 @@ from syncd.engine.publish import (
     PublishResult,
     Scratch,
     ensure_destination_free,
+    interrupts_held,
     open_scratch,
     publish,
     remove_stale_scratch_of,
@@ -587,7 +588,10 @@ def _laid_out(c: Conversion) -> tuple[bytes, int, list[int]]:
     """The target's layout of the output; what the format cannot hold (metadata past its size limit, from a
     set's index text carried as it was) names the source it comes from."""
     try:
-        return c.target.lay_out(c.source, c.carried, c.specs, c.metadata, c.scalars)
+        # Ctrl-C or SIGTERM held while the header is encoded: cbor2's C encoder swallows an exception raised in
+        # the isinstance checks it makes ("Exception ignored in: [12288]"), and the conversion went on to exit 0
+        with interrupts_held():
+            return c.target.lay_out(c.source, c.carried, c.specs, c.metadata, c.scalars)
     except FormatError as exc:
         raise _naming_file(exc, c.source.path) from None
 

@@ -210,7 +210,7 @@ def open_scratch(
         raise SyncdError(f"its directory resolves outside {within} (a symlink?); not writing there", str(dest))
     while True:
         path = dest.parent / _scratch_name(dest.name, os.getpid(), next(_counter))
-        with _interrupts_held():  # made and known together: Ctrl-C or SIGTERM between the two left it for good
+        with interrupts_held():  # made and known together: Ctrl-C or SIGTERM between the two left it for good
             try:
                 fd = os.open(path.name, _SCRATCH_FLAGS, 0o600, dir_fd=dir_fd)
             except FileExistsError:
@@ -233,7 +233,7 @@ def open_scratch(
 
 
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
+def interrupts_held() -> Iterator[None]:
     """SIGINT and SIGTERM held back for the moment (on the main thread, whose handlers raise): delivered when
     it ends. Other threads' signals run their handlers on the main thread too, at its next instruction."""
     if threading.current_thread() is not threading.main_thread():
