@@ -198,6 +198,15 @@ def test_a_set_is_never_written_in_burns_layout(saves: dict[str, Path], tmp_path
     got = {k: v for path in resplit.glob("*.safetensors") for k, v in load_file(path).items()}
     want = {k: v for path in saves["sharded"].parent.glob("*.safetensors") for k, v in load_file(path).items()}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # a .bpk kept in PyTorch's layout (--layout keep) records no layout, but carries the `format: pt` of its
+    # source: it was refused as Burn's
+    kept = tmp_path / "kept.bpk"
+    syncd("convert", saves["sharded"], "-o", kept, "--layout", "keep")
+    again = tmp_path / "again"
+    again.mkdir()
+    syncd("convert", kept, "-o", again, "--layout", "keep", "--shard-size", "40KB")
+    got = {k: v for path in again.glob("*.safetensors") for k, v in load_file(path).items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_file_split_into_a_set_takes_its_stem(tmp_path: Path) -> None:

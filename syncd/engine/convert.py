@@ -300,6 +300,8 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     known = (
         carried.layout
         or metadata_layout(source.header.metadata)
+        # (a .bpk made with --layout keep from a PyTorch file records no layout but carries its `format: pt`)
+        or metadata_layout(carried.safetensors_metadata or {})
         or (BURN if source.header.format == BURNPACK else None)
     )
     if shards is not None and adapted.target_layout != PYTORCH and known == BURN:
@@ -307,8 +309,8 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
         # Burn-layout file read as PyTorch's on its next conversion, exit 0, every Linear left transposed
         raise UsageError(
             "a sharded set is written in PyTorch's layout, as save_pretrained writes it, and this output keeps "
-            "the source's burn layout (--layout keep): write one file (--shard-size "
-            "none, or -o NAME.safetensors)",
+            "the source's burn layout (--layout keep, layout: keep in a watch): write one file (--shard-size none "
+            "or -o NAME.safetensors; shard_size left out in a watch)",
             str(dest),
         )
     if shards is not None and request.dest is not None and not dest.is_dir() and not is_index_name(dest):
@@ -531,7 +533,7 @@ def _output_shards(
     sizes = [(spec.name, spec.nbytes) for spec in specs]
     if request.shard_size is not None:
         # model.bpk, model.safetensors, ckpt.pt, a set's model.safetensors.index.json: model-00001-of-0000N...
-        stem = set_stem(source.path) if is_set_index(source.path) else Path(source.path).stem
+        stem = set_stem(source.path) if is_set_index(source.path) else checkpoint_stem(source.path)
         index_name = dest.name if is_index_name(dest) else f"{stem}{INDEX_SUFFIX}"
         return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index)
     if carried.shards is None:

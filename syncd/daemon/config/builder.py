@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from syncd.adapters import AUTO, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
+from syncd.adapters import AUTO, KEEP, LAYOUT_CHOICES, MapProblem, ModuleMap, parse_module_map
 from syncd.adapters.keys import compile_filter, compile_rule
 from syncd.adapters.precision import PRECISIONS
 from syncd.daemon.config.safety import check_file_mode
@@ -60,6 +60,7 @@ from syncd.daemon.config.schema import (
 from syncd.daemon.config.yamlfile import MISSING, Section, YamlFile, describe, resolve
 from syncd.engine.directions import DIRECTIONS
 from syncd.engine.hashing import HASH_CHOICES
+from syncd.formats import BURNPACK
 from syncd.formats.pytorch_facts import DAEMON_PATTERNS as PYTORCH_PATTERNS
 from syncd.formats.registry import BY_EXTENSION, PYTORCH_FORMAT
 from syncd.formats.shards import parse_shard_size
@@ -223,6 +224,16 @@ class ConfigBuilder:
                 section.key("include"),
                 f"matches no file direction {direction} converts ({sources}): the watch would convert nothing",
             )
+        layout = section.choice("layout", AUTO, LAYOUT_CHOICES)
+        shard_size = _shard_size(self.file, section)
+        if layout == KEEP and shard_size is not None and BURNPACK in DIRECTIONS[direction]:
+            # (the engine refuses each such .bpk: a set holds PyTorch's layout, as save_pretrained writes it)
+            self.file.problem(
+                section.node("shard_size"),
+                section.key("shard_size"),
+                "with layout: keep, a .bpk keeps Burn's layout, which a sharded set cannot hold (save_pretrained's "
+                "sets are PyTorch's): every .bpk would fail; drop shard_size or layout: keep",
+            )
         return Watch(
             path=path,
             recursive=section.boolean("recursive", True),
@@ -232,7 +243,7 @@ class ConfigBuilder:
             direction=direction,
             mirror=self._mirror(section),
             on_exists=section.choice("on_exists", DEFAULT_ON_EXISTS, ON_EXISTS),
-            layout=section.choice("layout", AUTO, LAYOUT_CHOICES),
+            layout=layout,
             module_map=module_map,
             modules_file=modules_file,
             poll=section.boolean("poll", False),
@@ -240,7 +251,7 @@ class ConfigBuilder:
             map_indices_contiguous=section.optional_boolean("map_indices_contiguous"),
             **_tensor_filter(self.file, section),
             precision=_precision(section),
-            shard_size=_shard_size(self.file, section),
+            shard_size=shard_size,
             top_level_key=_top_level_key(section),
             line=items["path"][1].start_mark.line + 1,
             index=index,
