@@ -398,6 +398,20 @@ def test_a_converted_set_whose_shards_change_without_its_index_waits_for_it_howe
     assert syncer.process(watch, index, closed=True).status is Status.UPDATED
 
 
+def _copied_shard_by_shard(syncer: Syncer, watch: Watch, index: Path, following: Path) -> None:
+    """The shards of the set behind `following` copied over `index`'s one by one: waited for after the first,
+    converted once all are there, into what `following` converts to."""
+    first, *others = _shards(index)
+    shutil.copyfile(following.parent / first.name, first)
+    waiting = syncer.process(watch, index, closed=True)
+    assert waiting.status is None and waiting.retry_in is not None
+    for shard in others:
+        shutil.copyfile(following.parent / shard.name, shard)
+    assert syncer.process(watch, index, closed=True).status is Status.UPDATED
+    expected = convert(ConvertRequest(source=following, dest=following.parent / "expected.bpk"))
+    assert read_bpk(index.parent / "model.bpk").tensors == read_bpk(expected.dest).tensors
+
+
 def test_a_converted_set_copied_again_index_first_ends_converted_with_its_new_shards(tmp_path: Path) -> None:
     """The next version copied over a converted set, its index first: the new index beside the old shards is a
     whole set (converted), the first new shard beside old ones is not (waited for), and once every shard is new
@@ -407,15 +421,7 @@ def test_a_converted_set_copied_again_index_first_ends_converted_with_its_new_sh
     shutil.copyfile(following, index)  # the copy's first file
     _aged(index, 200)
     assert syncer.process(watch, index, closed=True).status is Status.UPDATED  # the old shards: a whole set
-    first, *others = _shards(index)
-    shutil.copyfile(following.parent / first.name, first)
-    waiting = syncer.process(watch, index, closed=True)
-    assert waiting.status is None and waiting.retry_in is not None
-    for shard in others:
-        shutil.copyfile(following.parent / shard.name, shard)
-    assert syncer.process(watch, index, closed=True).status is Status.UPDATED
-    expected = convert(ConvertRequest(source=following, dest=tmp_path / "expected.bpk", within=tmp_path))
-    assert read_bpk(index.parent / "model.bpk").tensors == read_bpk(expected.dest).tensors
+    _copied_shard_by_shard(syncer, watch, index, following)
     again = syncer.process(watch, index, closed=True)  # as converted: nothing waited for, nothing said
     assert again.status is None and again.retry_in is None
     assert "warning" not in [json.loads(line)["status"] for line in log.read_text().splitlines()]
@@ -434,15 +440,7 @@ def test_the_next_save_of_a_set_copied_in_index_first_is_waited_for_until_whole(
         _aged(shard, 200)
     assert syncer.process(watch, index, closed=True).status is Status.CONVERTED
     following = save_llama(tmp_path / "following", sharded=True, seed=1)
-    first, *others = _shards(index)
-    shutil.copyfile(following.parent / first.name, first)
-    waiting = syncer.process(watch, index, closed=True)
-    assert waiting.status is None and waiting.retry_in is not None
-    for shard in others:
-        shutil.copyfile(following.parent / shard.name, shard)
-    assert syncer.process(watch, index, closed=True).status is Status.UPDATED
-    expected = convert(ConvertRequest(source=following, dest=tmp_path / "expected.bpk", within=tmp_path))
-    assert read_bpk(index.parent / "model.bpk").tensors == read_bpk(expected.dest).tensors
+    _copied_shard_by_shard(syncer, watch, index, following)
     assert [json.loads(line)["status"] for line in log.read_text().splitlines()] == ["converted", "updated"]
 
 
