@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -103,7 +104,10 @@ def test_syncd_status_while_running_and_after(run: DaemonRun) -> None:
     wait_until(settled, 30, "the status file to show every decision")
     shown = run_cli("status", "-c", run.config_path)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.startswith(f"syncd: running; pid {run.proc.pid}")
+    # which node, where several share a tree and pids repeat (containers): in the status and the log's start
+    assert shown.stdout.startswith(f"syncd: running; pid {run.proc.pid} on {socket.gethostname()}, started ")
+    (started,) = run.statuses("started")
+    assert (started["host"], started["pid"]) == (socket.gethostname(), run.proc.pid)
     assert "since start: 1 converted, 0 updated, 0 in_sync, 2 refused, 1 conflict, 0 error, 0 skipped" in shown.stdout
     assert "queued: 0" in shown.stdout and "converting: nothing" in shown.stdout
     assert "recent failures: 3" in shown.stdout

@@ -19,7 +19,8 @@ def render_status(doc: dict[str, Any]) -> list[str]:
             f"running, but its status is from {doc.get('updated')}: it cannot write its status file (a full or "
             "read-only state directory? the journal says)"
         )
-    lines = [f"syncd: {state}; pid {doc.get('pid')}, started {doc.get('started')}, config {doc.get('config')}"]
+    host = f" on {doc['host']}" if doc.get("host") else ""  # (absent from a status written by an older daemon)
+    lines = [f"syncd: {state}; pid {doc.get('pid')}{host}, started {doc.get('started')}, config {doc.get('config')}"]
     counts = doc["counts"]
     order = ("converted", "updated", "in_sync", "refused", "conflict", "error", "skipped")
     lines.append("since start: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in order))

@@ -155,6 +155,8 @@ class Daemon:
             Status.STARTED,
             reason=f"watching {len(self.config.watches)} tree(s){self._how_watched()}; {queued} file(s) to check",
             config=str(self.config.path),
+            host=claims.this_node(),  # (which node this log is of, where several share a tree; pids repeat in
+            pid=os.getpid(),  # containers)
         )
         notify.ready(self._status())
 

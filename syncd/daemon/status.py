@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections import Counter, deque
@@ -178,6 +179,7 @@ class Activity:
         return {
             "state": state,
             "pid": os.getpid(),
+            "host": socket.gethostname(),  # which node, where several share a tree (pids repeat in containers)
             "config": os.fsdecode(self.config_path),
             "started": self.started,
             "updated": utc_timestamp(),
