@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from clusterutil import stop_while_converting
 from convcheck import run_cli
 from daemonutil import DaemonRun, stop_cleanly, wait_until
@@ -379,21 +380,25 @@ def _node(tmp_path: Path, name: str, runs: Path) -> Syncer:
     return syncer
 
 
-def test_an_output_whose_source_was_rotated_away_is_left_to_a_node_without_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["ckpt-1.safetensors", "ckpt-1.pt"])
+def test_an_output_whose_source_was_rotated_away_is_left_to_a_node_without_state(tmp_path: Path, name: str) -> None:
     """A trainer removed ckpt-1.safetensors and kept syncd's ckpt-1.bpk; a node that then started without state
     took that output for a checkpoint and made ckpt-1.safetensors again, which the first node converted as its
-    source saved again, and the two converted each other's outputs for ever. The claim's record beside the
-    output says which node published it from what."""
+    source saved again, and the two converted each other's outputs for ever (a .pt's: a third file, stale).
+    The claim's record beside the output says which node published it from what."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    watch = Watch(path=runs, direction="both")
-    source, output = runs / "ckpt-1.safetensors", runs / "ckpt-1.bpk"
-    write_file(source, checkpoint(1))
+    watch = Watch(path=runs, direction="both", include=("*.bpk", "*.safetensors", "*.pt"))
+    source, output = runs / name, runs / "ckpt-1.bpk"
+    if source.suffix == ".pt":
+        torch.save({"fc.weight": torch.ones(12, 16), "fc.bias": torch.zeros(12)}, source)
+    else:
+        write_file(source, checkpoint(1))
     assert _node(tmp_path, "node-a", runs).process(watch, source, closed=True).status is Status.CONVERTED
     source.unlink()
     outcome = _node(tmp_path, "node-b", runs).process(watch, output, closed=True)
     assert outcome.status is None and outcome.retry_in is None
-    assert not source.exists()
+    assert sorted(path.name for path in runs.iterdir() if not path.name.startswith(".")) == ["ckpt-1.bpk"]
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -324,8 +324,10 @@ def _is_conversion_of(watch: Watch, source: Path, named: object) -> bool:
     if not isinstance(named, str) or not named or "/" in named or named in (".", ".."):
         return False
     original = source.parent / named
-    if carry.file_label(original.name) != named or not os.path.lexists(original):
+    if carry.file_label(original.name) != named:
         return False
+    if not os.path.lexists(original):  # rotated away: still an output where a node's record says so
+        return _recorded_output_of(source, original)
     if original.name.endswith(BIN_INDEX_SUFFIX):  # a pytorch_model-*.bin set's index: its .bpk, likewise
         member = original.with_name(set_stem(original) + ".bin")  # (the watch takes the set by its shards' names)
         return is_candidate(watch, member) and set_destination(watch, original) == source
