@@ -375,18 +375,27 @@ class _Foreign:
 
     __slots__ = ("shown",)
 
-    def __init__(self, module: str, name: str) -> None:
-        self.shown = f"{module}.{name}"[:200]
+    def __init__(self, shown: str) -> None:
+        self.shown = shown
+
+    @property
+    def makes_arrays(self) -> bool:
+        """A maker of tensors or arrays syncd does not read (a meta tensor, a quantized or nested one, a numpy
+        array): what it makes counts as a tensor, so it is refused among the weights, never left out."""
+        return (self.shown.startswith("torch.") and "._rebuild" in self.shown) or self.shown in _ARRAY_MAKERS
+
+
+_ARRAY_MAKERS = frozenset({"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct"})
 
 
 class _Object:
     """What a pickle builds by calling a _Foreign (REDUCE, NEWOBJ), never made: the class's name and what was
     pickled into it (arguments, state, items), kept so the tensors in it can be counted."""
 
-    __slots__ = ("parts", "shown")
+    __slots__ = ("array", "parts", "shown")
 
-    def __init__(self, shown: str, first: Any) -> None:
-        self.shown, self.parts = shown, [first]
+    def __init__(self, maker: _Foreign, first: Any) -> None:
+        self.shown, self.array, self.parts = maker.shown, maker.makes_arrays, [first]
 
 
 def refused_global(shown: str) -> str:
@@ -430,6 +439,7 @@ class _Interpreter:
         self.stack: list[Any] = []
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
+        self.foreign: dict[str, _Foreign] = {}  # the placeholder of each global outside the table
         self.budget = _Budget(path=path)
 
     def fail(self, message: str) -> FormatError:
@@ -558,7 +568,17 @@ def _op_stack_global(p: _Interpreter) -> None:
 
 
 def _lookup(p: _Interpreter, module: str, name: str) -> _Global | _Foreign:
-    return _ALLOWED.get((module, name)) or _Foreign(module, name)
+    found = _ALLOWED.get((module, name))
+    if found is not None:
+        return found
+    # cut before joined (two memoized texts of megabytes made a copy at every STACK_GLOBAL), and one
+    # placeholder per name however often it is named
+    shown = f"{module[:100]}.{name[:100]}"
+    foreign = p.foreign.get(shown)
+    if foreign is None:
+        p.budget.charge(len(shown) + 100)
+        foreign = p.foreign[shown] = _Foreign(shown)
+    return foreign
 
 
 def _op_put(p: _Interpreter, index: int) -> None:
@@ -579,7 +599,7 @@ def _op_get(p: _Interpreter, index: int) -> None:
 def _op_reduce(p: _Interpreter) -> None:
     args, func = p.pop(), p.pop()
     if isinstance(func, _Foreign) and isinstance(args, tuple):
-        p.push(_Object(func.shown, args), 64)  # never called
+        p.push(_Object(func, args), 64)  # never called
         return
     if not isinstance(func, _Global) or not isinstance(args, tuple):
         raise p.fail(f"calls something that is not a permitted function at byte {p.pos}")
@@ -589,7 +609,7 @@ def _op_reduce(p: _Interpreter) -> None:
 def _op_newobj(p: _Interpreter) -> None:
     args, cls = p.pop(), p.pop()
     if isinstance(cls, _Foreign) and isinstance(args, tuple):
-        p.push(_Object(cls.shown, args), 64)  # never made
+        p.push(_Object(cls, args), 64)  # never made
         return
     if not (isinstance(cls, _Global) and cls.role == "dict" and args == ()):
         raise p.fail(f"creates an object other than a dict at byte {p.pos}")
@@ -838,6 +858,7 @@ def _call(p: _Interpreter, func: _Global, args: tuple) -> Any:
         # (what torch.load's weights_only unpickler allows too: latin-1 text back to its bytes, nothing else)
         if len(args) != 2 or not isinstance(args[0], str) or args[1] not in ("latin1", "latin-1"):
             raise p.fail("_codecs.encode with arguments other than a text and 'latin1'")
+        p.budget.charge(len(args[0]))  # a copy each call: one memoized text encoded a million times
         try:
             return args[0].encode("latin-1")
         except UnicodeEncodeError:
@@ -1325,7 +1346,8 @@ def _count_tensors(value: Any, found: Found, path: str) -> int:
         found.visit(path)
         if depth > MAX_DEPTH:
             raise FormatError(f"values nested more than {MAX_DEPTH} deep", path)
-        if isinstance(item, _Tensor | _Storage):  # (a storage in an object: a tensor syncd cannot build)
+        # (a storage in an object, an object an array maker made: a tensor syncd cannot build)
+        if isinstance(item, _Tensor | _Storage) or (isinstance(item, _Object) and item.array):
             count += 1
         elif isinstance(item, dict):
             stack.extend((v, depth + 1) for v in item.values())
