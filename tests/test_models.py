@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,11 +24,13 @@ import torch
 import transformers as hf
 import yaml
 from convcheck import Checkpoint, Tensor, read_bpk, read_safetensors, run_cli, transposed
-from hfsweep import build
+from daemonutil import wait_until
+from hfsweep import build, tiny_config
 from safetensors.torch import save_file
 from torch import nn
 
 from syncd.adapters import FileContext, LayoutAmbiguityError, ModuleMap, TensorRef, plan_conversion
+from syncd.engine import definition
 from syncd.engine.convert import ConvertRequest, convert
 from syncd.engine.definition import BUILD_MEMORY_BYTES, module_budget
 from syncd.errors import UnsupportedError
@@ -502,6 +505,42 @@ def test_a_config_json_whose_model_takes_gigabytes_to_build_is_given_up_and_the_
     result = convert(ConvertRequest(source=tmp_path / "model.safetensors"))
     assert f"model definition not used: building it took more than {BUILD_MEMORY_BYTES >> 20} MiB" in result.decisions
     assert result.status == "published"
+
+
+def test_the_model_definition_imports_nothing_from_the_directory_syncd_is_run_in(tmp_path: Path) -> None:
+    """The process building the definition was started with `python -c`, which puts the current directory first
+    on the path: a transformers.py in a downloaded model's directory, where a user runs `syncd convert`, ran."""
+    directory = tmp_path / "gpt2"
+    build("gpt2", 0).save_pretrained(directory)
+    marker = tmp_path / "ran"
+    (directory / "transformers.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise ImportError('planted')\n")
+    done = run_cli("convert", "model.safetensors", "-o", tmp_path / "out.bpk", "-v", cwd=directory)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    assert "module types from the model definition GPT2LMHeadModel" in done.stdout
+
+
+def test_a_definition_process_that_exits_is_reaped_not_left_a_zombie(tmp_path: Path) -> None:
+    """The process building definitions exits on its own once idle; nothing waited for it until the next build,
+    so a daemon kept a zombie child for hours. Here it is killed rather than left idle for a minute."""
+    config = {**tiny_config("gpt2").to_dict(), "name_or_path": str(tmp_path)}  # a config not built before here
+    found, note = definition.definition_for(config)
+    assert found is not None, note
+    child = definition._BUILDER._proc
+    assert child is not None
+    started = _start_time(child.pid)
+    os.kill(child.pid, signal.SIGKILL)
+    # reaped: gone from /proc (a zombie stays there until its parent waits for it), or its pid taken anew
+    wait_until(lambda: _start_time(child.pid) != started, 30, "the killed child reaped")
+
+
+def _start_time(pid: int) -> str | None:
+    """When the process `pid` started (clock ticks since boot), None once no process has that pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[19]
+    except FileNotFoundError:
+        return None
 
 
 # Mixtral 8x7B's own config: 32 layers of 8 experts of 4096 x 14336, 47 billion parameters

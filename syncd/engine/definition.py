@@ -159,12 +159,17 @@ class _Builder:
             return proc
         self._stop()
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from syncd.engine.definition import serve; serve()"],
+            # -P and cwd /: nothing imported from the directory syncd was started in (a torch.py in a downloaded
+            # model's directory ran with `-c`, which puts the current directory first on the path)
+            [sys.executable, "-P", "-c", "from syncd.engine.definition import serve; serve()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # transformers' warnings: not the journal's business
             env=_child_environment(),
+            cwd="/",
         )
+        # reaped when it exits on its own (idle), not left a zombie until the next build
+        threading.Thread(target=proc.wait, name="definition-reaper", daemon=True).start()
         self._proc = proc
         assert proc.stdout is not None
         hello, why = _reply_of(proc, proc.stdout.fileno(), None, BUILD_SECONDS)
@@ -254,12 +259,13 @@ def serve() -> None:
     while select.select([sys.stdin], [], [], IDLE_SECONDS)[0]:
         line = sys.stdin.buffer.readline()
         if not line:
-            return
+            break
         request = json.loads(line)
         _limit_own_memory()
         _say(replies, _built(request["config"], int(request["budget"]), transformers, torch))
         if (_resident_bytes(os.getpid()) or 0) > started + RETAINED_BYTES:
-            return
+            break
+    os._exit(0)  # without tearing down torch and transformers, which took seconds of CPU after syncd was gone
 
 
 def _say(replies: IO[bytes], reply: dict[str, Any]) -> None:
