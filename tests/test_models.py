@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -532,6 +533,59 @@ def test_a_definition_process_that_exits_is_reaped_not_left_a_zombie(tmp_path: P
     os.kill(child.pid, signal.SIGKILL)
     # reaped: gone from /proc (a zombie stays there until its parent waits for it), or its pid taken anew
     wait_until(lambda: _start_time(child.pid) != started, 30, "the killed child reaped")
+
+
+def test_a_definition_being_built_dies_with_syncd_even_by_sigkill(tmp_path: Path) -> None:
+    """syncd stopped while its child builds a definition left the child running, reparented to init, for as long
+    as the build took, with nobody watching its memory and time (a daemon under a shell or in a container).
+    The build here (100,000 layers, up to the budget of any checkpoint) runs for 17 s and more before its memory
+    limit stops it; killed with its parent, the child is gone long before."""
+    sizes = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 2}
+    config = {
+        **hf.LlamaConfig(vocab_size=96, num_hidden_layers=100_000, **sizes).to_dict(),
+        "architectures": ["LlamaForCausalLM"],
+        "name_or_path": str(tmp_path),
+    }
+    script = (
+        "import json, sys, threading, time\n"
+        "from syncd.engine import definition\n"
+        "threading.Thread(target=definition.definition_for, args=(json.loads(sys.argv[1]),), daemon=True).start()\n"
+        "while not definition._BUILDER._last_used: time.sleep(0.01)\n"  # started: the build is asked for next
+        "print(definition._BUILDER._proc.pid, flush=True)\n"
+        "threading.Event().wait()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, json.dumps(config)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    started = _start_time(child)
+    parent.kill()
+    parent.wait()
+    wait_until(lambda: _start_time(child) != started, 10, "the child gone with its parent")
+
+
+def test_a_build_whose_process_died_is_tried_again_at_the_next_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every outcome was kept for the daemon's life: once the OOM killer took the build's process, that model
+    went without its definition at every later save until syncd was restarted."""
+    builder = definition._Builder()
+    monkeypatch.setattr(definition, "_BUILDER", builder)
+    sizes = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 2}
+    config = {
+        **hf.LlamaConfig(vocab_size=96, num_hidden_layers=3_000, **sizes).to_dict(),
+        "architectures": ["LlamaForCausalLM"],
+        "name_or_path": str(tmp_path),
+    }
+    outcome: list[tuple[object, str | None]] = []
+    building = threading.Thread(target=lambda: outcome.append(definition.definition_for(config)))
+    building.start()
+    wait_until(lambda: builder._last_used, 60, "the build's process started")
+    assert builder._proc is not None
+    os.kill(builder._proc.pid, signal.SIGKILL)
+    building.join()
+    assert outcome[0][0] is None and "model definition not used" in str(outcome[0][1])
+    found, note = definition.definition_for(config)
+    assert found is not None, note
 
 
 def _start_time(pid: int) -> str | None:

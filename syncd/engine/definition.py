@@ -26,7 +26,9 @@ definition, with a note. It exits when idle.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import functools
 import importlib
 import inspect
@@ -34,6 +36,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -90,9 +93,25 @@ def definition_for(
     return _cached_definition(key, module_budget(tensor_count))
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cached_definition(config_json: str, budget: int) -> tuple[ModelDefinition | None, str | None]:
+    try:
+        return _built_once(config_json, budget)
+    except _Transient as exc:  # not kept: the next conversion of this model tries again
+        return None, str(exc)
+
+
+class _Transient(Exception):
+    """A build that failed for a reason of the moment (its process killed, or not started)."""
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _built_once(config_json: str, budget: int) -> tuple[ModelDefinition | None, str | None]:
+    """The definition or the note why there is none, kept per config; a failure of the moment is raised
+    (_Transient), which the cache does not keep (a daemon whose build process the OOM killer took once went
+    without the definition of that model until restarted)."""
     reply = _BUILDER.build(config_json, budget)
+    if reply.get("transient"):
+        raise _Transient(str(reply["note"]))
     if "note" in reply:
         return None, str(reply["note"])
     return ModelDefinition(dict(reply["kinds"]), str(reply["source"]), tuple(reply["written"])), None
@@ -127,7 +146,8 @@ class _Builder:
                 return self._build(config_json, budget)
             except OSError as exc:  # no process could be started (a task limit): the other evidence decides
                 self._stop()
-                return {"note": f"model definition not used: cannot start the process building it ({exc.strerror})"}
+                note = f"model definition not used: cannot start the process building it ({exc.strerror})"
+                return {"note": note, "transient": True}
 
     def _build(self, config_json: str, budget: int) -> dict[str, Any]:
         proc = self._running()
@@ -175,7 +195,8 @@ class _Builder:
         hello, why = _reply_of(proc, proc.stdout.fileno(), None, BUILD_SECONDS)
         if not hello:
             self._stop()
-            return {"note": f"model definition not used: its process did not start ({why or 'it exited'})"}
+            note = f"model definition not used: its process did not start ({why or 'it exited'})"
+            return {"note": note, "transient": True}
         ready = json.loads(hello)
         if "note" in ready:  # the same for every build of this process: said without starting it again
             self._stop()
@@ -188,7 +209,13 @@ class _Builder:
         code = proc.wait()
         self._proc = None
         how = f"signal {-code}" if code < 0 else f"status {code}"
-        return {"note": f"model definition not used: the process building it died ({how})"}
+        return {"note": f"model definition not used: the process building it died ({how})", "transient": True}
+
+    def stop(self) -> None:
+        """Kill the process, without waiting for a build under way to end (at exit: its lock may be held)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -201,13 +228,14 @@ class _Builder:
 
 
 _BUILDER = _Builder()
+atexit.register(_BUILDER.stop)  # syncd exiting (SIGTERM, the end of a convert): its build goes with it
 
 
 def _child_environment() -> dict[str, str]:
     """The child imports this very syncd (a checkout, a snapshot), whatever else the path holds."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else ""), _PARENT_VARIABLE: str(os.getpid())}
 
 
 def _reply_of(
@@ -246,6 +274,7 @@ def serve() -> None:
     (anything a model prints goes to stderr instead). Exits at EOF, after IDLE_SECONDS without a request, or
     once what its builds left behind (the modeling code of each family, freed memory Python keeps) passes
     RETAINED_BYTES."""
+    _die_with_parent()
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     try:  # transformers first: without it, torch is not worth its import time here
@@ -266,6 +295,23 @@ def serve() -> None:
         if (_resident_bytes(os.getpid()) or 0) > started + RETAINED_BYTES:
             break
     os._exit(0)  # without tearing down torch and transformers, which took seconds of CPU after syncd was gone
+
+
+def _die_with_parent() -> None:
+    """Killed when syncd dies, even by SIGKILL (its watch of the build's memory and time goes with it): the
+    kernel's parent-death signal, then a check that the parent was not gone already."""
+    parent = int(os.environ.get(_PARENT_VARIABLE, "0"))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # (stdin's end still stops it once a build is over)
+    if parent and os.getppid() != parent:
+        os._exit(0)
+
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_VARIABLE = "SYNCD_DEFINITION_PARENT"
 
 
 def _say(replies: IO[bytes], reply: dict[str, Any]) -> None:
