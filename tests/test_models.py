@@ -508,6 +508,18 @@ def test_a_config_json_whose_model_takes_gigabytes_to_build_is_given_up_and_the_
     assert result.status == "published"
 
 
+def test_a_refusal_says_why_the_config_json_beside_it_was_passed_over(tmp_path: Path) -> None:
+    """A T5 whose config.json was cut short (a save interrupted) is refused for modules its tensors do not
+    decide; the refusal named the tensors only, never the config.json that would have decided them."""
+    build("t5", 0).save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(text[: len(text) // 2])
+    refused = run_cli("convert", tmp_path / "model.safetensors")
+    assert refused.returncode == 1
+    first = refused.stderr.splitlines()[0]
+    assert "the tensors do not decide" in first and "(config.json beside it not used: not JSON (" in first
+
+
 def test_the_model_definition_imports_nothing_from_the_directory_syncd_is_run_in(tmp_path: Path) -> None:
     """The process building the definition was started with `python -c`, which puts the current directory first
     on the path: a transformers.py in a downloaded model's directory, where a user runs `syncd convert`, ran."""

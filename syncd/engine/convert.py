@@ -28,6 +28,7 @@ from syncd.adapters import (
     LAYOUT_CHOICES,
     PYTORCH,
     AdapterPlan,
+    FileContext,
     ModuleMap,
     PlanEntry,
     plan_conversion,
@@ -355,6 +356,7 @@ def _adapt(
     layout = request.layout
     to_layout = KEEP if layout == KEEP else target.native_layout
     source_layout = layout if layout in (PYTORCH, BURN) else AUTO
+    context: FileContext | None = None
     try:
         # renames a syncd output carried are undone first: context, maps and inference see the original names
         refs, real = undo_renames([tensor_ref((t.name, t.dtype, t.shape)) for t in source.tensors], carried.renames)
@@ -381,8 +383,17 @@ def _adapt(
         options = request.store.for_conversion(source.header.format, target.format.name)
         store = apply_options(adapted, refs, real, options, restoring, to_layout)
     except SyncdError as exc:
-        raise _naming_file(exc, source.path) from None
+        raise _naming_file(_with_context_notes(exc, context), source.path) from None
     return _with_store(adapted, store), store
+
+
+def _with_context_notes(exc: SyncdError, context: FileContext | None) -> SyncdError:
+    """A refusal says why evidence the file's surroundings would give was passed over (a config.json that is not
+    JSON, a model definition that could not be built): the refusal alone pointed at the tensors, not at it."""
+    if context is not None and context.notes and exc.path is None:
+        exc.message = f"{exc.message} ({'; '.join(context.notes)})"
+        exc.args = (exc.message,)
+    return exc
 
 
 def _with_store(plan: AdapterPlan, store: StorePlan) -> AdapterPlan:
