@@ -64,7 +64,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     inspect = _add_command(commands, "inspect", help="show a checkpoint's header, metadata and tensors")
     inspect.add_argument(
-        "file", type=Path, help="a .bpk, .safetensors, .pt, .pth or .bin file, or a sharded set's index or directory"
+        "file",
+        type=Path,
+        help="a .bpk or .safetensors file, a PyTorch .pt/.pth/.bin/.ckpt/.pth.tar, or a sharded set's index or "
+        "directory",
     )
     inspect.add_argument("--json", action="store_true", help="one JSON document")
     inspect.add_argument("--hash", action="store_true", help="add a sha256 per tensor")
