@@ -28,6 +28,7 @@ from syncd.cli.status import render_status
 from syncd.daemon.journal import journal_line
 from syncd.daemon.status import CONVERTING_AFTER, STATUS_FILE, Activity
 from syncd.engine.convert import ConvertRequest, convert
+from syncd.engine.progress import ProgressState
 
 pytestmark = [pytest.mark.daemon, pytest.mark.torch]
 
@@ -306,3 +307,23 @@ def test_a_failure_converted_since_is_no_longer_a_recent_failure(tmp_path: Path)
     failures = activity.document(time.time())["recent_failures"]
     assert [failure["source"] for failure in failures] == ["/srv/runs/b.safetensors"]
     assert activity.document(time.time())["counts"] == {"refused": 2, "converted": 1}  # the counts stay
+
+
+def test_a_conversion_shows_from_its_start_and_its_rate_is_the_writings(tmp_path: Path) -> None:
+    """A model definition built for seconds before a byte was written: status said "converting: nothing"
+    meanwhile, and the first journal line then gave a rate and time left counted from before the writing
+    ("8.1 KiB/s, 9:36 left", one second before the end)."""
+    activity = Activity(tmp_path, tmp_path / "syncd.yaml")
+    source = tmp_path / "model.safetensors"
+    with activity.working(source):
+        update = activity.progress_for(source)
+        assert update is not None
+        doc = {**activity.document(time.monotonic()), "alive": True}
+        assert [(item["source"], item["total"]) for item in doc["running"]] == [(str(source), 0)]
+        assert f"  {source}  preparing (reading its table, planning) for " in "\n".join(render_status(doc))
+    progress = ProgressState(started=time.monotonic() - 100.0)  # 100 s of planning
+    progress.update(0, 1000)
+    progress.update(500, 1000)
+    assert progress.writing_since is not None
+    snapshot = progress.snapshot(progress.writing_since + 1.0)
+    assert (snapshot["rate"], snapshot["eta"]) == (500.0, 1.0)

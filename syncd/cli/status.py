@@ -31,6 +31,10 @@ def render_status(doc: dict[str, Any]) -> list[str]:
     running = doc.get("running") or []
     lines.append(f"converting: {len(running) if running else 'nothing'}")
     for item in running:
+        if not item.get("total"):
+            since = human_seconds(item.get("elapsed") or 0)
+            lines.append(f"  {item['source']}  preparing (reading its table, planning) for {since}")
+            continue
         rate = f"{human_bytes(item['rate'])}/s" if item.get("rate") else "-"
         eta = f"{human_seconds(item['eta'])} left" if item.get("eta") is not None else ""
         lines.append(

@@ -46,6 +46,7 @@ class Running:
     source: str
     progress: ProgressState = field(default_factory=ProgressState)
     announced: float | None = None  # monotonic time of the last `converting` line
+    converting: bool = False  # past the settle checks: reading, planning (a model definition built), writing
 
     def doc(self, now: float) -> dict[str, Any]:
         snap = self.progress.snapshot(now)
@@ -104,6 +105,7 @@ class Activity:
         if running is None:
             return None
         running.progress = ProgressState()  # the clock starts with the conversion, not with the settle checks
+        running.converting = True
         return running.progress.update
 
     def record(self, record: dict[str, Any]) -> None:
@@ -167,7 +169,9 @@ class Activity:
 
     def document(self, now: float, state: str = "running") -> dict[str, Any]:
         with self._lock:
-            running = [item.doc(now) for item in self._running.values() if item.progress.total]
+            # (shown from its start: a model definition built for seconds before a byte is written showed as
+            # "converting: nothing")
+            running = [item.doc(now) for item in self._running.values() if item.converting]
             counts = dict(self.counts)
             failures = list(self.failures)
             totals = {
@@ -212,6 +216,9 @@ def status_line(doc: dict[str, Any]) -> str:
     failed = sum(counts.get(status, 0) for status in FAILURES)
     text = f"converted {done}; failed {failed}; queue {doc['queued']}"
     for item in doc["running"]:
+        if not item["total"]:
+            text += f"; preparing {os.path.basename(item['source'])}"
+            continue
         percent = item["percent"] or 0.0
         rate = f" at {human_bytes(item['rate'])}/s" if item["rate"] else ""
         text += f"; converting {os.path.basename(item['source'])} {percent:.0f}%{rate}"

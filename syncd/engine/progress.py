@@ -44,18 +44,24 @@ class ProgressState:
     started: float = field(default_factory=time.monotonic)
     done: int = 0
     total: int = 0
+    # when bytes began to be written: the rate is of the writing (planning, a model definition built for
+    # seconds, made a daemon's first line say "8.1 KiB/s, 9:36 left" one second before the end)
+    writing_since: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def update(self, done: int, total: int) -> None:
         with self._lock:
+            if total and self.writing_since is None:
+                self.writing_since = time.monotonic()
             self.done, self.total = done, total
 
     def snapshot(self, now: float | None = None) -> dict[str, float | int | None]:
         """percent, bytes, rate (bytes/s) and eta (s) as plain numbers (None where unknown)."""
         with self._lock:
-            done, total = self.done, self.total
-        elapsed = max((now or time.monotonic()) - self.started, 1e-9)
-        rate = done / elapsed if done else None
+            done, total, writing_since = self.done, self.total, self.writing_since
+        now = now or time.monotonic()
+        elapsed = max(now - self.started, 1e-9)
+        rate = done / max(now - writing_since, 1e-9) if done and writing_since is not None else None
         eta = (total - done) / rate if rate and total >= done else None
         percent = 100.0 * done / total if total else None
         return {"done": done, "total": total, "percent": percent, "rate": rate, "eta": eta, "elapsed": elapsed}
