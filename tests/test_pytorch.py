@@ -355,10 +355,15 @@ def test_objects_of_other_classes_beside_the_weights_are_said_not_converted_and_
     assert f"ema ({len(small_mlp().state_dict())} tensors)" in proc.stdout
     assert_safetensors_equal(tmp_path / "checkpoint.safetensors", model.state_dict())
     beside = tmp_path / "beside.pt"
-    torch.save({**model.state_dict(), "args": argparse.Namespace(lr=0.1)}, beside)
+    torch.save({**model.state_dict(), "args": argparse.Namespace(lr=0.1), "dtype": torch.float16}, beside)
     proc = run_cli("convert", beside, "-o", tmp_path / "beside.safetensors")
     assert proc.returncode == 0, proc.stderr
-    assert "not converted: args (argparse.Namespace)" in proc.stdout
+    assert "not converted: args (argparse.Namespace), dtype (torch.float16)" in proc.stdout
+    odd_key = tmp_path / "odd_key.pt"  # named under its dict, as any other key
+    torch.save({**model.state_dict(), "sub": {1.5: torch.ones(2)}}, odd_key)
+    proc = run_cli("convert", odd_key, "-o", tmp_path / "odd_key.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert "not converted: sub.1.5 (1 tensors)" in proc.stdout
     for name, weights in (
         ("among.pt", {"state_dict": {"fc": {"meta": argparse.Namespace()}, **model.state_dict()}}),
         ("holding.pt", {**model.state_dict(), "extra": _Holder(torch.ones(2))}),
@@ -370,14 +375,23 @@ def test_objects_of_other_classes_beside_the_weights_are_said_not_converted_and_
 
 
 @pytest.mark.parametrize(
-    "value", [torch.empty(4, device="meta"), np.ones(4, dtype=np.float32)], ids=["meta tensor", "numpy array"]
+    ("value", "protocol"),
+    [
+        (torch.empty(4, device="meta"), 2),
+        (np.ones(4, dtype=np.float32), 2),
+        (np.frombuffer(bytes(16), dtype=np.float32), 5),  # read-only: numpy's _frombuffer at protocol 5
+        (np.ma.masked_array(np.ones(4, dtype=np.float32)), 2),
+    ],
+    ids=["meta tensor", "numpy array", "read-only numpy array", "masked array"],
 )
-def test_a_tensor_syncd_cannot_build_among_the_weights_is_refused_never_left_out(tmp_path: Path, value: Any) -> None:
+def test_a_tensor_syncd_cannot_build_among_the_weights_is_refused_never_left_out(
+    tmp_path: Path, value: Any, protocol: int
+) -> None:
     """A meta tensor (torch._utils._rebuild_meta_tensor_no_storage, no storage) or a numpy array beside the
     weights was taken for a value of some other class and said not converted: exit 0, the output a weight
     short."""
     source = tmp_path / "model.pt"
-    torch.save({"fc.weight": torch.ones(4, 3), "fc.bias": value}, source)
+    torch.save({"fc.weight": torch.ones(4, 3), "fc.bias": value}, source, pickle_protocol=protocol)
     refused = run_cli("convert", source, "-o", tmp_path / "model.safetensors")
     assert_one_line_error(refused, 1, "refuses the global")
     assert not (tmp_path / "model.safetensors").exists()
@@ -419,6 +433,15 @@ def test_a_global_named_again_and_again_is_one_placeholder(tmp_path: Path) -> No
     source = tmp_path / "model.pt"
     source.write_bytes(with_pickle(tmp_path, pickle_))
     assert _peak_kib_of("inspect", source) < 200 << 10
+
+
+def test_objects_are_charged_what_they_take(tmp_path: Path) -> None:
+    """Each placeholder (and tensor) built was charged 64 bytes and takes about 128: two million of them from a
+    10 MB pickle took 283 MiB against the 128 MiB budget."""
+    pickle_ = b"\x80\x02cx\ny\nq\x00)q\x01" + b"h\x00h\x01R" * 2_100_000 + b"."
+    source = tmp_path / "model.pt"
+    source.write_bytes(with_pickle(tmp_path, pickle_))
+    assert _peak_kib_of("inspect", source) < 220 << 10
 
 
 class _Holder:
