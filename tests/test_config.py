@@ -204,9 +204,9 @@ def test_global_problems_are_reported_on_their_line(tmp_path: Path, runs: Path, 
          "*.pth, *.safetensors, *.tar): the watch would convert nothing"),
         ("include: ['*.safetensors']\n    direction: bpk->safetensors", "watches[0].include: matches no file "
          "direction bpk->safetensors converts (*.bpk): the watch would convert nothing"),
-        ("shard_size: 1KB\n    layout: keep", "watches[0].shard_size: with layout: keep, a .bpk keeps Burn's "
-         "layout, which a sharded set cannot hold (save_pretrained's sets are PyTorch's): every .bpk would fail; "
-         "drop shard_size or layout: keep"),
+        ("shard_size: 1KB\n    layout: keep", "watches[0].shard_size: with layout: keep, a Burn-layout .bpk "
+         "(what Burn saves) keeps its layout, which a sharded set cannot hold (save_pretrained's sets are "
+         "PyTorch's): each would fail; drop shard_size or layout: keep"),
         ("shard_size: 1.5", "watches[0].shard_size: shard size '1.5' is not a whole number of bytes (a unit: "
          "500MB, 5GB, 2GiB)"),
         ("output: {mirror: " + "a/" * 2100 + "}", "watches[0].output.mirror: expected a path (a non-empty string, "

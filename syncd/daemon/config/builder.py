@@ -231,8 +231,8 @@ class ConfigBuilder:
             self.file.problem(
                 section.node("shard_size"),
                 section.key("shard_size"),
-                "with layout: keep, a .bpk keeps Burn's layout, which a sharded set cannot hold (save_pretrained's "
-                "sets are PyTorch's): every .bpk would fail; drop shard_size or layout: keep",
+                "with layout: keep, a Burn-layout .bpk (what Burn saves) keeps its layout, which a sharded set cannot "
+                "hold (save_pretrained's sets are PyTorch's): each would fail; drop shard_size or layout: keep",
             )
         return Watch(
             path=path,
