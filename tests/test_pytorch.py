@@ -364,8 +364,14 @@ def test_objects_of_other_classes_beside_the_weights_are_said_not_converted_and_
     proc = run_cli("convert", odd_key, "-o", tmp_path / "odd_key.safetensors")
     assert proc.returncode == 0, proc.stderr
     assert "not converted: sub.1.5 (1 tensors)" in proc.stdout
+    deeper = tmp_path / "deeper.pt"  # holding no tensor, deeper among them: said not converted too
+    torch.save({"state_dict": {"fc": {"shape": torch.Size([4, 3])}, **model.state_dict()}}, deeper)
+    proc = run_cli("convert", deeper, "-o", tmp_path / "deeper.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert "not converted: fc.shape (torch.Size)" in proc.stdout
+    assert_safetensors_equal(tmp_path / "deeper.safetensors", model.state_dict())
     for name, weights in (
-        ("among.pt", {"state_dict": {"fc": {"meta": argparse.Namespace()}, **model.state_dict()}}),
+        ("among.pt", {"state_dict": {"fc": {"inner": _Holder(torch.ones(2))}, **model.state_dict()}}),
         ("holding.pt", {**model.state_dict(), "extra": _Holder(torch.ones(2))}),
     ):
         torch.save(weights, tmp_path / name)

@@ -18,9 +18,9 @@ what this module says, every global is looked up in an explicit table of names (
 every object built is charged against a budget. What can be built: tensors, dicts, lists, tuples and plain
 values (None, bools, ints, floats, text, bytes). An object of any other class (`args: Namespace` beside the
 weights, as timm and torchvision's scripts save; a numpy scalar) is never created: it stands as a placeholder
-holding what was pickled into it. Beside the dict the tensors are taken from, or beside the top-level tensors
-and holding none, it is said not converted; deeper among them, holding tensors, or as the saved object itself,
-the file is refused, naming its class.
+holding what was pickled into it. Holding no tensor (beside the dict the tensors are taken from, or among
+them), it is said not converted; holding tensors among them, or as the saved object itself, the file is
+refused, naming its class.
 
 The tensor table describes each tensor where its bytes lie in the file: a C-contiguous tensor is one window
 of its storage's entry. A view (a transpose, a strided slice) or a tensor sharing bytes with an earlier one
@@ -1317,10 +1317,10 @@ def _collect(node: dict, prefix: str, found: Found, path: str, depth: int) -> No
         elif isinstance(value, dict):
             _collect(value, f"{name}.", found, path, depth + 1)
         elif isinstance(value, _Object | _Foreign):
-            # beside the top-level tensors and holding none, said not converted as any other value; holding
-            # tensors, or deeper among them (a tensor subclass, a module of its own), what it holds is not read,
-            # and leaving it out would be a model short of a weight
-            if prefix or _count_tensors(value, found, path):
+            # holding tensors (a tensor subclass, a module of its own, an array), what it holds is not read, and
+            # leaving it out would be a model short of a weight; holding none (a torch.Size, a Namespace), it is
+            # said not converted, at any depth
+            if _count_tensors(value, found, path):
                 raise FormatError(refused_global(value.shown), path)
             found.left.append(_left(name, value, found, path))
         elif prefix == "" or _count_tensors(value, found, path):
