@@ -347,9 +347,22 @@ def converting_in_the_background(tmp_path: Path) -> tuple[Path, subprocess.Popen
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_conversion_stopped_by_a_signal_leaves_no_scratch_file(tmp_path: Path, sig: int, code: int) -> None:
     """kill, a job's time limit or a container stopping sends SIGTERM: the scratch file (as large as the output)
-    goes, as on Ctrl-C."""
-    _, proc, _ = converting_in_the_background(tmp_path)
+    goes, as on Ctrl-C. The process is held (SIGSTOP) while its scratch file is checked, so the signal lands in
+    the middle of the conversion: sent after the check alone, it could land once the conversion was done, as
+    the process exited (a CI run saw it die of SIGINT, -2)."""
+    for _ in range(3):
+        _, proc, scratch = converting_in_the_background(tmp_path)
+        proc.send_signal(signal.SIGSTOP)
+        if scratch in os.listdir(tmp_path):
+            break
+        proc.send_signal(signal.SIGCONT)  # done before it was held: again
+        proc.communicate(timeout=60)
+        for name in os.listdir(tmp_path):
+            os.unlink(tmp_path / name)
+    else:
+        pytest.fail("each conversion ended before it could be held")
     proc.send_signal(sig)
+    proc.send_signal(signal.SIGCONT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == code, stderr
     assert "Traceback" not in stderr
