@@ -323,6 +323,13 @@ def test_many_carried_tensors_are_counted_and_listed_with_verbose(tmp_path: Path
     assert listed == [f"  carried in metadata (no slot on the target side): {i}.num_batches_tracked" for i in range(5)]
 
 
+def has_bytes(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except FileNotFoundError:
+        return False  # published (or removed) since it was listed
+
+
 def converting_in_the_background(tmp_path: Path) -> tuple[Path, subprocess.Popen[str], str]:
     """`syncd convert` of a 384 MiB checkpoint, returned once its scratch file is there (it is writing the
     output): the source, the process and the scratch file's name."""
@@ -337,8 +344,10 @@ def converting_in_the_background(tmp_path: Path) -> tuple[Path, subprocess.Popen
     )
 
     def writing() -> list[str]:
+        """The scratch file once it holds bytes: an empty one may not be locked yet, and a conversion killed
+        then leaves one the next conversion keeps for SCRATCH_GRACE_SECONDS (its writer may be alive)."""
         assert proc.poll() is None, proc.communicate()  # done (or failed) before anything could be sent
-        return [name for name in os.listdir(tmp_path) if is_scratch_name(name)]
+        return [name for name in os.listdir(tmp_path) if is_scratch_name(name) and has_bytes(tmp_path / name)]
 
     (scratch,) = wait_until(writing, 60, "the scratch file")
     return source, proc, scratch
