@@ -108,6 +108,22 @@ def test_casts_follow_half_precision_adapters_kinds() -> None:
     assert "BatchNorm" not in HALF_KINDS
 
 
+def test_gpt2_conv1d_is_cast_as_the_linear_it_is_in_burn() -> None:
+    """transformers' Conv1D stores its weight [in, out] as Burn's Linear does; in Burn it is a Linear, which
+    HalfPrecisionAdapter casts (a GPT-2 came out with every attention and MLP weight still F32)."""
+    conv1d = [
+        TensorRef("h.0.mlp.c_fc.weight", "F32", (8, 32)),
+        TensorRef("h.0.mlp.c_fc.bias", "F32", (32,)),
+        TensorRef("h.0.mlp.fc.weight", "F32", (32, 8)),
+        TensorRef("h.0.mlp.fc.bias", "F32", (32,)),
+    ]
+    plan = plan_conversion(conv1d, to_layout="burn", source_layout="pytorch")
+    assert plan.kinds["h.0.mlp.c_fc"] == "LinearInOut"
+    assert plan_casts(conv1d, plan.kinds, "f16") == {t.name: "F16" for t in conv1d}
+    half = [TensorRef(t.name, "F16", t.shape) for t in conv1d]
+    assert plan_casts(half, plan.kinds, "f32") == {t.name: "F32" for t in conv1d}
+
+
 def test_f32_restores_only_half_tensors() -> None:
     half = [
         TensorRef("fc.weight", "F16", (3, 4)),

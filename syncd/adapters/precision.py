@@ -1,8 +1,9 @@
 """Precision: which tensors Burn's HalfPrecisionAdapter would cast, and the casts themselves.
 
 HalfPrecisionAdapter (docs/burn-adapters.md#half-precision) converts float tensors of Linear, Embedding,
-Conv*/ConvTranspose*, DeformConv2d, LayerNorm, GroupNorm, InstanceNorm, RmsNorm and PRelu modules, and leaves BatchNorm
-alone ("running_var underflows in F16") along with every other module. Like it, only F32 tensors are cast going down
+Conv*/ConvTranspose*, DeformConv2d, LayerNorm, GroupNorm, InstanceNorm, RmsNorm and PRelu modules (transformers'
+Conv1D is a Linear there), and leaves BatchNorm alone ("running_var underflows in F16") along with every other
+module. Like it, only F32 tensors are cast going down
 (`f16`, or `bf16` as FloatCastAdapter would) and only F16/BF16 ones going up (`f32`). Casting down is lossy, so it is
 opt-in; a value too large for the target is refused (naming the tensor) rather than turned into inf. The byte-level
 casts are in syncd/engine/cast.py.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from syncd.adapters.model import CONV_KINDS, NORM, PRELU, TensorRef
+from syncd.adapters.model import CONV_KINDS, LINEAR, LINEAR_IN_OUT, NORM, PRELU, TensorRef
 
 PRECISIONS = ("f16", "bf16", "f32")
 TARGET_DTYPE = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
@@ -20,7 +21,8 @@ TARGET_DTYPE = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
 # affine norm it cannot name more exactly (all of which HalfPrecisionAdapter converts)
 HALF_KINDS = frozenset(
     {
-        "Linear",
+        LINEAR,
+        LINEAR_IN_OUT,  # transformers' Conv1D (GPT-2): a Linear in Burn, so HalfPrecisionAdapter casts it too
         "Embedding",
         *CONV_KINDS,
         "Conv",
