@@ -313,7 +313,9 @@ def test_instance_norm_with_running_stats_drops_them_going_to_burn() -> None:
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.InstanceNorm2d(6, affine=True, track_running_stats=True))
     source = torch_table(model)
     # unmapped, running stats look like a BatchNorm; the map says what it is
-    assert plan_conversion(source, to_layout="burn").kinds["1"] == "BatchNorm"
+    unmapped = plan_conversion(source, to_layout="burn")
+    assert unmapped.kinds["1"] == "BatchNorm"
+    assert any("InstanceNorm tracking them: map it so" in line for line in unmapped.decisions), unmapped.decisions
     plan = plan_conversion(source, to_layout="burn", module_map=ModuleMap.from_dict({"modules": {1: "InstanceNorm2d"}}))
     assert plan.dropped == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
     assert renamed(plan) == {"1.weight": "1.gamma", "1.bias": "1.beta"}

@@ -310,7 +310,11 @@ def _infer_batch_norm(module: Module) -> ModuleKind:
     consistent = (affine <= PYTORCH_AFFINE or affine <= BURN_AFFINE) and _all_rank(module, affine | _stats(module), 1)
     if not consistent:
         return _unknown(module, f"running stats beside {_leaf_list(module)}")
-    return ModuleKind(module.path, BATCH_NORM, "running_mean/running_var siblings")
+    # an InstanceNorm built with track_running_stats=True holds the same five tensors: the file cannot tell
+    # them apart, and BatchNorm is by far the likelier; the reason says how to state the other
+    return ModuleKind(
+        module.path, BATCH_NORM, "running_mean/running_var siblings (an InstanceNorm tracking them: map it so)"
+    )
 
 
 def _infer_prelu(module: Module) -> ModuleKind:
