@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from convcheck import assert_one_line_error, read_bpk, read_safetensors, run_cli
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from syncd.adapters import FileContext, ModelDefinition, TensorRef, plan_conversion
+from syncd.adapters import FileContext, LayoutAmbiguityError, ModelDefinition, TensorRef, plan_conversion
 
 HIDE = {"with transformers": (), "without transformers": ("transformers",)}
 
@@ -55,12 +56,17 @@ def neox(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
     return directory, model
 
 
+@pytest.mark.parametrize("alone", [False, True], ids=["beside its config.json", "alone"])
 @pytest.mark.parametrize("hide", HIDE.values(), ids=HIDE.keys())
 def test_an_output_head_named_embed_is_transposed_as_the_linear_it_is(
-    neox: tuple[Path, nn.Module], tmp_path: Path, hide: tuple[str, ...]
+    neox: tuple[Path, nn.Module], tmp_path: Path, hide: tuple[str, ...], alone: bool
 ) -> None:
+    """Alone (no config.json naming a causal LM), `embed_out` was an Embedding by the `embed*` convention: kept
+    [vocab, hidden], exit 0. It is GPT-NeoX's (Pythia's) head in every model that names it so."""
     directory, model = neox
     source = directory / "model.safetensors"
+    if alone:
+        source = Path(shutil.copy(source, tmp_path / "model.safetensors"))
     assert "embed_out.weight" in read_safetensors(source).tensors  # what save_pretrained wrote
     done = run_cli("convert", source, "-o", tmp_path / "neox.bpk", "--json", hide=hide)
     if done.returncode != 0:  # a refusal is allowed only as one line naming the module and the map that settles it
@@ -75,11 +81,11 @@ def test_an_output_head_named_embed_is_transposed_as_the_linear_it_is(
     assert burn["gpt_neox.embed_in.weight"].shape == (64, 16)  # an Embedding is never transposed
     assert burn["gpt_neox.embed_in.weight"].data == _bits(embedding)
     decisions = json.loads(done.stdout)["decisions"]
-    evidence = "model definition" if not hide else "convention"
+    evidence = "model definition" if not hide and not alone else "convention"
     assert any("embed_out" in line and evidence in line for line in decisions), decisions
     # what a convention alone decided is in the output itself, so a wrong guess can be found afterwards
     guessed = json.loads(read_bpk(tmp_path / "neox.bpk").metadata.get("syncd.guessed", "{}"))
-    assert (sorted(guessed) == ["embed_out", "gpt_neox.embed_in"]) if hide else (guessed == {})
+    assert (sorted(guessed) == ["embed_out", "gpt_neox.embed_in"]) if hide or alone else (guessed == {})
     assert guessed.get("embed_out", "Linear").startswith("Linear")
 
 
@@ -410,3 +416,65 @@ def test_names_that_misled_a_bias_free_weight_into_the_wrong_kind() -> None:
     ]
     with pytest.raises(LayoutAmbiguityError, match="query"):
         plan_conversion(table, to_layout="burn")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a Burn-layout GPT-2: its Conv1D-named Linears may be transformers' Conv1D or nanoGPT's nn.Linear
+
+
+_TINY_GPT2 = hf.GPT2Config(
+    vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+)
+
+
+def _burn_layout_gpt2(path: Path) -> dict[str, torch.Tensor]:
+    """A tiny transformers GPT-2 as Burn stores its port (Linears [in, out], which is how Conv1D stores them;
+    LayerNorms gamma/beta) in a .bpk with nothing of syncd's in it; returns the PyTorch state dict."""
+    from formatgen import bytes_spec, write_bpk
+
+    torch.manual_seed(7)
+    state = {k: v for k, v in hf.GPT2Model(_TINY_GPT2).state_dict().items() if not k.endswith(".attn.bias")}
+    burn_names = {".ln_1.weight": ".ln_1.gamma", ".ln_1.bias": ".ln_1.beta", ".ln_2.weight": ".ln_2.gamma"}
+    burn_names |= {".ln_2.bias": ".ln_2.beta", "ln_f.weight": "ln_f.gamma", "ln_f.bias": "ln_f.beta"}
+
+    def burn_name(name: str) -> str:
+        return next((name.replace(a, b) for a, b in burn_names.items() if name.endswith(a)), name)
+
+    arrays = {burn_name(k): v.contiguous().numpy() for k, v in state.items()}
+    write_bpk(path, [bytes_spec(k, "F32", a.shape, a.tobytes()) for k, a in arrays.items()])
+    return state
+
+
+def test_a_burn_layout_gpt2_is_refused_not_transposed_and_its_printed_map_gives_the_right_file(
+    tmp_path: Path,
+) -> None:
+    """Going to PyTorch, `h.0.attn.c_attn` [in, out] may be transformers' Conv1D (kept) or nanoGPT's nn.Linear
+    (transposed): every Conv1D weight came back transposed, exit 0. It is refused, the map it prints settling
+    it, and used as printed that map gives the file GPT2Model loads."""
+    state = _burn_layout_gpt2(tmp_path / "gpt2.bpk")
+    done = run_cli("convert", tmp_path / "gpt2.bpk", "-o", tmp_path / "gpt2.safetensors")
+    assert done.returncode == 1, done.stdout
+    first, _, suggestion = done.stderr.partition("\n")
+    assert "c_attn (Linear or LinearInOut?)" in first and "c_fc (Linear or LinearInOut?)" in first, first
+    assert not (tmp_path / "gpt2.safetensors").exists()
+    assert yaml.safe_load(suggestion)["modules"]["**.c_attn"] == "LinearInOut"  # transformers' is suggested first
+    (tmp_path / "map.yaml").write_text(suggestion)
+    done = run_cli(
+        "convert", tmp_path / "gpt2.bpk", "-o", tmp_path / "gpt2.safetensors", "--modules", tmp_path / "map.yaml"
+    )
+    assert done.returncode == 0, done.stderr
+    back = load_file(tmp_path / "gpt2.safetensors")
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[name], value) for name, value in state.items())
+    hf.GPT2Model(_TINY_GPT2).load_state_dict(back, strict=True)
+
+
+def test_a_bpk_whose_layout_nothing_shows_is_suggested_as_burn_layout() -> None:
+    """OLMo's bias-free Linears and weightless norms show no layout: the map printed said `layout: pytorch`
+    first, and used as printed it kept a Burn file's Linears untransposed. Burn writes .bpk in its own layout."""
+    table = [TensorRef("model.layers.0.mlp.up_proj.weight", "F32", (32, 48))]
+    for container, likelier in (("burnpack", "burn"), ("safetensors", "pytorch")):
+        to = "pytorch" if likelier == "burn" else "burn"
+        with pytest.raises(LayoutAmbiguityError) as refused:
+            plan_conversion(table, to_layout=to, context=FileContext(container=container))
+        assert yaml.safe_load(refused.value.suggestion)["layout"] == likelier

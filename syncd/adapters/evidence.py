@@ -31,6 +31,7 @@ LINEAR_NAMES = (
     "*_dense",  # LUKE's entity_embedding_dense, likewise
     "*qkv*",
     "lm_head",
+    "embed_out",  # GPT-NeoX's (Pythia's) output head, an nn.Linear, whatever `embed*` below would say
     "fc*",
     "dense",
     "query",
@@ -49,6 +50,9 @@ LINEAR_NAMES = (
     "*_gate",
     "router",
 )
+# transformers' Conv1D layers (GPT-2, OpenAI GPT, ImageGPT, CLVP), which nanoGPT and other ports name the same
+# for nn.Linear layers: in Burn's layout both are [in, out], so going to PyTorch the name decides nothing.
+CONV1D_NAMES = frozenset({"c_attn", "q_attn", "c_proj", "c_fc"})
 EMBEDDING_NAMES = ("emb", "embed*", "*_emb", "*embedding*", "wte", "wpe", "shared")
 NORM_NAMES = ("ln", "ln_*", "*_ln", "*norm*", "*rms*")
 PRELU_NAMES = ("*prelu*", "act", "act?", "activation")

@@ -13,7 +13,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from syncd.adapters.evidence import Architecture, matrix_name_kind, suggested_matrix_kind, vector_name_kind
+from syncd.adapters.evidence import (
+    CONV1D_NAMES,
+    Architecture,
+    matrix_name_kind,
+    suggested_matrix_kind,
+    vector_name_kind,
+)
 from syncd.adapters.model import (
     BATCH_NORM,
     BURN,
@@ -539,9 +545,15 @@ def resolve_with_layout(
     * In a file holding LinearInOut modules (`in_out`: their last path segments; None for a first pass),
       a square Linear with bias inferred from its shapes alone could be either: undecided (a module map
       settles it; LinearInOut is suggested first when a LinearInOut module has the same last segment).
+    * In a burn-layout file, a Linear named as transformers' Conv1D layers are (GPT-2's `c_attn`) is [in, out]
+      either way, and PyTorch may want it so (Conv1D) or transposed (nanoGPT's nn.Linear of the same name):
+      undecided, where it went to PyTorch transposed, a GPT-2 with every Conv1D weight the wrong way.
     """
     if kind.by != BY_SHAPE:
         return kind
+    if kind.kind == LINEAR and layout == BURN and module.path.rpartition(".")[2] in CONV1D_NAMES:
+        reason = f"weight {list(module.shape('weight'))} in a burn-layout file, named as transformers' Conv1D layers"
+        return _unknown(module, reason + ": Linear or LinearInOut (Conv1D)", (LINEAR_IN_OUT, LINEAR))
     if kind.kind == LINEAR and layout == PYTORCH and _bias_matches_dim_1(module):
         weight = list(module.shape("weight"))
         reason = f"bias {list(module.shape('bias'))} matches dim 1 of {weight} in a pytorch-layout file: [in, out]"

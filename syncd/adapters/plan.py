@@ -116,7 +116,7 @@ def plan_conversion(
     extra = [module.evidence() for module in packed]
     source, source_note = _decide_layout(classified, source_layout, module_map, context, extra)
     classified = _resolve_with_layout(classified, source)
-    _refuse_undecided(classified, source, to_layout)
+    _refuse_undecided(classified, source, to_layout, context.container)
     converting = source not in (None, to_layout)
     steps: dict[str, _Step] = {}
     decisions = [f"source layout: {source_note}", f"target layout: {to_layout}", *context.notes]
@@ -474,7 +474,9 @@ def _fewest_odd(evidence: list[Evidence], kinds: dict[str, ModuleKind]) -> list[
 # refusing what the evidence does not decide (docs/burn-adapters.md#ambiguous-cases: never guess silently)
 
 
-def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str | None, target: str) -> None:
+def _refuse_undecided(
+    classified: list[tuple[Module, ModuleKind]], source: str | None, target: str, container: str | None
+) -> None:
     if source == target:
         return  # identity: nothing depends on the undecided kinds
     undecided = [kind for _, kind in classified if kind.kind == UNKNOWN]
@@ -509,7 +511,10 @@ def _refuse_undecided(classified: list[tuple[Module, ModuleKind]], source: str |
         )
     lines = _suggested_lines(classified)
     needs_layout = source is None and (layoutless or any(k.options[0] == LINEAR for k in undecided))
-    suggestion = _map_yaml(lines, PYTORCH if needs_layout else None)
+    # the layout the file's format makes likelier: Burn writes .bpk in its own layout (a .bpk in PyTorch's is
+    # syncd's --layout keep, which records it); used as printed, the other one made a wrong file
+    likelier = BURN if container == BURNS_FORMAT else PYTORCH
+    suggestion = _map_yaml(lines, likelier if needs_layout else None)
     details = [f"  {k.path or '(root)'}: {k.reason}" for k in undecided]
     details += [
         f"  {m.params['weight'].name}: Linear weight {list(m.shape('weight'))}, layout unknown" for m in layoutless
@@ -599,7 +604,8 @@ def _map_yaml(lines: list[tuple[str, str, str]], layout: str | None = None) -> s
     """Module-map YAML that settles the listed modules; comments name the alternatives."""
     out = ["# module map (YAML, as for --modules) that would settle it; check each line against the model"]
     if layout is not None:
-        out.append(f"layout: {layout}  # or burn: the layout the file is in (same as --layout {layout})")
+        other = BURN if layout == PYTORCH else PYTORCH
+        out.append(f"layout: {layout}  # or {other}: the layout the file is in (same as --layout {layout})")
     if lines:
         out.append("modules:")
         out += [f"  {_yaml_key(path)}: {kind}  # {comment}" for path, kind, comment in lines]
