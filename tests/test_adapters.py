@@ -22,6 +22,7 @@ from torch import nn
 from syncd.adapters import (
     AdapterPlan,
     FileContext,
+    LayoutAmbiguityError,
     ModuleMap,
     TensorRef,
     apply_plan,
@@ -805,3 +806,29 @@ def test_a_recorded_kind_that_fits_is_taken() -> None:
     context = FileContext(recorded_layout="burn", recorded_kinds={"fc": "LinearInOut"})
     plan = plan_conversion(table, to_layout="pytorch", source_layout="burn", context=context)
     assert plan.kinds["fc"] == "LinearInOut" and "recorded in the file (syncd.kinds)" in " ".join(plan.decisions)
+
+
+def test_a_lone_gamma_held_beside_child_modules_is_suggested_as_other() -> None:
+    """timm ConvNeXt's layer scale is the block's own `gamma` (`stages.0.blocks.0.gamma`), beside the block's
+    conv, norm and MLP: no norm holds child modules, so Other is suggested first. RmsNorm was, and used as
+    printed it renamed the layer scale `weight`, which load_state_dict(strict=True) refused."""
+    block = "stages.0.blocks.0"
+    table = [
+        TensorRef(f"{block}.gamma", "F32", (8,)),
+        TensorRef(f"{block}.conv_dw.weight", "F32", (8, 1, 7, 7)),
+        TensorRef(f"{block}.conv_dw.bias", "F32", (8,)),
+        TensorRef(f"{block}.norm.gamma", "F32", (8,)),
+        TensorRef(f"{block}.norm.beta", "F32", (8,)),
+        TensorRef(f"{block}.mlp.fc1.weight", "F32", (8, 32)),
+        TensorRef(f"{block}.mlp.fc1.bias", "F32", (32,)),
+    ]
+    with pytest.raises(LayoutAmbiguityError) as refused:
+        plan_conversion(table, to_layout="pytorch", context=FileContext(container="burnpack"))
+    printed = refused.value.suggestion
+    assert yaml.safe_load(printed)["modules"] == {"stages.*.blocks.*": "Other"}, printed
+    assert "Other  # or RmsNorm" in printed  # the comment names the other choice, not the one made
+    plan = plan_conversion(
+        table, to_layout="pytorch", module_map=ModuleMap.from_dict(yaml.safe_load(printed), source="printed")
+    )
+    assert f"{block}.gamma" not in renamed(plan)
+    assert renamed(plan)[f"{block}.norm.gamma"] == f"{block}.norm.weight"

@@ -36,6 +36,7 @@ from syncd.adapters.model import (
     LINEAR_IN_OUT,
     NEUTRAL,
     NORM_KINDS,
+    OTHER,
     PRELU,
     PYTORCH,
     SOURCE_LAYOUTS,
@@ -532,7 +533,8 @@ def _suggested_lines(classified: list[tuple[Module, ModuleKind]]) -> list[tuple[
     that kind, so the map applied as printed changes nothing else.
     """
     decided = {m.path: k.kind for m, k in classified if m.params and k.kind != UNKNOWN}
-    suggested = {k.path: _likeliest(k, decided) for _, k in classified if k.kind == UNKNOWN}
+    parents = {m.path.rpartition(".")[0] for m, _ in classified if m.path}
+    suggested = {k.path: _likeliest(k, decided, parents) for _, k in classified if k.kind == UNKNOWN}
     kind_of_path = {**decided, **suggested}
     lines: dict[str, tuple[str, str]] = {}
     for _, kind in classified:
@@ -543,14 +545,18 @@ def _suggested_lines(classified: list[tuple[Module, ModuleKind]]) -> list[tuple[
             rule = ModuleMap.from_dict({"modules": {pattern: want}}).rules[0]
             matched = [path for path in kind_of_path if rule.regex.fullmatch("." + path if path else "")]
             if all(kind_of_path[path] == want for path in matched):
-                lines.setdefault(pattern, (want, _alternatives(kind.options)))
+                lines.setdefault(pattern, (want, _alternatives(kind.options, want)))
                 break
     return _merge_single_letters([(pattern, want, comment) for pattern, (want, comment) in lines.items()])
 
 
-def _likeliest(kind: ModuleKind, decided: dict[str, str]) -> str:
+def _likeliest(kind: ModuleKind, decided: dict[str, str], parents: set[str]) -> str:
     """The kind to suggest. An unnamed lone 1-D weight right after a norm in a Sequential (`3` after `2`) is
-    an activation's (PRelu): a norm does not follow a norm. Otherwise the order inference gave."""
+    an activation's (PRelu): a norm does not follow a norm. One beside child modules (timm ConvNeXt's
+    `blocks.0.gamma`, a layer scale held by the block) is no norm or PRelu, which hold nothing else: Other.
+    Otherwise the order inference gave."""
+    if OTHER in kind.options and kind.path in parents:
+        return OTHER
     parent, _, index = kind.path.rpartition(".")
     if PRELU in kind.options and index.isdigit() and int(index) > 0:
         before = decided.get(f"{parent}.{int(index) - 1}" if parent else str(int(index) - 1))
@@ -595,8 +601,8 @@ def _question(kind: ModuleKind) -> str:
     return f"{' or '.join(sorted(kind.options))}?" if len(kind.options) > 1 else kind.reason
 
 
-def _alternatives(options: tuple[str, ...]) -> str:
-    rest = options[1:]
+def _alternatives(options: tuple[str, ...], chosen: str) -> str:
+    rest = [option for option in options if option != chosen]
     return f"or {' or '.join(rest)}" if rest else "left unchanged"
 
 
