@@ -426,3 +426,26 @@ def test_the_bpk_of_a_checkpoint_converted_to_a_set_is_not_converted_back_into_a
         "model.bpk",
         "model.safetensors",
     ]
+
+
+@pytest.mark.parametrize("on_exists", ["skip", "overwrite"])
+def test_a_set_another_node_made_from_a_bpk_is_its_output_to_a_one_direction_node(
+    tmp_path: Path, on_exists: str
+) -> None:
+    """A `both` node with `shard_size` converts a trainer's model.bpk into a set; a set carries no syncd.source,
+    so a `safetensors->bpk` node took it for a user's checkpoint whose destination exists: "skipped" at every
+    save, or with on_exists: overwrite the trainer's model.bpk replaced by the set's conversion, and the two
+    nodes then converting each other's outputs for ever. The claim's record beside the index says whose it is."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    source = runs / "model.bpk"
+    trainers = burnpack(1, tmp_path / "work", width=64)
+    write_file(source, trainers)
+    both = Watch(path=runs, direction="both", shard_size=1024)
+    assert _node(tmp_path, "node-a", runs).process(both, source, closed=True).status is Status.CONVERTED
+    index = runs / "model.safetensors.index.json"
+    assert index.exists()
+    one_way = Watch(path=runs, direction="safetensors->bpk", on_exists=on_exists)
+    outcome = _node(tmp_path, "node-b", runs).process(one_way, index, closed=True)
+    assert outcome.status is None and outcome.retry_in is None  # silent: another node's output
+    assert source.read_bytes() == trainers

@@ -288,6 +288,11 @@ def is_own_output_converted_back(state: StateDB, watch: Watch, source: Path, des
     for record, placed_only in ((published, False), (placing_there, True)):
         if record is not None and published_by_syncd(record, source, dest, placed_only=placed_only) is not None:
             return False
+    if is_set_index(source):
+        # a set carries no syncd.source: the claim's record beside its index is the proof that a node made it
+        # from `dest` (a one-direction node took another node's set for a user's checkpoint: "destination
+        # exists" at every save, or with on_exists: overwrite the trainer's .bpk replaced, then for ever)
+        return _recorded_output_of(source, dest)
     try:
         named = read_metadata(source, watch.path).get(carry.SOURCE)
         if named == carry.file_label(dest.name):
