@@ -60,6 +60,24 @@ def test_casts_down_as_torch_rounds(dtype: str, torch_dtype: torch.dtype) -> Non
     assert np.array_equal(back[~nan], expected[~nan])  # widening is exact
 
 
+def test_a_signaling_nan_is_quieted_as_half_and_torch_do() -> None:
+    """numpy keeps a signaling NaN signaling when it narrows to F16 (0x7f800001 -> 0x7c01), and widening one
+    back; Burn's `half` sets the quiet bit and keeps the top of the payload, as torch does narrowing
+    (torch makes every NaN 0x7fffffff widening: `half`'s rule is Burn's, the one followed)."""
+    narrow = np.array([0x7F800001, 0x7FA00000, 0xFF800001, 0x7F80E000, 0x7FC00000, 0x3F800000], dtype="<u4")
+    ours = np.frombuffer(cast_chunk(narrow.tobytes(), "F32", "F16", "t"), "<u2")
+    theirs = torch.from_numpy(narrow.view(np.float32).copy()).half().view(torch.int16).numpy().view("<u2")
+    assert (
+        [hex(v) for v in ours]
+        == [hex(v) for v in theirs]
+        == ["0x7e00", "0x7f00", "0xfe00", "0x7e07", "0x7e00", "0x3c00"]
+    )
+    wide = np.frombuffer(
+        cast_chunk(np.array([0x7C01, 0xFD00, 0x7E00, 0x3C00], "<u2").tobytes(), "F16", "F32", "t"), "<u4"
+    )
+    assert [hex(v) for v in wide] == ["0x7fc02000", "0xffe00000", "0x7fc00000", "0x3f800000"]
+
+
 @pytest.mark.parametrize(("dtype", "value"), [("F16", 70000.0), ("F16", -1e6), ("BF16", 3.4e38)])
 def test_overflow_is_refused_naming_the_tensor(dtype: str, value: float) -> None:
     data = np.array([1.0, value, 2.0], dtype=np.float32).tobytes()

@@ -25,14 +25,35 @@ def cast_chunk(data: memoryview | bytes, from_dtype: str, to_dtype: str, name: s
     if to_dtype != "F32" or from_dtype not in ("F16", "BF16"):
         raise UnsupportedError(f"no cast from {from_dtype} to {to_dtype} (tensor '{name}')", path)
     if from_dtype == "F16":
-        return np.frombuffer(data, dtype="<f2").astype("<f4").tobytes()
+        return _f16_to_f32(np.frombuffer(data, dtype="<f2")).tobytes()
     wide = np.frombuffer(data, dtype="<u2").astype("<u4") << 16
     return wide.tobytes()
 
 
 def _f32_to_f16(values: np.ndarray) -> np.ndarray:
+    """numpy rounds as `half` does, but keeps a signaling NaN signaling (0x7f800001 -> 0x7c01): a NaN gets the
+    quiet bit and the top of its payload, as `half` and torch give it (0x7e00)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        return values.astype("<f2")
+        out = values.astype("<f2")
+    bits = values.view("<u4")
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        wide = bits[nan]
+        sign, payload = (wide >> np.uint32(16)) & np.uint32(0x8000), (wide & np.uint32(0x7FFFFF)) >> np.uint32(13)
+        out.view("<u2")[nan] = (sign | np.uint32(0x7E00) | payload).astype("<u2")
+    return out
+
+
+def _f16_to_f32(values: np.ndarray) -> np.ndarray:
+    """Exact for every value; a NaN gets the quiet bit as `half` gives it (numpy kept a signaling one so)."""
+    out = values.astype("<f4")
+    bits = values.view("<u2")
+    nan = (bits & np.uint16(0x7FFF)) > np.uint16(0x7C00)
+    if nan.any():
+        narrow = bits[nan].astype("<u4")
+        sign, payload = (narrow & np.uint32(0x8000)) << np.uint32(16), (narrow & np.uint32(0x3FF)) << np.uint32(13)
+        out.view("<u4")[nan] = sign | np.uint32(0x7FC00000) | payload
+    return out
 
 
 def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
