@@ -6,6 +6,7 @@ without its state directory. Real daemons, real files, real signals."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -449,3 +450,21 @@ def test_a_set_another_node_made_from_a_bpk_is_its_output_to_a_one_direction_nod
     outcome = _node(tmp_path, "node-b", runs).process(one_way, index, closed=True)
     assert outcome.status is None and outcome.retry_in is None  # silent: another node's output
     assert source.read_bytes() == trainers
+
+
+def test_the_converted_line_says_what_convert_says_without_v(tmp_path: Path) -> None:
+    """A remap rule that matched nothing and module indices with gaps Burn cannot load: `syncd convert` says
+    both; the daemon's line (journal, `syncd log`) said neither, so a typo in a watch's rule went unseen."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    source = runs / "m.safetensors"
+    save_file({k: v.contiguous().numpy() for k, v in model.state_dict().items()}, os.fspath(source))
+    log = SyncLog(tmp_path / "log")
+    syncer = Syncer(StateDB(tmp_path / "state"), log, settle_seconds=0.0, hash_name=DEFAULT_HASH)
+    watch = Watch(path=runs, direction="both", remap=((r"^encoder\.", "enc."),))
+    assert syncer.process(watch, source, closed=True).status is Status.CONVERTED
+    lines = [json.loads(text) for text in (tmp_path / "log").read_text().splitlines()]
+    (line,) = [record for record in lines if record["status"] == "converted"]
+    assert "remap rule '^encoder\\.' matched no tensor name" in line["reason"], line
+    assert "module indices with gaps: 0, 2" in line["reason"], line

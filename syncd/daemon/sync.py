@@ -729,10 +729,13 @@ def classify(exc: BaseException) -> tuple[Status, bool]:
 
 def _converted_reason(result: ConvertResult, *, replaced_theirs: bool) -> str | None:
     """What a conversion's line says beside its status: a file someone else made replaced (on_exists:
-    overwrite: the audit trail of what was lost), tensors carried or restored."""
+    overwrite: the audit trail of what was lost), what `syncd convert` says without -v (what of a PyTorch
+    checkpoint was taken and left, guesses by convention, a remap rule that matched nothing, index gaps Burn
+    cannot load), tensors carried or restored."""
     parts = []
     if replaced_theirs:
         parts.append("replaced the file that was there, not syncd's (on_exists: overwrite)")
+    parts += [*result.source_notes, *result.notes]
     if result.dropped:
         parts.append(f"carried in metadata (no Burn slot): {', '.join(result.dropped)}")
     if result.restored:
