@@ -473,6 +473,30 @@ def said(run: DaemonRun, text: str) -> bool:
     return any(text in record.get("reason", "") for record in run.records())
 
 
+def test_a_tree_not_there_at_start_is_watched_once_it_is_made_and_the_others_all_along(
+    make_daemon: Callable[..., DaemonRun],
+) -> None:
+    """A late mount or a job's output directory made by its first save: the daemon refused the whole
+    configuration (exit 2, which systemd does not restart), so no tree was converted. It says the tree is not
+    there, converts the others, and watches it once it is made, as a tree removed and made again."""
+    run = make_daemon([{"path": "late", "direction": "safetensors->bpk"}, {"path": "other"}])
+    late, other = run.root / "late", run.watch_dir("other")
+    late.rmdir()
+    run.start()
+    wait_until(lambda: said(run, "the watched tree does not exist; it is watched once it is made"), 30, "said")
+    first = Linear(11)
+    write_file(other / "a.safetensors", first.bytes())
+    run.wait_for("converted", [other / "a.safetensors"])
+    late.mkdir()
+    wait_until(lambda: said(run, "the watched tree was made; watching it"), 30, "the new tree watched")
+    model = Linear(12)
+    write_file(late / "a.safetensors", model.bytes())
+    run.wait_for("converted", [late / "a.safetensors"])
+    model.check_bpk(late / "a.bpk")
+    first.check_bpk(other / "a.bpk")
+    stop_cleanly(run)
+
+
 def test_a_tree_removed_and_made_again_is_watched_again_and_the_others_all_along(
     make_daemon: Callable[..., DaemonRun],
 ) -> None:

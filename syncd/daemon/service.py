@@ -82,6 +82,7 @@ class Daemon:
         self._config_stamp = _file_stamp(config.path)  # the config file as loaded: `syncd retry` compares
         self._roots: dict[Path, tuple[int, int] | None] = {}  # each tree's directory as last seen (_check_roots)
         self._unwatched: set[Path] = set()  # trees not watched now: gone, or taken by another daemon meanwhile
+        self._awaited: set[Path] = set()  # trees that did not exist yet when the configuration was taken
         # a shared tree's directory held open (it has no tree lock, which does it for the others): a tree removed
         # and made again then never gets the removed one's inode back, which _check_roots would take for the same
         self._pinned: dict[Path, int] = {}
@@ -166,7 +167,13 @@ class Daemon:
         # trees gone, or made anew and another daemon's, stay so through a reload: _check_roots takes them
         # when they can be (holding them here would fail the reload, and the fallback to the running
         # configuration as well, which ended the daemon)
-        left_out = {watch.path for watch in self.config.watches} & self._unwatched
+        missing = {watch.path for watch in self.config.watches if _identity(watch.path) is None}
+        for path in sorted(missing - self._unwatched):
+            self.synclog.log(
+                Status.WARNING, watch=str(path), reason="the watched tree does not exist; it is watched once it is made"
+            )
+        self._awaited = (self._awaited | missing) & {watch.path for watch in self.config.watches}
+        left_out = ({watch.path for watch in self.config.watches} & self._unwatched) | missing
         self._trees.hold(
             watch.path for watch in self.config.watches if watch.path not in self.shared and watch.path not in left_out
         )
@@ -199,7 +206,7 @@ class Daemon:
     def _clean_stale_scratch(self) -> None:
         directories: set[Path] = set()
         for watch in self.config.watches:
-            for root in filter(None, (watch.path, watch.mirror)):
+            for root in filter(os.path.isdir, filter(None, (watch.path, watch.mirror))):
                 directories.update(p.parent for p in walk_files(root, watch.recursive) if is_scratch_name(p.name))
         for directory in directories:
             for removed in remove_stale_scratch(directory):
@@ -334,6 +341,12 @@ class Daemon:
         """Watch a tree's new directory; while another daemon holds it (taken meanwhile), try again every tick,
         said once."""
         self._roots[watch.path] = now
+        if self.config.cluster.shared == "auto" and watch.path not in self.shared:
+            # a tree that was not there could not be told local or not: now it can (a late network mount)
+            name = shared_filesystem(watch.path, watch.mirror)
+            if name is not None:
+                self.shared[watch.path] = name  # (the watcher reads this mapping too)
+                self.syncer.shared = frozenset(self.shared)
         try:
             if watch.path in self.shared:
                 self._pin(watch.path)
@@ -347,9 +360,10 @@ class Daemon:
                 self._unwatch(watch, reason, Status.ERROR)
             return
         self._unwatched.discard(watch.path)
-        self.synclog.log(
-            Status.WARNING, watch=str(watch.path), reason="the watched tree is back (made anew); watching it"
-        )
+        made = watch.path in self._awaited
+        self._awaited.discard(watch.path)
+        reason = "was made" if made else "is back (made anew)"
+        self.synclog.log(Status.WARNING, watch=str(watch.path), reason=f"the watched tree {reason}; watching it")
         self._request_rescan(watch.path)
 
     def _pin(self, path: Path) -> None:

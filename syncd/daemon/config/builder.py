@@ -209,7 +209,10 @@ class ConfigBuilder:
         path = section.path("path", None)
         if path is None:
             return None
-        if self.check_filesystem:
+        if self.check_filesystem and os.path.lexists(path):
+            # a tree not there (yet) is no problem: a late mount, a job's output directory made by its first
+            # save. The daemon watches it once it is made (service.py), as it does a tree removed and made again;
+            # refusing it here stopped the service (exit 2 is not restarted) and every other tree with it.
             self._check_directory(section.node("path"), f"{prefix}.path", path)
         module_map, modules_file = self._modules(section)
         output_node = section.node("output")
