@@ -473,46 +473,30 @@ def said(run: DaemonRun, text: str) -> bool:
     return any(text in record.get("reason", "") for record in run.records())
 
 
-def test_a_tree_not_there_at_start_is_watched_once_it_is_made_and_the_others_all_along(
-    make_daemon: Callable[..., DaemonRun],
-) -> None:
-    """A late mount or a job's output directory made by its first save: the daemon refused the whole
-    configuration (exit 2, which systemd does not restart), so no tree was converted. It says the tree is not
-    there, converts the others, and watches it once it is made, as a tree removed and made again."""
-    run = make_daemon([{"path": "late", "direction": "safetensors->bpk"}, {"path": "other"}])
-    late, other = run.root / "late", run.watch_dir("other")
-    late.rmdir()
-    run.start()
-    wait_until(lambda: said(run, "the watched tree does not exist; it is watched once it is made"), 30, "said")
-    first = Linear(11)
-    write_file(other / "a.safetensors", first.bytes())
-    run.wait_for("converted", [other / "a.safetensors"])
-    late.mkdir()
-    wait_until(lambda: said(run, "the watched tree was made; watching it"), 30, "the new tree watched")
-    model = Linear(12)
-    write_file(late / "a.safetensors", model.bytes())
-    run.wait_for("converted", [late / "a.safetensors"])
-    model.check_bpk(late / "a.bpk")
-    first.check_bpk(other / "a.bpk")
-    stop_cleanly(run)
-
-
-def test_a_tree_removed_and_made_again_is_watched_again_and_the_others_all_along(
-    make_daemon: Callable[..., DaemonRun],
+@pytest.mark.parametrize("when", ["removed while running", "not there at start"])
+def test_a_tree_not_there_is_watched_once_it_is_made_and_the_others_all_along(
+    make_daemon: Callable[..., DaemonRun], when: str
 ) -> None:
     """`rm -rf runs && mkdir runs`, as a job cleaning its output does: the new directory is no watch's, so every
-    checkpoint saved into it waited for the safety rescan (10 minutes). The daemon says the tree went, watches the
-    new one, converts what is saved into it, and never stops watching its other trees meanwhile."""
+    checkpoint saved into it waited for the safety rescan (10 minutes). Not there at start (a late mount, a job's
+    output directory made by its first save), the daemon refused the whole configuration (exit 2, which systemd
+    does not restart), so no tree was converted. Either way the daemon says the tree is not there, watches it once
+    it is made, converts what is saved into it, and never stops watching its other trees meanwhile."""
     run = make_daemon([{"path": "runs", "direction": "safetensors->bpk"}, {"path": "other"}])
     runs, other = run.watch_dir("runs"), run.watch_dir("other")
+    at_start = when == "not there at start"
+    if at_start:
+        runs.rmdir()
     run.start()
-    shutil.rmtree(runs)
-    wait_until(lambda: said(run, "the watched tree is gone"), 30, "the tree's removal said")
+    if not at_start:
+        shutil.rmtree(runs)
+    gone, made = ("does not exist; it is watched once it is made", "was made") if at_start else ("is gone", "is back")
+    wait_until(lambda: said(run, f"the watched tree {gone}"), 30, "the tree's absence said")
     first = Linear(11)
     write_file(other / "a.safetensors", first.bytes())
     run.wait_for("converted", [other / "a.safetensors"])
     runs.mkdir()
-    wait_until(lambda: said(run, "the watched tree is back"), 30, "the new tree watched")
+    wait_until(lambda: said(run, f"the watched tree {made}"), 30, "the new tree watched")
     for epoch in range(2):  # the second save is seen by the new watch, not by a scan of the new tree
         model = Linear(12 + epoch)
         write_file(runs / "a.safetensors", model.bytes())
