@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from convcheck import run_cli
-from daemonutil import REPO, DaemonRun, scratch_files
+from daemonutil import REPO, DaemonRun, scratch_files, wait_until
 from hfsets import LLAMA_MODULES, save_llama
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
@@ -301,6 +301,58 @@ def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
     only = tmp_path / "only.safetensors"
     syncd("convert", bpk, "-o", only, "--modules", saves["modules"], "--include", r"layers\.0\.self_attn")
     assert sorted(load_file(only)) == sorted(k for k in original if "layers.0.self_attn" in k)
+
+
+@pytest.mark.parametrize(
+    ("source", "output", "options", "said"),
+    [
+        ("set.bpk", "out", ["--include", "nomatch"], "include: nomatch"),
+        ("set.bpk", "out", ["--shard-size", "20KB", "--include", "nomatch"], "include: nomatch"),
+        ("set.bpk", "out/one.safetensors", ["--exclude", "."], "exclude: ."),
+        (
+            "single",
+            "out/model.bpk",
+            ["--include", "nomatch", "--exclude", "lm_head"],
+            "include: nomatch; exclude: lm_head",
+        ),
+    ],
+)
+def test_a_filter_that_leaves_no_tensor_is_refused_naming_the_source(
+    saves: dict[str, Path], tmp_path: Path, source: str, output: str, options: list[str], said: str
+) -> None:
+    """A filter that keeps none of the source's tensors: no output, one line naming the source. A set output
+    stopped on an internal error (an empty list of shards), one file was published holding no tensor, exit 0."""
+    path = set_bpk(saves, tmp_path / "work") if source == "set.bpk" else saves["single"]
+    (tmp_path / "out").mkdir()
+    result = syncd("convert", path, "-o", tmp_path / output, "--modules", saves["modules"], *options, ok=False)
+    assert result.returncode == 1
+    assert result.stderr == f"syncd: {path}: the tensor filter leaves no tensor ({said}); nothing written\n"
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.daemon
+def test_a_watchs_filter_that_leaves_no_tensor_is_an_error_and_the_earlier_output_stays(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A watch's filter that keeps none of a .bpk's tensors: an error line in the sync log, the good output
+    of its earlier save left in place, the daemon running on. It replaced that output by one holding no
+    tensor (one file), or logged a Python error and a traceback (a set)."""
+    nothing = {"tensors": {"include": ["nomatch"]}}
+    with single_output_published(saves, tmp_path) as (run, bpk):
+        runs = run.watch_dir("runs")
+        good = set_files(runs)
+        restarted_with(run, {**ONE_DIRECTION, **nothing})
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        run.wait_for("error", [runs / "model.bpk"])
+        restarted_with(run, {**ONE_DIRECTION, **nothing, "shard_size": "20KB"})
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        wait_until(lambda: len(run.statuses("error")) == 2, 60, "the set's error")
+        for error in run.statuses("error"):
+            assert error["error"] == (
+                f"{runs / 'model.bpk'}: the tensor filter leaves no tensor (include: nomatch); nothing written"
+            ), run.log_text()
+        assert set_files(runs) == good
+        assert run.running() and "Traceback" not in run.stderr()
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from hfsets import LLAMA_MODULES, tiny_llama
 
 from syncd.adapters import ModuleMap, TensorRef, plan_conversion
 from syncd.adapters.keys import NameCollisionError, TensorFilter, compile_rule
-from syncd.engine.options import StoreOptions, apply_options, undo_renames
+from syncd.engine.options import NothingLeftError, StoreOptions, apply_options, undo_renames
 from syncd.errors import SyncdError
 
 pytestmark = pytest.mark.torch
@@ -65,6 +65,16 @@ def test_filter_matches_the_files_names_and_lists_what_it_left_out() -> None:
     assert "lm_head.weight" in applied.left_out and "model.layers.1.mlp.up_proj.weight" in applied.left_out
     assert all(e.source.startswith("model.") and ".layers.1." not in e.source for e in applied.entries)
     assert len(applied.entries) + len(applied.left_out) == len(refs)
+
+
+def test_a_filter_that_leaves_no_tensor_is_refused_and_a_table_of_none_is_not() -> None:
+    """An output of no tensor from a source that had some is no checkpoint: the filter's own words say why.
+    A source with no tensor to begin with is not the filter's doing: planned as it was."""
+    refs = llama_table()
+    options = StoreOptions(tensors=TensorFilter.of(include=["nomatch"], exclude=["^lm_head"]))
+    with pytest.raises(NothingLeftError, match=r"^the tensor filter leaves no tensor \(include: nomatch; exclude"):
+        apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, options)
+    assert apply_options(plan_to_burn([]), [], {}, options).entries == []
 
 
 def test_collision_is_refused_before_anything() -> None:

@@ -219,6 +219,11 @@ class TensorFilter:
         included = not self.include or any(p.search(name) for p in self.include)
         return included and not any(p.search(name) for p in self.exclude)
 
+    def describe(self) -> str:
+        """The patterns as a user gave them: `include: a, b; exclude: c`."""
+        sides = (("include", self.include), ("exclude", self.exclude))
+        return "; ".join(f"{side}: {', '.join(p.pattern for p in patterns)}" for side, patterns in sides if patterns)
+
     def split(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
         """(kept, left out), each in the order given."""
         kept: list[str] = []

@@ -38,7 +38,7 @@ from syncd.adapters.evidence import metadata_layout
 from syncd.engine import carry, hashing
 from syncd.engine.context import gather_context, states_every_module
 from syncd.engine.directions import converts_to
-from syncd.engine.options import StoreOptions, StorePlan, apply_options, undo_renames
+from syncd.engine.options import NothingLeftError, StoreOptions, StorePlan, apply_options, undo_renames
 from syncd.engine.progress import ProgressCallback
 from syncd.engine.publish import (
     Published,
@@ -389,8 +389,9 @@ def _adapt(
 
 def _with_context_notes(exc: SyncdError, context: FileContext | None) -> SyncdError:
     """A refusal says why evidence the file's surroundings would give was passed over (a config.json that is not
-    JSON, a model definition that could not be built): the refusal alone pointed at the tensors, not at it."""
-    if context is not None and context.notes and exc.path is None:
+    JSON, a model definition that could not be built): the refusal alone pointed at the tensors, not at it. A
+    filter that leaves nothing owes nothing to that evidence."""
+    if context is not None and not isinstance(exc, NothingLeftError) and context.notes and exc.path is None:
         exc.message = f"{exc.message} ({'; '.join(context.notes)})"
         exc.args = (exc.message,)
     return exc

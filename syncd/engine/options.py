@@ -25,13 +25,19 @@ from operator import eq
 from syncd.adapters import BURN, PYTORCH, AdapterPlan, PlanEntry, TensorRef
 from syncd.adapters.keys import RemapRule, TensorFilter, apply_rules, check_unique, contiguous_indices, invert, renames
 from syncd.adapters.precision import plan_casts
-from syncd.errors import SyncdError
+from syncd.errors import Kind, SyncdError
 
 _LIST_LIMIT = 4  # tensor names shown per side of a split module
 
 
 class SplitModuleError(SyncdError):
     """Remap rules that move some tensors of a module and not the others."""
+
+
+class NothingLeftError(SyncdError):
+    """A tensor filter that leaves none of the source's tensors (a setting, not the file, decides it)."""
+
+    kind: Kind = "config"
 
 
 # Burn's defaults for what a user leaves unsaid, by the format of the source, as the Burn store that reads that
@@ -109,7 +115,10 @@ def apply_options(
     # they would have in the file (their module where the file has it)
     in_file = _carried_in_file(restoring, real)
     left_out += [in_file[name] for name in restoring if not options.tensors.keeps(in_file[name])]
+    had_tensors = bool(plan.entries or plan.dropped or restoring)
     restoring = [name for name in restoring if options.tensors.keeps(in_file[name])]
+    if had_tensors and not (kept or dropped or restoring):
+        raise _nothing_left(options.tensors)
     casts = {}
     notes: list[str] = []
     if options.precision is not None:
@@ -144,6 +153,12 @@ def apply_options(
         restored={} if real_as_is else {name: original for original, name in real.items() if name != original},
         notes=notes + _rule_notes(kept, options) + (_gap_notes(final.values(), options) if gaps else []),
     )
+
+
+def _nothing_left(tensors: TensorFilter) -> NothingLeftError:
+    """A filter that leaves none of the source's tensors: an output of no tensor is no checkpoint, and published
+    it would replace a good earlier one (the daemon's, at the source's next save)."""
+    return NothingLeftError(f"the tensor filter leaves no tensor ({tensors.describe()}); nothing written")
 
 
 def _keeping_file_names(
