@@ -295,8 +295,17 @@ def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
     original = LlamaForCausalLM.from_pretrained(index.parent).state_dict()
     assert set(written) == set(original) - {"lm_head.weight"}
     index_back = json.loads((back / "model.safetensors.index.json").read_text())
-    assert index_back["metadata"]["total_size"] == sum(t.numel() * 4 for t in written.values())
+    assert index_back["metadata"] == {
+        "total_size": sum(t.numel() * 4 for t in written.values()),
+        "total_parameters": sum(t.numel() for t in written.values()),  # (it kept the whole set's count)
+    }
     assert set(index_back["weight_map"]) == set(written)
+    # a whole set's .bpk filtered on the way back: the index counts what is written
+    filtered_back = tmp_path / "filtered-back"
+    written = set_back(set_bpk(saves, tmp_path / "whole"), filtered_back, "--exclude", r"^lm_head\.")
+    assert set(written) == set(original) - {"lm_head.weight"}
+    index_back = json.loads((filtered_back / "model.safetensors.index.json").read_text())
+    assert index_back["metadata"]["total_parameters"] == sum(t.numel() for t in written.values())
     # and on the way back: only the attention of layer 0
     only = tmp_path / "only.safetensors"
     syncd("convert", bpk, "-o", only, "--modules", saves["modules"], "--include", r"layers\.0\.self_attn")

@@ -13,6 +13,7 @@ pass over the part of the source it takes.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -518,7 +519,8 @@ def _carried_shards(
         return None
     kept = {name for e in entries for name in e.sources} | set(plan.dropped)
     sizes = {t.name: t.nbytes for t in source.tensors}
-    return ShardLayout.of(source.sharded).restricted_to(kept, sizes)
+    elements = {t.name: math.prod(t.shape) for t in source.tensors}
+    return ShardLayout.of(source.sharded).restricted_to(kept, sizes, elements)
 
 
 def _output_shards(
@@ -550,7 +552,8 @@ def _output_shards(
         return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index)
     if carried.shards is None:
         return None
-    layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))
+    elements = {spec.name: math.prod(spec.shape) for spec in specs}
+    layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes), elements)
     if request.dest is not None and is_index_name(dest):  # `-o NAME.safetensors.index.json`: that name
         layout = replace(layout, index_name=dest.name)
     if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
