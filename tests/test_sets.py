@@ -174,6 +174,33 @@ def test_shard_size_splits_anew_and_none_writes_one_file(saves: dict[str, Path],
     assert_state_reloads(one, saves["sharded"])
 
 
+@pytest.mark.parametrize("source", ["single.bpk", "set.bpk filtered to one shard"])
+def test_an_index_named_by_o_is_written_for_one_shard_too(saves: dict[str, Path], tmp_path: Path, source: str) -> None:
+    """`-o NAME.safetensors.index.json` gets that index, a set of one shard too (as the daemon writes one with
+    a watch's shard_size): it wrote one plain file under another name and no index. A directory or a
+    .safetensors name still gets one file where the model fits one shard."""
+    if source == "single.bpk":
+        bpk, options = single_bpk(saves, tmp_path), ["--shard-size", "5GB"]
+    else:
+        bpk, options = set_bpk(saves, tmp_path / "work"), ["--include", "embed_tokens"]
+    named, directory = tmp_path / "named", tmp_path / "directory"
+    named.mkdir()
+    directory.mkdir()
+    syncd("convert", bpk, "-o", named / "foo.safetensors.index.json", *options)
+    syncd("convert", bpk, "-o", directory, *options)
+    (one_file,) = directory.iterdir()
+    assert one_file.suffix == ".safetensors"
+    shard = one_file.name.removesuffix(".safetensors") + "-00001-of-00001.safetensors"
+    if source == "single.bpk":  # a fresh split is named after its index
+        shard = "foo-00001-of-00001.safetensors"
+    assert sorted(p.name for p in named.iterdir()) == sorted([shard, "foo.safetensors.index.json"])
+    index = json.loads((named / "foo.safetensors.index.json").read_text())
+    tensors = load_file(named / shard)
+    assert index["weight_map"] == dict.fromkeys(tensors, shard)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
+    assert {k: v.tolist() for k, v in tensors.items()} == {k: v.tolist() for k, v in load_file(one_file).items()}
+
+
 def test_shard_size_with_one_safetensors_file_named_is_refused_not_dropped(
     saves: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -534,8 +534,10 @@ def _output_shards(
 ) -> ShardLayout | None:
     """The set a safetensors output is written as, or None for one file: `--shard-size` splits anew; a layout
     carried from the original set is reproduced, unless one file is asked for (`--shard-size none`, or an
-    explicit `-o X.safetensors`)."""
+    explicit `-o X.safetensors`). `-o NAME.safetensors.index.json` gets that index, a set of one shard too
+    (it got one plain file, named after the set)."""
     named_one_file = request.dest is not None and dest.name.endswith(".safetensors")
+    named_index = request.dest is not None and is_index_name(dest)
     if named_one_file and request.shard_size is not None and target.format.name == SAFETENSORS:
         raise UsageError(
             "--shard-size splits the output into a set, and -o names one .safetensors file: give -o a directory "
@@ -549,13 +551,13 @@ def _output_shards(
         # model.bpk, model.safetensors, ckpt.pt, a set's model.safetensors.index.json: model-00001-of-0000N...
         stem = set_stem(source.path) if is_set_index(source.path) else checkpoint_stem(source.path)
         index_name = dest.name if is_index_name(dest) else f"{stem}{INDEX_SUFFIX}"
-        return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index)
+        return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index or named_index)
     if carried.shards is None:
         return None
     elements = {spec.name: math.prod(spec.shape) for spec in specs}
     layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes), elements)
-    if request.dest is not None and is_index_name(dest):  # `-o NAME.safetensors.index.json`: that name
-        layout = replace(layout, index_name=dest.name)
+    if named_index:  # `-o NAME.safetensors.index.json`: that name
+        layout = replace(layout, index_name=dest.name).indexed()
     if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
         layout = layout.with_total_size(sum(size for _, size in sizes))
     return layout

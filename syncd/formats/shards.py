@@ -403,6 +403,14 @@ class ShardLayout:
             common_metadata=dict(self.common_metadata),
         )
 
+    def indexed(self) -> ShardLayout:
+        """The layout written with its index even when it holds one shard (`model-00001-of-00001.safetensors`
+        rather than `model.safetensors` alone): where the index's name was asked for."""
+        if self.with_index:
+            return self
+        ((file, names),) = self.files
+        return replace(self, files=[(_numbered(file, 1, 1), names)], with_index=True)
+
     def with_total_size(self, total: int) -> ShardLayout:
         """The layout with `metadata.total_size` set to `total` (the tensors' sizes changed, e.g. by a cast)."""
         metadata = dict(self.index_metadata or {})
