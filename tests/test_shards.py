@@ -94,6 +94,13 @@ def test_layout_by_size_and_one_file() -> None:
     assert one.files == [("model.safetensors", ["a", "b"])] and not one.with_index
 
 
+def test_a_checkpoint_of_no_tensor_is_one_file_of_none() -> None:
+    """`--shard-size` on a source of no tensor stopped on an internal error (no group to name)."""
+    assert layout_by_size([], 10).files == [("model.safetensors", [])]
+    indexed = layout_by_size([], 10, always_index=True)
+    assert indexed.files == [("model-00001-of-00001.safetensors", [])] and indexed.with_index
+
+
 def test_render_index_matches_save_pretrained_formatting() -> None:
     text = render_index({"total_size": 8}, {"b": "x.safetensors", "a": "y.safetensors", "é": "x.safetensors"})
     assert text == (
