@@ -6,8 +6,10 @@ import grp
 import io
 import os
 import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -296,6 +298,45 @@ def test_a_config_someone_else_can_edit_is_refused_saying_why(tmp_path: Path, ru
     )
     os.chown(path, 0, daemon_group.gr_gid)  # root's, group-readable only: fine
     assert load_config(path).watches[0].path == runs.resolve()
+
+
+def test_check_config_user_judges_who_may_edit_the_config_as_that_user() -> None:
+    """`check-config --user daemon`, run by root for a service that runs as daemon, applies the rule as the
+    daemon process run as that user will: a config the user owns, or that only its private group may write,
+    is accepted (both were refused for not being root's), and another user's config is refused naming it."""
+    service = pwd.getpwnam("daemon")
+    assert os.geteuid() == 0 and _members(service.pw_gid) == {"daemon"}, "run as root; group daemon holds only daemon"
+    root = Path(tempfile.mkdtemp(prefix="syncd-config-", dir="/tmp"))  # the user can reach it, unlike tmp_path
+    try:
+        os.chmod(root, 0o755)
+        for name in ("runs", "state"):
+            (root / name).mkdir()
+            os.chown(root / name, service.pw_uid, service.pw_gid)
+        text = "state_dir: state\nlog:\n  path: state/sync.log.jsonl\nwatches:\n  - path: runs\n"
+        path = write_config(root, text)
+        os.chown(path, service.pw_uid, service.pw_gid)
+        assert _checked_as(path, "daemon") == (0, f"{path}: valid (1 watch)")
+        path.chmod(0o664)  # written under umask 002: its group is the user's private group
+        assert _checked_as(path, "daemon") == (0, f"{path}: valid (1 watch)")
+        os.chown(path, 0, service.pw_gid)  # root's, writable by a group that holds only the service's user
+        assert _checked_as(path, "daemon") == (0, f"{path}: valid (1 watch)")
+        path.chmod(0o644)
+        os.chown(path, NOBODY, service.pw_gid)
+        why = "whoever can edit it decides what syncd reads and overwrites as daemon"
+        assert _checked_as(path, "daemon") == (
+            2,
+            f"{path}: refusing a config owned by nobody, not by daemon (the user syncd runs as) or root: {why}; "
+            f"run: chown daemon {path} (or make root its owner)",
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _checked_as(path: Path, user: str) -> tuple[int, str]:
+    """`syncd check-config PATH --user USER`: its exit code and output."""
+    out = io.StringIO()
+    code = run_check_config(path, out, user=user)
+    return code, out.getvalue().strip()
 
 
 def _members(gid: int) -> set[str]:

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import TextIO
 
-from syncd.daemon.access import access_warnings
+from syncd.daemon.access import access_warnings, uid_of
 from syncd.daemon.config import validate
 from syncd.errors import ConfigError
 
@@ -20,7 +20,8 @@ def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, us
     """Prints one line per problem; 0 when valid, 2 when not. A valid config also gets a warning line for each
     watched tree `user` (default: the caller) cannot list, read or write."""
     out = out or sys.stdout
-    config, problems = validate(path)
+    # the config's editors are judged as the service's user sees them: it and root alone may edit the file
+    config, problems = validate(path, runs_as=None if user is None else uid_of(user))
     for problem in problems:
         print(problem, file=out)
     if problems or config is None:

@@ -35,7 +35,7 @@ def access_warnings(config: Config, user: str | None = None) -> list[str]:
     """One line per problem the user would have with the daemon's own files and the watched trees; empty
     when none."""
     name = user or pwd.getpwuid(os.geteuid()).pw_name
-    if user is not None and _uid_of(user) != os.geteuid():
+    if user is not None and uid_of(user) != os.geteuid():
         own, results = _as_user(user, config)
     else:
         own, results = _check_own_files(config), [_check_watch(watch) for watch in config.watches]
@@ -69,7 +69,8 @@ def _nearest_existing(directory: Path) -> Path:
     return directory
 
 
-def _uid_of(user: str) -> int:
+def uid_of(user: str) -> int:
+    """The uid of `user` (a `--user` argument); a usage error when there is no such user."""
     try:
         return pwd.getpwnam(user).pw_uid
     except KeyError:

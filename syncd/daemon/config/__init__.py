@@ -97,27 +97,30 @@ def check_config(path: str | os.PathLike[str]) -> list[str]:
     return [str(problem) for problem in problems]
 
 
-def validate(path: str | os.PathLike[str], *, check_filesystem: bool = True) -> tuple[Config | None, list[Problem]]:
+def validate(
+    path: str | os.PathLike[str], *, check_filesystem: bool = True, runs_as: int | None = None
+) -> tuple[Config | None, list[Problem]]:
     """The Config (None unless valid) and every problem, in reading order. What the YAML library or the OS
     refuses in ways of their own (nesting deeper than the parser's recursion, a NUL byte in a path) is a
-    problem too: a reload must never die."""
+    problem too: a reload must never die. `runs_as`: the uid of the user the daemon runs as, who (with root)
+    alone may edit the file (default: the caller's)."""
     path = Path(path)
     try:
-        return _validate(path, check_filesystem=check_filesystem)
+        return _validate(path, check_filesystem=check_filesystem, runs_as=runs_as)
     except RecursionError:
         return None, [Problem(str(path), None, None, "nested too deeply to read (is it generated?)")]
     except (ValueError, TypeError, OverflowError, MemoryError) as exc:
         return None, [Problem(str(path), None, None, f"invalid value: {one_line(exc)}")]
 
 
-def _validate(path: Path, *, check_filesystem: bool) -> tuple[Config | None, list[Problem]]:
+def _validate(path: Path, *, check_filesystem: bool, runs_as: int | None) -> tuple[Config | None, list[Problem]]:
     file = YamlFile(path)
     root = file.load()
     if root is None:
         return None, file.problems
     if check_filesystem:
-        check_file_mode(file)
-    builder = ConfigBuilder(file, check_filesystem)
+        check_file_mode(file, runs_as)
+    builder = ConfigBuilder(file, check_filesystem, runs_as)
     config = builder.build(root)
     problems = file.problems
     if config is not None:

@@ -69,9 +69,10 @@ from syncd.formats.shards import parse_shard_size
 class ConfigBuilder:
     """Builds a Config from `file`'s top-level mapping; problems go to `file.problems`."""
 
-    def __init__(self, file: YamlFile, check_filesystem: bool) -> None:
+    def __init__(self, file: YamlFile, check_filesystem: bool, runs_as: int | None = None) -> None:
         self.file = file
         self.check_filesystem = check_filesystem
+        self.runs_as = runs_as  # uid of the user the daemon runs as, who may edit a module-map file (None: ours)
         self.mirror_lines: dict[int, int] = {}  # watch index -> line of its mirror, for safety messages
 
     def build(self, root: yaml.MappingNode) -> Config | None:
@@ -290,7 +291,8 @@ class ConfigBuilder:
             return None, None
         if isinstance(value, str) and value:
             modules_file = resolve(self.file.dir, value)
-            return _load_modules_file(modules_file, self.file, node, key, self.check_filesystem), modules_file
+            loaded = _load_modules_file(modules_file, self.file, node, key, self.check_filesystem, self.runs_as)
+            return loaded, modules_file
         if isinstance(value, dict):
             # an inline map is the `modules:` part of a module-map file; its problems carry the watch's prefix
             module_map, problems = parse_module_map({"modules": value}, source=str(self.file.path))
@@ -414,7 +416,7 @@ def _shard_size(file: YamlFile, section: Section) -> int | None:
 
 
 def _load_modules_file(
-    path: Path, parent: YamlFile, node: yaml.Node, key: str, check_filesystem: bool
+    path: Path, parent: YamlFile, node: yaml.Node, key: str, check_filesystem: bool, runs_as: int | None
 ) -> ModuleMap | None:
     """A module-map file, read exactly as `syncd convert --modules FILE` reads it (`layout:` included).
     Problems name that file and its lines."""
@@ -435,7 +437,7 @@ def _load_modules_file(
         module_map, _ = parse_module_map({}, source=str(path))
     elif root is not None:
         if check_filesystem:
-            check_file_mode(file)
+            check_file_mode(file, runs_as)
         module_map, problems = parse_module_map(file.value(root), source=str(path))
         _report_map_problems(file, problems, "", whole=root, modules=file.child(root, "modules"))
     parent.problems.extend(file.problems)

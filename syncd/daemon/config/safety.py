@@ -24,8 +24,11 @@ from syncd.daemon.config.schema import Config, Watch
 from syncd.daemon.config.yamlfile import Problem, YamlFile
 
 
-def check_file_mode(file: YamlFile) -> None:
+def check_file_mode(file: YamlFile, runs_as: int | None = None) -> None:
     """Record a problem on `file` when someone other than the user syncd runs as (or root) may edit it.
+
+    `runs_as` is the uid of the user syncd runs as: the caller's (None) for the daemon, the `--user` of
+    `syncd check-config --user NAME` when root checks a config for a service that runs as NAME.
 
     Whoever can edit the config decides what the daemon reads and overwrites with its rights. Its editors are
     the owner, the members of its group when it is group-writable, everyone when others may write. The rule:
@@ -39,13 +42,13 @@ def check_file_mode(file: YamlFile) -> None:
     except OSError as exc:
         file.problem(None, None, f"cannot stat: {exc.strerror}")
         return
-    problem = _editable_by_others(info, file.name)
+    problem = _editable_by_others(info, file.name, os.geteuid() if runs_as is None else runs_as)
     if problem is not None:
         file.problem(None, None, problem)
 
 
-def _editable_by_others(info: os.stat_result, name: str) -> str | None:
-    me = os.geteuid()
+def _editable_by_others(info: os.stat_result, name: str, me: int) -> str | None:
+    """Why a file with `info` may be edited by someone other than `me` (the user syncd runs as) or root."""
     mode = stat.S_IMODE(info.st_mode)
     why = f"whoever can edit it decides what syncd reads and overwrites as {_user_name(me)}"
     if mode & 0o002:
