@@ -173,14 +173,17 @@ def test_status_by_someone_who_may_not_read_it_is_no_stopped_daemon(tmp_path: Pa
 @pytest.mark.parametrize("setting", ["state_dir", "log.path"])
 def test_a_daemon_that_cannot_make_its_state_or_log_names_the_setting(setting: str) -> None:
     """`syncd@alice` left with service.yaml's state_dir: /var/lib/syncd said only `.../lock: Permission denied`,
-    naming neither the setting nor the configuration."""
+    naming neither the setting nor the configuration. It exits 2, a configuration problem, which systemd's
+    RestartPreventExitStatus=2 does not restart (exit 1 was restarted every 5 seconds forever); and
+    `check-config --user` refuses that config the same way (it said `valid`, exit 0, with a warning)."""
     assert os.geteuid() == 0, "this test runs `syncd run` as another user: run the suite as root, as CI does"
     root = Path(tempfile.mkdtemp(prefix="syncd-run-", dir="/tmp"))
     try:
         os.chmod(root, 0o755)  # root's: nobody may make nothing in it
         (root / "runs").mkdir()
         (root / "mine").mkdir()
-        os.chown(root / "mine", NOBODY, NOBODY)
+        for usable_by_nobody in ("runs", "mine"):
+            os.chown(root / usable_by_nobody, NOBODY, NOBODY)
         closed, usable = str(root / "closed" / "sub"), str(root / "mine" / "x")
         state, log = (closed, usable) if setting == "state_dir" else (usable, closed)
         config = root / "syncd.yaml"
@@ -192,6 +195,11 @@ def test_a_daemon_that_cannot_make_its_state_or_log_names_the_setting(setting: s
         config.chmod(0o644)
         proc = _as_nobody("run", "-c", str(config))
         named = state if setting == "state_dir" else f"{log}/sync.log.jsonl"
-        assert_one_line_error(proc, 1, str(config), f"{setting}: cannot use {named}: Permission denied")
+        assert_one_line_error(proc, 2, str(config), f"{setting}: cannot use {named}: Permission denied")
+        checked = run_cli("check-config", str(config), "--user", "nobody")
+        assert (checked.returncode, checked.stdout.splitlines()) == (
+            2,
+            [f"{config}: user nobody cannot create {closed} ({setting}) in {root}, so the daemon cannot start"],
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -129,7 +129,8 @@ def test_syncd_at_trainer_converts_the_trainers_0600_checkpoints(shared_root: Pa
         assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (TRAINER.pw_uid, 0o600)
 
         as_other = _as(OTHER, sys.executable, "-m", "syncd", "check-config", run.config_path)
-        assert as_other.returncode == 0
+        assert as_other.returncode == 2  # the state and the log are the trainer's: OTHER's daemon could not start
+        assert f"user {OTHER.pw_name} cannot write {run.root} (log.path), so the daemon cannot start" in as_other.stdout
         assert f"user {OTHER.pw_name} cannot list 1 director(ies), e.g. {runs}" in as_other.stdout
         checked = run_cli("check-config", run.config_path, "--user", TRAINER.pw_name)
         assert checked.returncode == 0 and "warning" not in checked.stdout, checked.stdout
@@ -150,20 +151,24 @@ def test_check_config_warns_about_unreadable_checkpoints_and_unwritable_director
         (runs / "notes.txt").write_text("not a checkpoint: never a warning")
         os.chmod(runs / "notes.txt", 0o600)
         proc = run_cli("check-config", run.config_path, "--user", OTHER.pw_name)
-    assert proc.returncode == 0, proc.stderr
-    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 4, proc.stdout
     # the daemon's own files first (state and log left in root's directory, as a syncd@USER config copied
-    # from the service's with state_dir unchanged would): the daemon could not start, or log nothing
-    assert warnings[0].endswith(f"user daemon cannot write state_dir {run.root}/state (nor create it in {run.root})")
-    assert warnings[1].endswith(f"user daemon cannot write the sync log's directory {run.root}")
+    # from the service's with state_dir unchanged would): the daemon could not start, so the config is refused
+    # (it was `valid`, exit 0, and the daemon then failed at every start)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == [
+        f"{run.config_path}: user daemon cannot create {run.root}/state (state_dir) in {run.root}, so the daemon "
+        "cannot start",
+        f"{run.config_path}: user daemon cannot write {run.root} (log.path), so the daemon cannot start",
+    ]
+    warnings = lines[2:]
+    assert len(warnings) == 2 and all(line.startswith("warning: ") for line in warnings), proc.stdout
     assert (
         f"user daemon cannot read 1 checkpoint(s), e.g. {runs / 'private.safetensors'} (owner root, mode 0600)"
-        in (warnings[2])
+        in (warnings[0])
     )
-    assert "syncd@WRITER.service" in warnings[2]
-    assert f"user daemon cannot write 1 output director(ies), e.g. {runs}" in warnings[3]
-    assert proc.stdout.splitlines()[-1].endswith("valid (1 watch)")
+    assert "syncd@WRITER.service" in warnings[0]
+    assert f"user daemon cannot write 1 output director(ies), e.g. {runs}" in warnings[1]
 
 
 def test_as_root_an_output_takes_its_sources_owner_as_it_takes_its_mode(tmp_path: Path) -> None:

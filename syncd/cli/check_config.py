@@ -6,7 +6,7 @@ import os
 import sys
 from typing import TextIO
 
-from syncd.daemon.access import access_warnings, uid_of
+from syncd.daemon.access import check_access, uid_of
 from syncd.daemon.config import validate
 from syncd.errors import ConfigError
 
@@ -17,8 +17,9 @@ REMAP_SEES = (
 
 
 def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, user: str | None = None) -> int:
-    """Prints one line per problem; 0 when valid, 2 when not. A valid config also gets a warning line for each
-    watched tree `user` (default: the caller) cannot list, read or write."""
+    """Prints one line per problem; 0 when valid, 2 when not. A state directory or sync log `user` (default:
+    the caller) cannot write is a problem too (the daemon would not start); a valid config also gets a warning
+    line for each watched tree the user cannot list, read or write."""
     out = out or sys.stdout
     # the config's editors are judged as the service's user sees them: it and root alone may edit the file
     config, problems = validate(path, runs_as=None if user is None else uid_of(user))
@@ -26,8 +27,11 @@ def run_check_config(path: str | os.PathLike[str], out: TextIO | None = None, us
         print(problem, file=out)
     if problems or config is None:
         return ConfigError.exit_code
-    for warning in access_warnings(config, user):
-        print(warning, file=out)
+    access = check_access(config, user)
+    for line in access.problems + access.warnings:
+        print(line, file=out)
+    if access.problems:  # the daemon run as that user would exit at start
+        return ConfigError.exit_code
     for i, watch in enumerate(config.watches):
         if watch.remap:  # which names the rules see changed once (Burn's order): say it where they are checked
             print(f"{path}: watches[{i}].remap: {len(watch.remap)} rules, {REMAP_SEES}", file=out)

@@ -1,5 +1,6 @@
-"""Can the service's user do its job on the watched trees? `syncd check-config FILE [--user NAME]` warns
-when that user cannot list a tree, read a checkpoint in it, or write where the outputs go.
+"""Can the service's user do its job? `syncd check-config FILE [--user NAME]` refuses the config (exit 2)
+when that user cannot read it or write the state directory or the sync log (the daemon would exit at start),
+and warns when it cannot list a watched tree, read a checkpoint in it, or write where the outputs go.
 
 As root, `--user` checks as that user (a child process takes the user's uid, gid and groups, so the
 kernel's own answer counts: modes, groups and ACLs alike); without it, the checks run as whoever runs the
@@ -22,6 +23,8 @@ from syncd.errors import UsageError
 
 MAX_ENTRIES = 20_000  # a check, not a scan: enough to find the pattern in a large tree
 MAX_DEPTH = 64
+# where systemd makes a unit's StateDirectory= and LogsDirectory= (as root, for the unit's user) at its start
+UNIT_MADE = (Path("/var/lib"), Path("/var/log"))
 
 
 @dataclass
@@ -31,34 +34,65 @@ class _Findings:
     unwritable: list[str] = field(default_factory=list)  # output directories the user cannot write
 
 
-def access_warnings(config: Config, user: str | None = None) -> list[str]:
-    """One line per problem the user would have with the daemon's own files and the watched trees; empty
-    when none."""
+@dataclass
+class AccessReport:
+    """What `check-config` says about the user's access: `problems` keep the daemon from starting (exit 2),
+    `warnings` cost it files or directories it will log as errors."""
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_access(config: Config, user: str | None = None) -> AccessReport:
+    """The problems and warnings of the user (default: the caller) with the daemon's own files and the
+    watched trees; both empty when there are none."""
     name = user or pwd.getpwuid(os.geteuid()).pw_name
     if user is not None and uid_of(user) != os.geteuid():
         own, results = _as_user(user, config)
     else:
         own, results = _check_own_files(config), [_check_watch(watch) for watch in config.watches]
-    lines = [f"warning: {config.path}: user {name} {problem}" for problem in own]
+    report = AccessReport()
+    report.problems += [f"{config.path}: user {name} {problem}" for problem in own["problems"]]
+    report.warnings += [f"warning: {config.path}: user {name} {warning}" for warning in own["warnings"]]
     for watch, found in zip(config.watches, results, strict=True):
-        lines += _describe(config.path, watch, name, found)
-    return lines
+        report.warnings += _describe(config.path, watch, name, found)
+    return report
 
 
-def _check_own_files(config: Config) -> list[str]:
+def _check_own_files(config: Config) -> dict[str, list[str]]:
     """What the daemon itself needs: to read its configuration, to write its state directory and its sync
-    log (a `syncd@USER` config copied from the service's, state_dir left at /var/lib/syncd)."""
-    problems = []
+    log (a `syncd@USER` config copied from the service's, state_dir left at /var/lib/syncd). One finding per
+    setting: a sync log kept in the state directory is one."""
+    own: dict[str, list[str]] = {"problems": [], "warnings": []}
     if not os.access(config.path, os.R_OK):
-        problems.append("cannot read the configuration itself")
-    for what, directory in (("state_dir", config.state_dir), ("the sync log's directory", config.log.path.parent)):
-        existing = _nearest_existing(directory)
-        if not os.access(existing, os.W_OK | os.X_OK):
-            made = "" if existing == directory else f" (nor create it in {existing})"
-            problems.append(f"cannot write {what} {directory}{made}")
-    if os.path.lexists(config.log.path) and not os.access(config.log.path, os.W_OK):
-        problems.append(f"cannot write the sync log {config.log.path}")
-    return problems
+        own["problems"].append("cannot read the configuration itself, so the daemon cannot start")
+    state = _directory_finding(config.state_dir, "state_dir")
+    log_dir = config.log.path.parent
+    log = None if state is not None and log_dir == config.state_dir else _directory_finding(log_dir, "log.path")
+    if log is None and os.path.lexists(config.log.path) and not os.access(config.log.path, os.W_OK):
+        log = True, f"cannot write the sync log {config.log.path} (log.path), so the daemon cannot start"
+    for finding in (state, log):
+        if finding is not None:
+            own["problems" if finding[0] else "warnings"].append(finding[1])
+    return own
+
+
+def _directory_finding(directory: Path, setting: str) -> tuple[bool, str] | None:
+    """(is it a problem, what is wrong) when the user cannot write `directory`, which `setting` names; None
+    when it can. A problem keeps the daemon from starting. A directory that does not exist yet under /var/lib
+    or /var/log is a warning: systemd makes a unit's StateDirectory= and LogsDirectory= there before the
+    daemon starts (/var/lib/syncd does not exist at install, before the first start)."""
+    existing = _nearest_existing(directory)
+    if os.access(existing, os.W_OK | os.X_OK):
+        return None
+    if existing == directory:
+        return True, f"cannot write {directory} ({setting}), so the daemon cannot start"
+    if any(directory.is_relative_to(base) for base in UNIT_MADE):
+        return False, (
+            f"cannot create {directory} ({setting}) in {existing}: the daemon starts only if systemd makes it "
+            "(the unit's StateDirectory= or LogsDirectory=)"
+        )
+    return True, f"cannot create {directory} ({setting}) in {existing}, so the daemon cannot start"
 
 
 def _nearest_existing(directory: Path) -> Path:
@@ -135,7 +169,7 @@ def _check_watch(watch: Watch) -> _Findings:
     return found
 
 
-def _as_user(user: str, config: Config) -> tuple[list[str], list[_Findings]]:
+def _as_user(user: str, config: Config) -> tuple[dict[str, list[str]], list[_Findings]]:
     """Run the checks in a child process that has become `user` (root only)."""
     if os.geteuid() != 0:
         raise UsageError(f"--user {user}: checking as another user needs root (or run it as {user})")

@@ -42,7 +42,7 @@ from syncd.engine.publish import (
     remove_if_stale,
     remove_stale_scratch,
 )
-from syncd.errors import SyncdError, one_line
+from syncd.errors import TRANSIENT_ERRNOS, ConfigError, SyncdError, one_line
 from syncd.formats.fileio import FileStamp
 
 log = logging.getLogger("syncd")
@@ -519,17 +519,22 @@ class Wakeup:
 
 def _unusable_setting(config: Config, exc: OSError) -> SyncdError:
     """A directory the configuration names that the daemon cannot use, said with the setting that names it
-    (`syncd@alice` left with service.yaml's state_dir: /var/lib/syncd said only `.../lock: Permission denied`)."""
+    (`syncd@alice` left with service.yaml's state_dir: /var/lib/syncd said only `.../lock: Permission denied`).
+
+    A permission, or a file where a directory should be, stays until someone changes the setting or the
+    directory: a ConfigError (exit 2), which systemd's RestartPreventExitStatus=2 does not restart every 5
+    seconds forever. A full, read-only or failing disk may heal by itself: exit 1, restarted."""
     where = Path(os.fsdecode(exc.filename)) if exc.filename else config.state_dir
     log_dir = config.log.path.parent  # (made with its parents: the directory failing may be one above it)
     in_log = where.is_relative_to(log_dir) or log_dir.is_relative_to(where)
     in_log = in_log and not where.is_relative_to(config.state_dir)
     key, value = ("log.path", config.log.path) if in_log else ("state_dir", config.state_dir)
-    return SyncdError(
-        f"{key}: cannot use {value}: {exc.strerror or exc} (the user syncd runs as must be able to create and "
-        "write it)",
-        str(config.path),
+    message = (
+        f"{key}: cannot use {value}: {exc.strerror or exc} (the user syncd runs as must be able to create and write it)"
     )
+    if exc.errno in TRANSIENT_ERRNOS:
+        return SyncdError(message, str(config.path), kind="environment", transient=True)
+    return ConfigError(message, str(config.path))
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
