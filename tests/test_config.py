@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import io
 import os
@@ -74,6 +75,27 @@ def test_the_example_config_sets_every_setting_there_is() -> None:
     assert set(example) == set(TOP_LEVEL_KEYS)
     assert set(example["log"]) == set(LOG_KEYS) and set(example["cluster"]) == set(CLUSTER_KEYS)
     assert set(example["watches"][0]) == set(WATCH_KEYS)
+
+
+def test_the_example_config_shows_each_settings_default(tmp_path: Path, runs: Path) -> None:
+    """A line copied from config/syncd.yaml does what leaving it out does: the example showed
+    `map_indices_contiguous: false`, which turns off the renumbering a `.pt` converted to `.bpk` gets by
+    default (null: as Burn's store for the source's format)."""
+    example = load_config(REPO / "config" / "syncd.yaml")
+    minimal = load_config(write_config(tmp_path, "watches:\n  - path: runs\n"))
+    (shown,), (default,) = example.watches, minimal.watches
+    assert shown.module_map is not None and not shown.module_map.rules and shown.module_map.layout is None
+    assert dataclasses.replace(shown, path=default.path, line=default.line, module_map=None) == default
+    assert (
+        dataclasses.replace(
+            example,
+            path=minimal.path,
+            state_dir=minimal.state_dir,
+            log=dataclasses.replace(example.log, path=minimal.log.path),
+            watches=minimal.watches,
+        )
+        == minimal
+    )
 
 
 def test_full_config_is_read_and_relative_paths_resolve_against_the_config_dir(

@@ -239,8 +239,9 @@ class Section:
         return self._get(name, default, lambda v: isinstance(v, bool), "true or false")
 
     def optional_boolean(self, name: str) -> bool | None:
-        """true or false, or None where the key is absent (a default that depends on more than the config)."""
-        return self._get(name, None, lambda v: isinstance(v, bool), "true or false")
+        """true or false, or None where the key is absent or null (a default that depends on more than the
+        config): `null` writes that default out, as the example config does."""
+        return self._get(name, None, lambda v: v is None or isinstance(v, bool), "true, false or null")
 
     def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
         return self._get(name, default, lambda v: v in choices, f"one of {', '.join(choices)}", choices)
