@@ -252,6 +252,13 @@ def test_non_directory_and_unset_watch_paths_are_refused_and_a_missing_one_is_no
         f"{path}:3: watches[1].path: {root}/file.bpk is not a directory",
         f"{path}:4: watches[2].path: missing: every watch needs a directory",
     ]
+    (tmp_path / "runs").mkdir()
+    path = write_config(tmp_path, "watches:\n  - path: nowhere\n  - path: runs\n")
+    out = io.StringIO()
+    assert run_check_config(path, out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"warning: {path}: watch {root}/nowhere does not exist (yet): watched once it is made", lines
+    assert lines[-1].endswith("valid (2 watches)") and len(lines) == 2, lines
 
 
 def test_watches_are_required(tmp_path: Path) -> None:

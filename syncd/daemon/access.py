@@ -55,6 +55,11 @@ def check_access(config: Config, user: str | None = None) -> AccessReport:
     report.problems += [f"{config.path}: user {name} {problem}" for problem in own["problems"]]
     report.warnings += [f"warning: {config.path}: user {name} {warning}" for warning in own["warnings"]]
     for watch, found in zip(config.watches, results, strict=True):
+        if not os.path.lexists(watch.path):  # (not that the user cannot list it)
+            report.warnings.append(
+                f"warning: {config.path}: watch {watch.path} does not exist (yet): watched once it is made"
+            )
+            continue
         report.warnings += _describe(config.path, watch, name, found)
     return report
 
