@@ -277,12 +277,15 @@ def test_an_updated_line_carries_tensors_size_and_time_like_a_converted_one() ->
 
 
 def test_a_refused_reload_says_what_was_refused(run: DaemonRun) -> None:
+    """The refusal names the file and line once, where each view names a record's file, then what is wrong:
+    `c.yaml: reload refused, keeping the running configuration: c.yaml:3: ...` said the path twice."""
     run.start()
     run.write_config_text("watches:\n  - path: runs\n    direction: sideways\n")
     run.send(signal.SIGHUP)
     run.wait_for("error")
     (error,) = run.statuses("error")
-    assert error["config"] == str(run.config_path) and "reload refused" in error["reason"]
+    where, refused = f"{run.config_path}:3", "reload refused, keeping the running configuration: watches[0].direction: "
+    assert error["config"] == where and error["reason"].startswith(refused), error
 
     def listed() -> str | None:
         shown = run_cli("status", "-c", run.config_path).stdout  # the running config: the edited one is invalid
@@ -290,11 +293,14 @@ def test_a_refused_reload_says_what_was_refused(run: DaemonRun) -> None:
 
     run.write_config([{"path": "runs"}, {"path": "strict", "direction": "safetensors->bpk", "on_exists": "error"}])
     shown = wait_until(listed, 30, "the refused reload among the recent failures")
-    assert f"  error  {run.config_path}: reload refused, keeping the running configuration: " in shown, shown
+    (line,) = [line for line in shown.splitlines() if "reload refused" in line]
+    assert f"  error  {where}: {refused}" in line and line.count(str(run.config_path)) == 1, line
     assert "None" not in shown
     journal = [line for line in run.stderr().splitlines() if "reload refused" in line]
-    assert len(journal) == 1 and f" error {run.config_path}: reload refused" in journal[0], journal
-    assert "ERROR: error" not in journal[0]
+    assert len(journal) == 1 and f" error {where}: {refused}" in journal[0], journal
+    assert journal[0].count(str(run.config_path)) == 1 and "ERROR: error" not in journal[0]
+    (row,) = [line for line in run_cli("log", "-c", run.config_path).stdout.splitlines() if "reload refused" in line]
+    assert f"  error    {where}  " in row and row.count(str(run.config_path)) == 1, row
 
 
 def test_a_failure_converted_since_is_no_longer_a_recent_failure(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def table_row(entry: Entry) -> tuple[str, ...]:
     return (
         entry.moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
         printable(record["status"]),
-        files or printable(str(watch or "")),
+        files or printable(str(watch or record.get("config") or "")),  # a refused reload: the config and line
         number("tensors", lambda v: str(int(v))),
         number("bytes", lambda v: human_bytes(int(v))),
         number("duration_ms", human_duration),

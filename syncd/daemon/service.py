@@ -412,10 +412,13 @@ class Daemon:
         try:
             new = load_config(self.config.path)
         except Exception as exc:
+            # the file and line at fault go where a record names its file (journal, `syncd log`, `syncd
+            # status` show it first), the rest after the reason: the path was said twice
+            where, what = (exc.path, exc.message) if isinstance(exc, SyncdError) and exc.path else (None, one_line(exc))
             self.synclog.log(
                 Status.ERROR,
-                config=str(self.config.path),
-                reason=f"reload refused, keeping the running configuration: {one_line(exc)}",
+                config=where or str(self.config.path),
+                reason=f"reload refused, keeping the running configuration: {what}",
             )
             notify.ready(self._status())
             return
