@@ -307,7 +307,7 @@ def test_syncd_modules_says_in_one_line_why_it_cannot(neox: tuple[Path, nn.Modul
     (tmp_path / "model.bpk").write_bytes(b"\xa1" * 64)
     (tmp_path / "config.json").unlink()
     alone = run_cli("modules", tmp_path / "model.bpk")  # not read as a config: no config.json beside it
-    assert_one_line_error(alone, 1, str(tmp_path / "config.json"), "not found")
+    assert_one_line_error(alone, 1, str(tmp_path / "model.bpk"), "no config.json beside it")  # the file typed
 
 
 def test_the_models_definition_joins_burns_attention_pieces_back_into_its_multihead_attention() -> None:

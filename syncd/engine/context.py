@@ -67,6 +67,10 @@ def definition_of(config_path: Path) -> ModelDefinition:
     SyncdError naming the file when it cannot be had."""
     path = config_path / CONFIG_NAME if config_path.is_dir() else config_path
     if format_for_path(path) is not None or is_index_name(path):  # a checkpoint: the config saved beside it
+        if not (path.parent / CONFIG_NAME).exists():  # named as the user typed it, not a file they never did
+            raise SyncdError(
+                f"no {CONFIG_NAME} beside it: name a save_pretrained directory or its config.json", str(path)
+            )
         path = path.parent / CONFIG_NAME
     if not path.exists():
         raise SyncdError("not found: name a save_pretrained directory or its config.json", str(path))
