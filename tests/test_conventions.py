@@ -478,3 +478,21 @@ def test_a_bpk_whose_layout_nothing_shows_is_suggested_as_burn_layout() -> None:
         with pytest.raises(LayoutAmbiguityError) as refused:
             plan_conversion(table, to_layout=to, context=FileContext(container=container))
         assert yaml.safe_load(refused.value.suggestion)["layout"] == likelier
+
+
+def test_a_bpk_kept_in_pytorchs_layout_is_read_as_pytorchs_both_ways(tmp_path: Path) -> None:
+    """`--layout keep` writes a PyTorch file's tensors into a .bpk as they are, recording no layout; bias-free
+    Linears show none. Its refusal suggested `layout: burn` (Burn writes .bpk so), and the map used as printed
+    transposed every Linear, exit 0. The `format: pt` it carries from its source says PyTorch's."""
+    torch.manual_seed(1)
+    weights = {"blocks.0.attn.out_proj.weight": torch.randn(8, 4), "blocks.0.mlp.fc1.weight": torch.randn(16, 8)}
+    save_file(weights, tmp_path / "m.safetensors", metadata={"format": "pt"})
+    assert run_cli("convert", tmp_path / "m.safetensors", "-o", tmp_path / "m.bpk", "--layout", "keep").returncode == 0
+    back = run_cli("convert", tmp_path / "m.bpk", "-o", tmp_path / "back.safetensors")
+    assert back.returncode == 0, back.stderr
+    assert all(torch.equal(load_file(tmp_path / "back.safetensors")[k], v) for k, v in weights.items())
+    burn = run_cli("convert", tmp_path / "m.bpk", "-o", tmp_path / "burn.bpk")
+    assert burn.returncode == 0, burn.stderr
+    tensors = read_bpk(tmp_path / "burn.bpk").tensors
+    assert {k: t.shape for k, t in tensors.items()} == {k: tuple(v.T.shape) for k, v in weights.items()}
+    assert all(tensors[k].data == _bits(v.T) for k, v in weights.items())

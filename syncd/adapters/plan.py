@@ -513,7 +513,8 @@ def _refuse_undecided(
     lines = _suggested_lines(classified)
     needs_layout = source is None and (layoutless or any(k.options[0] == LINEAR for k in undecided))
     # the layout the file's format makes likelier: Burn writes .bpk in its own layout (a .bpk in PyTorch's is
-    # syncd's --layout keep, which records it); used as printed, the other one made a wrong file
+    # syncd's --layout keep, whose carried `format: pt` shows it, engine/convert.py); used as printed, the other
+    # one made a wrong file
     likelier = BURN if container == BURNS_FORMAT else PYTORCH
     suggestion = _map_yaml(lines, likelier if needs_layout else None)
     details = [f"  {k.path or '(root)'}: {k.reason}" for k in undecided]

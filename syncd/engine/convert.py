@@ -365,7 +365,7 @@ def _adapt(
         mapped = states_every_module(request.module_map, (ref.name for ref in refs))
         context = gather_context(
             source.path,
-            source.header.metadata,
+            _metadata_as_evidence(source.header.metadata, carried),
             carried.layout,
             carried.kinds,
             mapped,
@@ -386,6 +386,17 @@ def _adapt(
     except SyncdError as exc:
         raise _naming_file(_with_context_notes(exc, context), source.path) from None
     return _with_store(adapted, store), store
+
+
+def _metadata_as_evidence(metadata: dict[str, str], carried: carry.Carried) -> dict[str, str]:
+    """The file's metadata as layout evidence. A .bpk made with --layout keep from a PyTorch file records no
+    layout, and its tensors are that file's as they were: the `format: pt` it carries from it says so (its
+    refusal suggested burn layout, and the map used as printed transposed every Linear). A recorded layout
+    outranks it (a .bpk converted to Burn's layout carries the same key)."""
+    kept = (carried.safetensors_metadata or {}).get("format")
+    if carried.layout is not None or kept is None or "format" in metadata:
+        return metadata
+    return {**metadata, "format": kept}
 
 
 def _with_context_notes(exc: SyncdError, context: FileContext | None) -> SyncdError:
