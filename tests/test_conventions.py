@@ -62,13 +62,20 @@ def test_an_output_head_named_embed_is_transposed_as_the_linear_it_is(
     neox: tuple[Path, nn.Module], tmp_path: Path, hide: tuple[str, ...], alone: bool
 ) -> None:
     """Alone (no config.json naming a causal LM), `embed_out` was an Embedding by the `embed*` convention: kept
-    [vocab, hidden], exit 0. It is GPT-NeoX's (Pythia's) head in every model that names it so."""
+    [vocab, hidden], exit 0. No name decides it (word2vec's `embed_out` is an Embedding, test below): alone, it is
+    refused, and the map it prints, used as printed, gives the head as the Linear it is."""
     directory, model = neox
     source = directory / "model.safetensors"
+    flags: list[object] = []
     if alone:
         source = Path(shutil.copy(source, tmp_path / "model.safetensors"))
+        refused = run_cli("convert", source, "-o", tmp_path / "neox.bpk", hide=hide)
+        assert refused.returncode == 1 and "embed_out (Embedding or Linear?)" in refused.stderr, refused.stderr
+        (tmp_path / "map.yaml").write_text(refused.stderr.partition("\n")[2])
+        assert yaml.safe_load((tmp_path / "map.yaml").read_text())["modules"]["**.embed_out"] == "Linear"
+        flags = ["--modules", tmp_path / "map.yaml"]
     assert "embed_out.weight" in read_safetensors(source).tensors  # what save_pretrained wrote
-    done = run_cli("convert", source, "-o", tmp_path / "neox.bpk", "--json", hide=hide)
+    done = run_cli("convert", source, "-o", tmp_path / "neox.bpk", "--json", *flags, hide=hide)
     if done.returncode != 0:  # a refusal is allowed only as one line naming the module and the map that settles it
         line = assert_one_line_error(done, 1, "embed_out", "module map")
         pytest.fail(f"refused instead of converting: {line}")
@@ -81,12 +88,34 @@ def test_an_output_head_named_embed_is_transposed_as_the_linear_it_is(
     assert burn["gpt_neox.embed_in.weight"].shape == (64, 16)  # an Embedding is never transposed
     assert burn["gpt_neox.embed_in.weight"].data == _bits(embedding)
     decisions = json.loads(done.stdout)["decisions"]
-    evidence = "model definition" if not hide and not alone else "convention"
+    # alone: the printed map; without transformers: the head beside the model's embedding in a *ForCausalLM
+    evidence = "module map" if alone else "model definition" if not hide else "ForCausalLM"
     assert any("embed_out" in line and evidence in line for line in decisions), decisions
     # what a convention alone decided is in the output itself, so a wrong guess can be found afterwards
     guessed = json.loads(read_bpk(tmp_path / "neox.bpk").metadata.get("syncd.guessed", "{}"))
-    assert (sorted(guessed) == ["embed_out", "gpt_neox.embed_in"]) if hide or alone else (guessed == {})
-    assert guessed.get("embed_out", "Linear").startswith("Linear")
+    by_convention = ["gpt_neox.embed_in"] if alone else ["embed_out", "gpt_neox.embed_in"] if hide else []
+    assert sorted(guessed) == by_convention
+
+
+def test_word2vecs_embed_out_beside_embed_in_is_suggested_as_the_embedding_it_is(tmp_path: Path) -> None:
+    """Skip-gram models hold two nn.Embedding tables, `embed_in` and `embed_out`: taken by name for GPT-NeoX's
+    head, `embed_out` came out transposed, exit 0. Refused, its printed map keeps it an Embedding."""
+
+    class SkipGram(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_in, self.embed_out = nn.Embedding(50, 8), nn.Embedding(50, 8)
+
+    model = SkipGram()
+    torch.save(model.state_dict(), tmp_path / "sgns.pt")
+    refused = run_cli("convert", tmp_path / "sgns.pt", "-o", tmp_path / "sgns.bpk")
+    assert refused.returncode == 1 and "embed_out (Embedding or Linear?)" in refused.stderr, refused.stderr
+    (tmp_path / "map.yaml").write_text(refused.stderr.partition("\n")[2])
+    done = run_cli("convert", tmp_path / "sgns.pt", "-o", tmp_path / "sgns.bpk", "--modules", tmp_path / "map.yaml")
+    assert done.returncode == 0, done.stderr
+    burn = read_bpk(tmp_path / "sgns.bpk").tensors
+    for name, value in model.state_dict().items():
+        assert burn[name].shape == (50, 8) and burn[name].data == _bits(value)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ LINEAR_NAMES = (
     "*_dense",  # LUKE's entity_embedding_dense, likewise
     "*qkv*",
     "lm_head",
-    "embed_out",  # GPT-NeoX's (Pythia's) output head, an nn.Linear, whatever `embed*` below would say
     "fc*",
     "dense",
     "query",
@@ -80,10 +79,15 @@ def _named(path: str, patterns: tuple[str, ...]) -> str | None:
 # An attention's projections, named so inside it; a model's own top-level `query` is its learned queries, an
 # Embedding (EoMT, VideoMT: `self.query = nn.Embedding(num_queries, hidden)`).
 _ATTENTION_NAMES = frozenset({"query", "key", "value"})
+# Named so by no convention: GPT-NeoX's (Pythia's) output head is an nn.Linear `embed_out`, word2vec's
+# skip-gram models an nn.Embedding `embed_out` beside `embed_in`; `embed*` took the head for an Embedding.
+UNDECIDED_NAMES = frozenset({"embed_out"})
 
 
 def matrix_name_kind(path: str) -> tuple[str, str] | None:
     """(kind, pattern) a bias-free 2-D weight's module name says, Linear names first (`embed_proj` projects)."""
+    if _last_segment(path) in UNDECIDED_NAMES:
+        return None
     for kind, patterns in ((LINEAR, LINEAR_NAMES), (EMBEDDING, EMBEDDING_NAMES)):
         pattern = _named(path, patterns)
         if pattern in _ATTENTION_NAMES and "." not in path:

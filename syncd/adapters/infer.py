@@ -248,14 +248,16 @@ def settle_output_heads(
         return classified
     groups: dict[tuple[int, ...], list[tuple[Module, ModuleKind]]] = {}
     for module, kind in classified:
-        if kind.kind == EMBEDDING and set(module.params) == {"weight"}:
+        # (an Embedding by its name, or a weight no name decides: GPT-NeoX's `embed_out`)
+        either = kind.kind == UNKNOWN and {EMBEDDING, LINEAR} <= set(kind.options)
+        if (kind.kind == EMBEDDING or either) and set(module.params) == {"weight"}:
             shape = module.shape("weight")
-            if vocab is None or shape[0] == vocab:
+            if len(shape) == 2 and (vocab is None or shape[0] == vocab):
                 groups.setdefault(shape, []).append((module, kind))
     settled: dict[str, ModuleKind] = {}
     for shape, group in groups.items():
-        top = [(m, k) for m, k in group if "." not in m.path and k.by == BY_NAME]
-        deeper = [m for m, _ in group if "." in m.path]
+        top = [(m, k) for m, k in group if "." not in m.path and (k.by == BY_NAME or k.kind == UNKNOWN)]
+        deeper = [m for m, k in group if "." in m.path and k.kind == EMBEDDING]
         if not top or not deeper:
             continue
         beside = f"beside the embedding {deeper[0].path} {list(shape)} in a {lm_class}"

@@ -29,6 +29,7 @@ from syncd.adapters.model import (
     BURN,
     BY_NAME,
     BY_SHAPE,
+    EMBEDDING,
     INSTANCE_NORM,
     KEEP,
     LAYOUTS,
@@ -555,10 +556,14 @@ def _likeliest(kind: ModuleKind, decided: dict[str, str], parents: set[str]) -> 
     """The kind to suggest. An unnamed lone 1-D weight right after a norm in a Sequential (`3` after `2`) is
     an activation's (PRelu): a norm does not follow a norm. One beside child modules (timm ConvNeXt's
     `blocks.0.gamma`, a layer scale held by the block) is no norm or PRelu, which hold nothing else: Other.
-    Otherwise the order inference gave."""
+    An `embed_out` beside an `embed_in` is word2vec's output embedding; elsewhere GPT-NeoX's head (its
+    `embed_in` lies inside the model). Otherwise the order inference gave."""
     if OTHER in kind.options and kind.path in parents:
         return OTHER
     parent, _, index = kind.path.rpartition(".")
+    if index == "embed_out" and {EMBEDDING, LINEAR} <= set(kind.options):
+        embed_in = f"{parent}.embed_in" if parent else "embed_in"
+        return EMBEDDING if decided.get(embed_in) == EMBEDDING else LINEAR
     if PRELU in kind.options and index.isdigit() and int(index) > 0:
         before = decided.get(f"{parent}.{int(index) - 1}" if parent else str(int(index) - 1))
         if before in NORM_KINDS:
