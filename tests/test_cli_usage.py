@@ -170,6 +170,33 @@ def test_status_by_someone_who_may_not_read_it_is_no_stopped_daemon(tmp_path: Pa
 
 
 @pytest.mark.root
+def test_a_daemon_that_cannot_write_its_sync_log_does_not_start() -> None:
+    """A sync log file the daemon's user may not write (left by a first run as root): check-config said the
+    daemon cannot start, and it ran, every line of its log lost ("cannot write the sync log" per line)."""
+    assert os.geteuid() == 0, "this test runs `syncd run` as another user: run the suite as root, as CI does"
+    root = Path(tempfile.mkdtemp(prefix="syncd-run-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        for usable_by_nobody in ("runs", "state"):
+            (root / usable_by_nobody).mkdir()
+            os.chown(root / usable_by_nobody, NOBODY, NOBODY)
+        log = root / "state" / "sync.jsonl"
+        log.write_text("")
+        log.chmod(0o444)  # root's, as a first run as root leaves it
+        config = root / "syncd.yaml"
+        config.write_text(
+            yaml.safe_dump({"state_dir": str(root / "state"), "log": {"path": str(log)}, "watches": [{"path": "runs"}]})
+        )
+        config.chmod(0o644)
+        proc = _as_nobody("run", "-c", str(config))
+        assert_one_line_error(proc, 2, str(config), f"log.path: cannot use {log}: Permission denied")
+        checked = run_cli("check-config", str(config), "--user", "nobody")
+        assert checked.returncode == 2 and "cannot write the sync log" in checked.stdout, checked.stdout
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.root
 @pytest.mark.parametrize("setting", ["state_dir", "log.path"])
 def test_a_daemon_that_cannot_make_its_state_or_log_names_the_setting(setting: str) -> None:
     """`syncd@alice` left with service.yaml's state_dir: /var/lib/syncd said only `.../lock: Permission denied`,

@@ -530,7 +530,7 @@ def _unusable_setting(config: Config, exc: OSError) -> SyncdError:
     where = Path(os.fsdecode(exc.filename)) if exc.filename else config.state_dir
     log_dir = config.log.path.parent  # (made with its parents: the directory failing may be one above it)
     in_log = where.is_relative_to(log_dir) or log_dir.is_relative_to(where)
-    in_log = in_log and not where.is_relative_to(config.state_dir)
+    in_log = where == config.log.path or in_log and not where.is_relative_to(config.state_dir)
     key, value = ("log.path", config.log.path) if in_log else ("state_dir", config.state_dir)
     message = (
         f"{key}: cannot use {value}: {exc.strerror or exc} (the user syncd runs as must be able to create and write it)"
@@ -577,6 +577,7 @@ def run_daemon(config_path: Path) -> int:
     try:
         lock_state_dir(config.state_dir)  # its descriptor stays open until the process ends; a second daemon stops here
         daemon = Daemon(config)
+        daemon.synclog.open_now()  # (a sync log it cannot write: exit 2 here, as check-config says, not run blind)
     except OSError as exc:
         raise _unusable_setting(config, exc) from None
     signal.signal(signal.SIGTERM, daemon.request_stop)

@@ -151,6 +151,12 @@ class SyncLog:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def open_now(self) -> None:
+        """Open (and make) the file now: OSError if it cannot be written. A daemon checks at its start, where it
+        would otherwise run with every line of its log lost."""
+        with self._lock:
+            self._current_fd()
+
     def _current_fd(self) -> int:
         if self._fd is not None and not self._still_at_path(self._fd):
             os.close(self._fd)
