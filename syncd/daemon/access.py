@@ -90,9 +90,15 @@ def _directory_finding(directory: Path, setting: str) -> tuple[bool, str] | None
     existing = _nearest_existing(directory)
     if os.access(existing, os.W_OK | os.X_OK):
         return None
+    made_by_unit = any(directory.is_relative_to(base) for base in UNIT_MADE)
+    if existing == directory and made_by_unit:  # (a first run as root made it root's: the unit gives it back)
+        return False, (
+            f"cannot write {directory} ({setting}): the daemon starts only if systemd gives it to the user (the "
+            "unit's StateDirectory= or LogsDirectory= does, at every start)"
+        )
     if existing == directory:
         return True, f"cannot write {directory} ({setting}), so the daemon cannot start"
-    if any(directory.is_relative_to(base) for base in UNIT_MADE):
+    if made_by_unit:
         return False, (
             f"cannot create {directory} ({setting}) in {existing}: the daemon starts only if systemd makes it "
             "(the unit's StateDirectory= or LogsDirectory=)"
