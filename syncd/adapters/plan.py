@@ -234,7 +234,8 @@ def _convention_note(guessed: list[ModuleKind]) -> str | None:
     more = f" and {len(guessed) - _LIST_LIMIT} more" if len(guessed) > _LIST_LIMIT else ""
     return (
         f"note: {len(guessed)} module kind(s) decided by naming convention alone: {listed}{more}; check them "
-        "(-v gives the reasons) or state them in a module map (`syncd modules` writes a model's exact map)"
+        "(their reasons: convert -v, syncd log --json) or state them in a module map "
+        "(`syncd modules` writes a model's exact map)"
     )
 
 
