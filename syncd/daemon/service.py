@@ -172,7 +172,8 @@ class Daemon:
             self.synclog.log(
                 Status.WARNING, watch=str(path), reason="the watched tree does not exist; it is watched once it is made"
             )
-        self._awaited = (self._awaited | missing) & {watch.path for watch in self.config.watches}
+        # (a tree gone while watched and then reloaded is still "back" when it comes)
+        self._awaited = (self._awaited | (missing - self._unwatched)) & {watch.path for watch in self.config.watches}
         left_out = ({watch.path for watch in self.config.watches} & self._unwatched) | missing
         self._trees.hold(
             watch.path for watch in self.config.watches if watch.path not in self.shared and watch.path not in left_out
