@@ -177,8 +177,8 @@ def test_shard_size_splits_anew_and_none_writes_one_file(saves: dict[str, Path],
 @pytest.mark.parametrize("source", ["single.bpk", "set.bpk filtered to one shard"])
 def test_an_index_named_by_o_is_written_for_one_shard_too(saves: dict[str, Path], tmp_path: Path, source: str) -> None:
     """`-o NAME.safetensors.index.json` gets that index, a set of one shard too (as the daemon writes one with
-    a watch's shard_size): it wrote one plain file under another name and no index. A directory or a
-    .safetensors name still gets one file where the model fits one shard."""
+    a watch's shard_size), its shard named after it: it wrote one plain file under another name and no index.
+    A directory or a .safetensors name still gets one file where the model fits one shard."""
     if source == "single.bpk":
         bpk, options = single_bpk(saves, tmp_path), ["--shard-size", "5GB"]
     else:
@@ -190,15 +190,35 @@ def test_an_index_named_by_o_is_written_for_one_shard_too(saves: dict[str, Path]
     syncd("convert", bpk, "-o", directory, *options)
     (one_file,) = directory.iterdir()
     assert one_file.suffix == ".safetensors"
-    shard = one_file.name.removesuffix(".safetensors") + "-00001-of-00001.safetensors"
-    if source == "single.bpk":  # a fresh split is named after its index
-        shard = "foo-00001-of-00001.safetensors"
+    shard = "foo-00001-of-00001.safetensors"  # a fresh split and a carried set alike: named after the index
     assert sorted(p.name for p in named.iterdir()) == sorted([shard, "foo.safetensors.index.json"])
     index = json.loads((named / "foo.safetensors.index.json").read_text())
     tensors = load_file(named / shard)
     assert index["weight_map"] == dict.fromkeys(tensors, shard)
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
     assert {k: v.tolist() for k, v in tensors.items()} == {k: v.tolist() for k, v in load_file(one_file).items()}
+
+
+def test_sets_under_two_index_names_in_one_directory_keep_their_own_shards(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A carried set written under an index of another name gets shards named after that index, as
+    save_pretrained names them: the carried `model-0000N-of-0000M` names were kept, so a second filtered set
+    written beside the first (--overwrite) replaced its shards, and the first index listed tensors its shards
+    no longer held."""
+    bpk = set_bpk(saves, tmp_path / "work")
+    out = tmp_path / "out"
+    out.mkdir()
+    syncd("convert", bpk, "-o", out / "a.safetensors.index.json", "--include", r"layers\.0\.")
+    syncd("convert", bpk, "-o", out / "b.safetensors.index.json", "--include", r"layers\.1\.", "--overwrite")
+    for stem, layer in (("a", "layers.0."), ("b", "layers.1.")):
+        index = json.loads((out / f"{stem}.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert shards and all(s.startswith(f"{stem}-0000") and s.endswith(".safetensors") for s in shards)
+        held = {name: shard for shard in shards for name in load_file(out / shard)}
+        assert held == index["weight_map"] and all(layer in name for name in held)
+        syncd("convert", out / f"{stem}.safetensors.index.json", "-o", tmp_path / f"{stem}.bpk")
+    assert not list(out.glob("model*"))
 
 
 def test_shard_size_with_one_safetensors_file_named_is_refused_not_dropped(
@@ -695,7 +715,7 @@ def test_a_set_goes_where_o_says_or_is_refused_before_anything_is_written(
     named = tmp_path / "out" / "custom.safetensors.index.json"
     named.parent.mkdir()
     syncd("convert", bpk, "-o", named)
-    shards = [name for name in ORIGINAL_FILES if not name.endswith(".index.json")]
+    shards = [f"custom-{n:05d}-of-00003.safetensors" for n in (1, 2, 3)]  # named after the index
     assert sorted(p.name for p in named.parent.iterdir()) == sorted([*shards, named.name])
 
 

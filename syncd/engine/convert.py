@@ -567,8 +567,8 @@ def _output_shards(
         return None
     elements = {spec.name: math.prod(spec.shape) for spec in specs}
     layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes), elements)
-    if named_index:  # `-o NAME.safetensors.index.json`: that name
-        layout = replace(layout, index_name=dest.name).indexed()
+    if named_index:  # `-o NAME.safetensors.index.json`: that name, and shards named after it
+        layout = layout.named_after(dest.name)
     if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
         layout = layout.with_total_size(sum(size for _, size in sizes))
     return layout

@@ -411,6 +411,26 @@ class ShardLayout:
         ((file, names),) = self.files
         return replace(self, files=[(_numbered(file, 1, 1), names)], with_index=True)
 
+    def named_after(self, index_name: str) -> ShardLayout:
+        """The layout written under the index `index_name` (`-o NAME.safetensors.index.json`), with its index
+        even for one shard. An index of another stem than the carried set's gets shards named after it, as
+        save_pretrained names them (`a-00001-of-00002.safetensors`): the carried names were kept, and a second
+        set written beside it under another index replaced the first one's shards, its index left listing
+        tensors its shards no longer held."""
+        if _weights_name(index_name) == _weights_name(self.index_name):
+            return replace(self, index_name=index_name).indexed()
+        weights = _weights_name(index_name)
+        count = len(self.files)
+        renamed = {old: _numbered(weights, i + 1, count) for i, (old, _) in enumerate(self.files)}
+        return replace(
+            self,
+            index_name=index_name,
+            files=[(renamed[old], names) for old, names in self.files],
+            index_text=None,  # the index as read names the old shards: rendered anew
+            shard_metadata={renamed[old]: md for old, md in self.shard_metadata.items() if old in renamed},
+            with_index=True,
+        )
+
     def with_total_size(self, total: int) -> ShardLayout:
         """The layout with `metadata.total_size` set to `total` (the tensors' sizes changed, e.g. by a cast)."""
         metadata = dict(self.index_metadata or {})
