@@ -199,6 +199,34 @@ def test_an_index_named_by_o_is_written_for_one_shard_too(saves: dict[str, Path]
     assert {k: v.tolist() for k, v in tensors.items()} == {k: v.tolist() for k, v in load_file(one_file).items()}
 
 
+def test_an_index_named_by_o_makes_a_set_of_a_file_that_carries_none(tmp_path: Path) -> None:
+    """`-o NAME.safetensors.index.json` of a checkpoint that carries no set, without --shard-size, is that index
+    and one shard named after it: it wrote one safetensors file (or, from a .pt, a .bpk) under the index's
+    name. With --shard-size none (one plain file) the name asking for a set is a one-line usage error."""
+    torch.manual_seed(0)
+    weights = {"fc.weight": torch.randn(4, 3), "fc.bias": torch.randn(4)}
+    torch.save(weights, tmp_path / "m.pt")
+    syncd("convert", tmp_path / "m.pt", "-o", tmp_path / "m.bpk")
+    for source, stem in ((tmp_path / "m.bpk", "model"), (tmp_path / "m.pt", "other")):
+        out = tmp_path / f"out-{source.suffix[1:]}"
+        out.mkdir()
+        syncd("convert", source, "-o", out / f"{stem}.safetensors.index.json")
+        shard = f"{stem}-00001-of-00001.safetensors"
+        assert sorted(p.name for p in out.iterdir()) == sorted([shard, f"{stem}.safetensors.index.json"])
+        index = json.loads((out / f"{stem}.safetensors.index.json").read_text())
+        assert index["weight_map"] == dict.fromkeys(weights, shard)
+        got = load_file(out / shard)
+        assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+        syncd("convert", out / f"{stem}.safetensors.index.json", "-o", tmp_path / f"back-{stem}.bpk")
+    none = tmp_path / "none"
+    none.mkdir()
+    refused = syncd(
+        "convert", tmp_path / "m.bpk", "-o", none / "x.safetensors.index.json", "--shard-size", "none", ok=False
+    )
+    assert refused.returncode == 2 and "--shard-size none writes one plain file" in refused.stderr
+    assert str(none / "x.safetensors.index.json") in refused.stderr and not list(none.iterdir())
+
+
 def test_sets_under_two_index_names_in_one_directory_keep_their_own_shards(
     saves: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -342,10 +342,13 @@ def _inspect(args: argparse.Namespace) -> int:
 def target_format(to: str | None, output: Path | None) -> str | None:
     """The output format: `--to`, else what `-o`'s extension names, else None (the other format). An
     extension naming the other format than `--to` is refused: the file's name would lie about its bytes."""
-    from syncd.formats.registry import BY_SHORT, FORMATS, format_for_path
+    from syncd.formats import SAFETENSORS
+    from syncd.formats.registry import BY_NAME, BY_SHORT, FORMATS, format_for_path
     from syncd.formats.shards import is_index_name
 
-    named = format_for_path(output) if output is not None else None
+    # a set's index names safetensors (its `.json` names no format): a .pt source got a .bpk under that name
+    named = BY_NAME[SAFETENSORS] if output is not None and is_index_name(output) else None
+    named = named or (format_for_path(output) if output is not None else None)
     # a suffix that names no format would lie about the bytes (`-o x.txt`); a name without one is taken as it is
     if output is not None and output.suffix and named is None and not is_index_name(output) and not output.is_dir():
         suffixes = " or ".join(fmt.extension for fmt in FORMATS)

@@ -555,9 +555,19 @@ def _output_shards(
             "or a name ending in .safetensors.index.json",
             str(dest),
         )
+    if named_index and request.one_file and target.format.name == SAFETENSORS:
+        raise UsageError(
+            "--shard-size none writes one plain file, and -o names a set's index: give -o a .safetensors name or "
+            "a directory, or leave --shard-size out",
+            str(dest),
+        )
     if target.format.name != SAFETENSORS or request.one_file or named_one_file:
         return None
     sizes = [(spec.name, spec.nbytes) for spec in specs]
+    if named_index and request.shard_size is None and carried.shards is None:
+        # a file that carries no set, asked for as one: a set of one shard and its index, as the daemon writes
+        # it with a watch's shard_size (it wrote one safetensors file under the index's name)
+        return layout_by_size(sizes, None, dest.name, always_index=True)
     if request.shard_size is not None:
         # model.bpk, model.safetensors, ckpt.pt, a set's model.safetensors.index.json: model-00001-of-0000N...
         stem = set_stem(source.path) if is_set_index(source.path) else checkpoint_stem(source.path)
