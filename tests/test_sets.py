@@ -227,6 +227,50 @@ def test_an_index_named_by_o_makes_a_set_of_a_file_that_carries_none(tmp_path: P
     assert str(none / "x.safetensors.index.json") in refused.stderr and not list(none.iterdir())
 
 
+def empty_bpk(where: Path) -> Path:
+    """A .bpk of no tensor, made by `syncd convert` from a safetensors file of none."""
+    save_file({}, where / "empty.safetensors", metadata={"format": "pt"})
+    syncd("convert", where / "empty.safetensors", "-o", where / "empty.bpk")
+    return where / "empty.bpk"
+
+
+def test_a_set_of_no_tensor_is_refused_and_one_file_of_none_written(tmp_path: Path) -> None:
+    """A set lists at least one tensor: --shard-size or an index named by -o on a source of none wrote an index
+    with an empty weight_map, which syncd itself then refused to read. Now a one-line usage error naming the
+    source, nothing written; one plain file of no tensor is still written."""
+    bpk = empty_bpk(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    for options in (["--shard-size", "1KB"], ["--shard-size", "1KB", "--overwrite"]):
+        refused = syncd("convert", bpk, "-o", out, *options, ok=False)
+        assert refused.returncode == 2 and refused.stderr.startswith(f"syncd: {bpk}: no tensor to put in a set")
+    refused = syncd("convert", bpk, "-o", out / "e.safetensors.index.json", ok=False)
+    assert refused.returncode == 2 and "no tensor to put in a set" in refused.stderr
+    assert not list(out.iterdir())
+    syncd("convert", bpk, "-o", out)
+    assert [p.name for p in out.iterdir()] == ["empty.safetensors"] and load_file(out / "empty.safetensors") == {}
+
+
+@pytest.mark.daemon
+def test_a_watchs_shard_size_on_a_bpk_of_no_tensor_is_an_error_line(saves: dict[str, Path], tmp_path: Path) -> None:
+    """In a watch with shard_size, a .bpk of no tensor is an error line naming it (it wrote an index listing
+    nothing, which no reader takes for a set); the daemon runs on and converts the next file."""
+    (tmp_path / "made").mkdir()
+    empty = empty_bpk(tmp_path / "made")
+    bpk = single_bpk(saves, tmp_path)
+    with DaemonRun(tmp_path / "d", watches=[{**ONE_DIRECTION, "shard_size": "1GB"}]) as run:
+        run.start()
+        runs = run.watch_dir("runs")
+        saved_as_a_trainer_saves(empty, runs / "empty.bpk")
+        run.wait_for("error", [runs / "empty.bpk"])
+        (error,) = run.statuses("error")
+        assert error["error"].startswith(f"{runs / 'empty.bpk'}: no tensor to put in a set"), run.log_text()
+        assert sorted(p.name for p in runs.iterdir()) == ["empty.bpk"]
+        saved_as_a_trainer_saves(bpk, runs / "model.bpk")
+        run.wait_for("converted", [runs / "model.bpk"])
+        assert run.running() and "Traceback" not in run.stderr()
+
+
 def test_sets_under_two_index_names_in_one_directory_keep_their_own_shards(
     saves: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -95,10 +95,11 @@ def test_layout_by_size_and_one_file() -> None:
 
 
 def test_a_checkpoint_of_no_tensor_is_one_file_of_none() -> None:
-    """`--shard-size` on a source of no tensor stopped on an internal error (no group to name)."""
-    assert layout_by_size([], 10).files == [("model.safetensors", [])]
-    indexed = layout_by_size([], 10, always_index=True)
-    assert indexed.files == [("model-00001-of-00001.safetensors", [])] and indexed.with_index
+    """Without a size, a source of no tensor is one plain file of none. A set of none (an index lists at least
+    one tensor) is refused before a layout is asked for: test_sets.py's
+    test_a_set_of_no_tensor_is_refused_and_one_file_of_none_written."""
+    one = layout_by_size([], None)
+    assert one.files == [("model.safetensors", [])] and not one.with_index
 
 
 def test_render_index_matches_save_pretrained_formatting() -> None:

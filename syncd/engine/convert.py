@@ -564,6 +564,8 @@ def _output_shards(
     if target.format.name != SAFETENSORS or request.one_file or named_one_file:
         return None
     sizes = [(spec.name, spec.nbytes) for spec in specs]
+    if not sizes and (request.shard_size is not None or named_index):
+        _refuse_a_set_of_no_tensor(source)
     if named_index and request.shard_size is None and carried.shards is None:
         # a file that carries no set, asked for as one: a set of one shard and its index, as the daemon writes
         # it with a watch's shard_size (it wrote one safetensors file under the index's name)
@@ -582,6 +584,16 @@ def _output_shards(
     if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's
         layout = layout.with_total_size(sum(size for _, size in sizes))
     return layout
+
+
+def _refuse_a_set_of_no_tensor(source: Source) -> None:
+    """A set of no tensor is an index with an empty weight_map, which no reader (syncd's own included) takes
+    for a set: refused before anything is written, where one plain file of none is still written."""
+    raise UsageError(
+        "no tensor to put in a set (an index lists at least one): write one file (--shard-size none or "
+        "-o NAME.safetensors; shard_size left out in a watch)",
+        str(source.path),
+    )
 
 
 # -- write, verify, publish

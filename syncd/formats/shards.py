@@ -510,7 +510,6 @@ def layout_by_size(
     one plain file without an index, as save_pretrained writes it, unless `always_index`: then it is
     `model-00001-of-00001.safetensors` and its index (a set whose name does not depend on its size)."""
     groups = [[name for name, _ in sizes]] if max_shard_size is None else split_greedy(sizes, max_shard_size)
-    groups = groups or [[]]  # a checkpoint of no tensor is one file of none (split_greedy makes no group of it)
     weights = _weights_name(index_name)
     names = (
         shard_file_names(len(groups), weights) if len(groups) > 1 or not always_index else [_numbered(weights, 1, 1)]
