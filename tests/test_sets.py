@@ -403,6 +403,32 @@ def set_back(bpk: Path, directory: Path, *args: object) -> dict[str, torch.Tenso
     return written
 
 
+def test_a_filtered_sets_index_claims_no_parameter_count_it_cannot_know(tmp_path: Path) -> None:
+    """transformers' total_parameters is `num_parameters()`: parameters, not buffers (BatchNorm's running_mean,
+    running_var, num_batches_tracked), which a file cannot tell apart. A filtered set recounted it from every
+    tensor kept: a tiny ResNet without its classifier said more than the whole model. It is dropped where a
+    filter left tensors out, kept as it was where none was."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    model = ResNetForImageClassification(config)
+    model.save_pretrained(tmp_path / "set", max_shard_size="4KB")
+    index = tmp_path / "set" / "model.safetensors.index.json"
+    original = json.loads(index.read_text())["metadata"]
+    assert original["total_parameters"] == model.num_parameters()
+    syncd("convert", index, "-o", tmp_path / "m.bpk")
+    whole, filtered = tmp_path / "whole", tmp_path / "filtered"
+    whole.mkdir()
+    filtered.mkdir()
+    syncd("convert", tmp_path / "m.bpk", "-o", whole)
+    assert json.loads((whole / "model.safetensors.index.json").read_text())["metadata"] == original
+    syncd("convert", tmp_path / "m.bpk", "-o", filtered, "--exclude", "^classifier")
+    metadata = json.loads((filtered / "model.safetensors.index.json").read_text())["metadata"]
+    written = {k: v for shard in filtered.glob("model-*.safetensors") for k, v in load_file(shard).items()}
+    assert metadata == {"total_size": sum(t.numel() * t.element_size() for t in written.values())}
+
+
 def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
     index = fresh_set(saves, tmp_path / "set")
     result = syncd("convert", index, "--modules", saves["modules"], "--exclude", r"^lm_head\.", "-v")
@@ -414,17 +440,15 @@ def test_filter_both_ways(saves: dict[str, Path], tmp_path: Path) -> None:
     original = LlamaForCausalLM.from_pretrained(index.parent).state_dict()
     assert set(written) == set(original) - {"lm_head.weight"}
     index_back = json.loads((back / "model.safetensors.index.json").read_text())
-    assert index_back["metadata"] == {
-        "total_size": sum(t.numel() * 4 for t in written.values()),
-        "total_parameters": sum(t.numel() for t in written.values()),  # (it kept the whole set's count)
-    }
+    # total_parameters dropped: a file cannot tell parameters from buffers (test_a_filtered_sets_index_...)
+    assert index_back["metadata"] == {"total_size": sum(t.numel() * 4 for t in written.values())}
     assert set(index_back["weight_map"]) == set(written)
-    # a whole set's .bpk filtered on the way back: the index counts what is written
+    # a whole set's .bpk filtered on the way back: the same
     filtered_back = tmp_path / "filtered-back"
     written = set_back(set_bpk(saves, tmp_path / "whole"), filtered_back, "--exclude", r"^lm_head\.")
     assert set(written) == set(original) - {"lm_head.weight"}
     index_back = json.loads((filtered_back / "model.safetensors.index.json").read_text())
-    assert index_back["metadata"]["total_parameters"] == sum(t.numel() for t in written.values())
+    assert index_back["metadata"] == {"total_size": sum(t.numel() * 4 for t in written.values())}
     # and on the way back: only the attention of layer 0
     only = tmp_path / "only.safetensors"
     syncd("convert", bpk, "-o", only, "--modules", saves["modules"], "--include", r"layers\.0\.self_attn")

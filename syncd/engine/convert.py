@@ -13,7 +13,6 @@ pass over the part of the source it takes.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -530,8 +529,7 @@ def _carried_shards(
         return None
     kept = {name for e in entries for name in e.sources} | set(plan.dropped)
     sizes = {t.name: t.nbytes for t in source.tensors}
-    elements = {t.name: math.prod(t.shape) for t in source.tensors}
-    return ShardLayout.of(source.sharded).restricted_to(kept, sizes, elements)
+    return ShardLayout.of(source.sharded).restricted_to(kept, sizes)
 
 
 def _output_shards(
@@ -577,8 +575,7 @@ def _output_shards(
         return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index or named_index)
     if carried.shards is None:
         return None
-    elements = {spec.name: math.prod(spec.shape) for spec in specs}
-    layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes), elements)
+    layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))
     if named_index:  # `-o NAME.safetensors.index.json`: that name, and shards named after it
         layout = layout.named_after(dest.name)
     if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's

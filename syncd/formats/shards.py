@@ -378,11 +378,12 @@ class ShardLayout:
             return self.index_text.encode("utf-8")
         return render_index(self.index_metadata, self.weight_map(), self.index_extra)
 
-    def restricted_to(self, names: set[str], sizes: dict[str, int], elements: dict[str, int]) -> ShardLayout:
+    def restricted_to(self, names: set[str], sizes: dict[str, int]) -> ShardLayout:
         """The layout for only `names` (a filter left some out): emptied shards vanish, the files are
-        renumbered and total_size (bytes, from `sizes`) recomputed, and transformers' total_parameters (from
-        `elements`, each tensor's element count) where the index has it, so the index stays true to what is
-        written."""
+        renumbered and total_size (bytes, from `sizes`) recomputed, so the index stays true to what is written.
+        transformers' total_parameters is dropped: it counts the model's parameters (`num_parameters()`), not
+        its buffers (BatchNorm's running_mean...), which a file cannot tell apart, so a recount from the
+        tensors kept could say more than the whole model had."""
         kept = [(file, [n for n in listed if n in names]) for file, listed in self.files]
         kept = [(file, listed) for file, listed in kept if listed]
         if kept == self.files:
@@ -391,8 +392,7 @@ class ShardLayout:
         written = [n for _, listed in kept for n in listed]
         metadata = dict(self.index_metadata or {})
         metadata["total_size"] = sum(sizes[n] for n in written)
-        if "total_parameters" in metadata:
-            metadata["total_parameters"] = sum(elements[n] for n in written)
+        metadata.pop("total_parameters", None)
         files = [(new, listed) for new, (_, listed) in zip(renamed, kept, strict=True)]
         return ShardLayout(
             self.index_name,
