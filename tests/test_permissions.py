@@ -207,15 +207,21 @@ def test_a_state_dir_the_unit_gives_its_user_at_start_is_a_warning_not_a_problem
     from syncd.daemon.config import load_config
 
     var_lib = shared_root / "var-lib"
-    (var_lib / "syncd").mkdir(parents=True)  # root's, 0755
     (shared_root / "runs").mkdir()
-    config_path = shared_root / "syncd.yaml"
-    state = var_lib / "syncd"
-    config_path.write_text(
-        f"state_dir: {state}\nlog: {{path: {state / 'sync.jsonl'}}}\nwatches:\n  - path: {shared_root / 'runs'}\n"
-    )
-    config_path.chmod(0o644)
     monkeypatch.setattr(access, "UNIT_MADE", (var_lib,))
-    report = access.check_access(load_config(config_path), OTHER.pw_name)
-    assert report.problems == []
-    assert any("the daemon starts only if systemd gives it to the user" in line for line in report.warnings)
+
+    def checked(state: Path) -> access.AccessReport:
+        state.mkdir(parents=True, exist_ok=True)  # root's, 0755
+        config_path = shared_root / "syncd.yaml"
+        config_path.write_text(
+            f"state_dir: {state}\nlog: {{path: {state / 'sync.jsonl'}}}\nwatches:\n  - path: {shared_root / 'runs'}\n"
+        )
+        config_path.chmod(0o644)
+        return access.check_access(load_config(config_path), OTHER.pw_name)
+
+    own = checked(var_lib / f"syncd@{OTHER.pw_name}")  # syncd@daemon.service's StateDirectory=
+    assert own.problems == []
+    assert any("the daemon starts only if systemd gives it to the user" in line for line in own.warnings)
+    # no unit gives the user another package's directory, the system unit's (User=syncd), or /var/lib itself
+    for state in (var_lib / "dpkg", var_lib / "syncd", var_lib):
+        assert checked(state).problems, state

@@ -23,8 +23,16 @@ from syncd.errors import UsageError
 
 MAX_ENTRIES = 20_000  # a check, not a scan: enough to find the pattern in a large tree
 MAX_DEPTH = 64
-# where systemd makes a unit's StateDirectory= and LogsDirectory= (as root, for the unit's user) at its start
+# where systemd makes a unit's StateDirectory= and LogsDirectory= (as root, for the unit's user) at its start,
+# and their names in systemd/: syncd.service (User=syncd) has `syncd`, syncd@USER.service `syncd@USER`
 UNIT_MADE = (Path("/var/lib"), Path("/var/log"))
+SERVICE_USER = "syncd"
+
+
+def unit_directories(user: str) -> list[Path]:
+    """The directories a syncd unit running as `user` gets from systemd, made or given to it at every start."""
+    names = [f"syncd@{user}", *(["syncd"] if user == SERVICE_USER else [])]
+    return [base / name for base in UNIT_MADE for name in names]
 
 
 @dataclass
@@ -84,13 +92,15 @@ def _check_own_files(config: Config) -> dict[str, list[str]]:
 
 def _directory_finding(directory: Path, setting: str) -> tuple[bool, str] | None:
     """(is it a problem, what is wrong) when the user cannot write `directory`, which `setting` names; None
-    when it can. A problem keeps the daemon from starting. A directory that does not exist yet under /var/lib
-    or /var/log is a warning: systemd makes a unit's StateDirectory= and LogsDirectory= there before the
-    daemon starts (/var/lib/syncd does not exist at install, before the first start)."""
+    when it can. A problem keeps the daemon from starting. The unit's own StateDirectory= or LogsDirectory=
+    (or a directory below it), missing or another user's, is a warning: systemd makes it, or gives it back to
+    the unit's user, before the daemon starts (/var/lib/syncd does not exist at install, before the first
+    start; a first run as root leaves it root's). Any other directory there is no unit's to give."""
     existing = _nearest_existing(directory)
     if os.access(existing, os.W_OK | os.X_OK):
         return None
-    made_by_unit = any(directory.is_relative_to(base) for base in UNIT_MADE)
+    user = pwd.getpwuid(os.geteuid()).pw_name  # (this runs as the user checked, --user included)
+    made_by_unit = any(directory.is_relative_to(own) for own in unit_directories(user))
     if existing == directory and made_by_unit:  # (a first run as root made it root's: the unit gives it back)
         return False, (
             f"cannot write {directory} ({setting}): the daemon starts only if systemd gives it to the user (the "
