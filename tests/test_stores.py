@@ -75,6 +75,12 @@ def test_a_filter_that_leaves_no_tensor_is_refused_and_a_table_of_none_is_not() 
     with pytest.raises(NothingLeftError, match=r"^the tensor filter leaves no tensor \(include: nomatch; exclude"):
         apply_options(plan_to_burn(refs), refs, {r.name: r.name for r in refs}, options)
     assert apply_options(plan_to_burn([]), [], {}, options).entries == []
+    # a BatchNorm's counter alone has no slot in Burn's layout: carried in metadata, it left a .bpk of no tensor
+    norm = [TensorRef(f"bn.{leaf}", "F32", (4,)) for leaf in ("weight", "bias", "running_mean", "running_var")]
+    norm.append(TensorRef("bn.num_batches_tracked", "I64", ()))
+    counter = StoreOptions(tensors=TensorFilter.of(include=["num_batches_tracked"]))
+    with pytest.raises(NothingLeftError, match=r"only 1 with no slot there \(as bn.num_batches_tracked\)"):
+        apply_options(plan_to_burn(norm), norm, {r.name: r.name for r in norm}, counter)
 
 
 def test_collision_is_refused_before_anything() -> None:

@@ -117,8 +117,8 @@ def apply_options(
     left_out += [in_file[name] for name in restoring if not options.tensors.keeps(in_file[name])]
     had_tensors = bool(plan.entries or plan.dropped or restoring)
     restoring = [name for name in restoring if options.tensors.keeps(in_file[name])]
-    if had_tensors and not (kept or dropped or restoring):
-        raise _nothing_left(options.tensors)
+    if had_tensors and not (kept or restoring):  # (what it keeps with no slot there is metadata, no tensor)
+        raise _nothing_left(options.tensors, dropped)
     casts = {}
     notes: list[str] = []
     if options.precision is not None:
@@ -155,10 +155,12 @@ def apply_options(
     )
 
 
-def _nothing_left(tensors: TensorFilter) -> NothingLeftError:
-    """A filter that leaves none of the source's tensors: an output of no tensor is no checkpoint, and published
-    it would replace a good earlier one (the daemon's, at the source's next save)."""
-    return NothingLeftError(f"the tensor filter leaves no tensor ({tensors.describe()}); nothing written")
+def _nothing_left(tensors: TensorFilter, slotless: list[str]) -> NothingLeftError:
+    """A filter that leaves none of the source's tensors (or only ones the target has no slot for, which go into
+    its metadata): an output of no tensor is no checkpoint, and published it would replace a good earlier one
+    (the daemon's, at the source's next save)."""
+    only = f", only {len(slotless)} with no slot there (as {slotless[0]})" if slotless else ""
+    return NothingLeftError(f"the tensor filter leaves no tensor ({tensors.describe()}){only}; nothing written")
 
 
 def _keeping_file_names(
