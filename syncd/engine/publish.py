@@ -326,12 +326,16 @@ def remove_stale_scratch(directory: Path) -> list[Path]:
     Only regular files named like our scratch files and owned by this user. A scratch file is live exactly
     while the process writing it holds its lock (open_scratch), so the pid in its name decides nothing: a
     syncd in another PID namespace or on another host sharing the tree keeps its files, and a syncd that ran
-    as PID 1 in a container gets its own back after a SIGKILL.
+    as PID 1 in a container gets its own back after a SIGKILL. An empty one younger than SCRATCH_GRACE_SECONDS
+    is kept (remove_if_stale): another node's daemon, running while this one starts, may have made it and not
+    locked it yet (a start-up sweep took such a file from a live conversion); the next scan takes it if stale.
     """
     removed = []
     with os.scandir(directory) as entries:
         for entry in entries:
-            if _SCRATCH_RE.fullmatch(entry.name) is not None and _remove_if_unheld(Path(entry.path)):
+            if _SCRATCH_RE.fullmatch(entry.name) is not None and remove_if_stale(
+                Path(entry.path), SCRATCH_GRACE_SECONDS
+            ):
                 removed.append(Path(entry.path))
     return removed
 
