@@ -383,7 +383,7 @@ def remove_if_unchanged(path: Path, identity: FileStamp) -> bool:
 def remove_if_stale(path: Path, min_age: float = 0.0) -> bool:
     """Delete the scratch file `path` if no living process holds it; True if it went. An empty one younger
     than `min_age` seconds is kept: its writer may be between creating it and locking it (open_scratch), a
-    window worth guarding only when scratch files are looked for while daemons run (not at start-up)."""
+    window worth guarding wherever other daemons may run (a shared tree: a daemon's start-up too)."""
     if _SCRATCH_RE.fullmatch(path.name) is None:
         return False
     if min_age > 0:
