@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from syncd.adapters import FileContext, ModelDefinition, ModuleMap
-from syncd.engine.definition import definition_for
 from syncd.errors import SyncdError
 from syncd.formats import format_for_path
 from syncd.formats.shards import is_index_name
@@ -40,8 +39,12 @@ def gather_context(
     torch and transformers, 6-7 s of a one-shot conversion's start-up)."""
     config, note = read_config_beside(Path(source))
     definition: ModelDefinition | None = None
-    definition_note: str | None = "model definition not built: the module map states every module"
-    if not (map_states_every_module and config is not None):
+    definition_note: str | None = None
+    if config is not None and map_states_every_module:
+        definition_note = "model definition not built: the module map states every module"
+    elif config is not None:
+        from syncd.engine.definition import definition_for  # its builder's machinery: only beside a config
+
         definition, definition_note = definition_for(config, tensor_count)
     return FileContext(
         metadata=dict(metadata),
@@ -77,6 +80,8 @@ def definition_of(config_path: Path) -> ModelDefinition:
     config, note = _read_config(path)
     if config is None:
         raise SyncdError(note or "not a model's config: it names no model_type", str(path))
+    from syncd.engine.definition import definition_for
+
     definition, note = definition_for(config)
     if definition is None:
         raise SyncdError(note or "no model definition", str(path))
