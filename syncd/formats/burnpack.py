@@ -30,7 +30,7 @@ from syncd.formats.fileio import (
     write_tensors,
     write_zeros,
 )
-from syncd.formats.table import CheckpointHeader, TensorSpec, tensor_info
+from syncd.formats.table import CheckpointHeader, TensorInfo, TensorSpec, tensor_info
 
 NAME = "burnpack"  # described in registry.py
 MAGIC = 0x4255524E
@@ -95,15 +95,18 @@ class BurnpackReader(TensorFileReader):
         tensors_doc, metadata, scalars, extra_keys = split_document(document, self.path)
         if len(tensors_doc) > MAX_TENSOR_COUNT:
             raise self._fail(f"File contains {len(tensors_doc)} tensors, exceeding maximum of {MAX_TENSOR_COUNT}")
-        descriptors = parse_descriptors(tensors_doc, self.path)
-        layout, data_start = self._detect_layout(meta_size, descriptors)
-        info = tensor_info
-        tensors = [
-            info((name, dtype, shape, data_start + start, end - start, param_id, raw))
-            for name, dtype, shape, start, end, param_id, raw in descriptors
-        ]
-        check_ranges(descriptors, self.path)
+        # each tensor is placed first where an aligned data section (Burn >= 0.20, most files) puts it: one
+        # record per tensor, moved afterwards only in a packed (Burn 0.19) file
+        placed_at = align_up(HEADER_SIZE + meta_size)
+        tensors = parse_descriptors(tensors_doc, placed_at, self.path)
         self._index(tensors)
+        placement = _placement(self.tensors)
+        layout, data_start = self._detect_layout(meta_size, tensors, placement)
+        if data_start != placed_at:
+            tensors = [t._replace(offset=t.offset - placed_at + data_start) for t in tensors]
+            self._index(tensors)
+        if placement.overlap:  # (then check_ranges finds it, in the order that names the tensors it always named)
+            check_ranges(tensors, data_start, self.path)
         top_keys = [k for k in document if isinstance(k, str)]
         self.header = CheckpointHeader(
             format=NAME,
@@ -118,46 +121,77 @@ class BurnpackReader(TensorFileReader):
                 "layout": layout,
                 "top_level_keys": top_keys,
                 "unknown_keys": extra_keys,
-                "tensor_key_order": [d.name for d in descriptors],
+                "tensor_key_order": list(tensors_doc),  # (the tensors' names, in the order parsed)
             },
         )
 
-    def _detect_layout(self, meta_size: int, descriptors: list[_Descriptor]) -> tuple[str, int]:
+    def _detect_layout(self, meta_size: int, tensors: list[TensorInfo], placement: _Placement) -> tuple[str, int]:
         """Aligned (Burn >= 0.20) or packed (Burn 0.19) data section, told apart by file size
-        (docs/burn-format.md#alignment)."""
+        (docs/burn-format.md#alignment). `tensors` are placed after an aligned data section's start."""
         unaligned = HEADER_SIZE + meta_size
         aligned = align_up(unaligned)
-        max_end = max((d.end for d in descriptors), default=0)
-        if any(d.start % TENSOR_ALIGNMENT for d in descriptors if d.end > d.start):
+        max_end = placement.end - aligned if tensors else 0
+        if placement.misaligned:
             # Burn >= 0.20 starts every tensor at a multiple of the alignment: a start that is not is Burn
             # 0.19's, whatever the file's size says (bytes after the last tensor, which its reader takes, made it
             # fit the aligned layout: every tensor read from the wrong place, exit 0)
             if unaligned + max_end <= self.file_size:
                 return LAYOUT_PACKED, unaligned
-            runs_past = max(descriptors, key=lambda d: d.end).name
+            runs_past = max(tensors, key=_end).name
             raise self._short(
                 f"File truncated: expected at least {unaligned + max_end} bytes, got {self.file_size} bytes", runs_past
             )
         if aligned + max_end <= self.file_size:
             # when 10+N is itself aligned the data section starts at the same place in both layouts; only the
             # tensors' starts then tell a 0.19 file, and re-writing it must keep them unaligned
-            if unaligned == aligned and any(d.start % TENSOR_ALIGNMENT for d in descriptors):
+            if unaligned == aligned and any(t.offset % TENSOR_ALIGNMENT for t in tensors):
                 return LAYOUT_PACKED, unaligned
             return LAYOUT_ALIGNED, aligned
-        if unaligned != aligned and unaligned + max_end == self.file_size and _back_to_back(descriptors):
+        if unaligned != aligned and unaligned + max_end == self.file_size and _back_to_back(tensors, aligned):
             return LAYOUT_PACKED, unaligned
-        last = max(descriptors, key=lambda d: d.end).name if descriptors else None  # the tensor that runs past
+        last = max(tensors, key=_end).name if tensors else None  # the tensor that runs past
         raise self._short(
             f"File truncated: expected at least {aligned + max_end} bytes, got {self.file_size} bytes", last
         )
 
 
-def _back_to_back(descriptors: list[_Descriptor]) -> bool:
-    """Whether the tensors lie end to end from 0, as Burn 0.19 packs them: the only layout a packed file can
+def _end(info: TensorInfo) -> int:
+    return info.offset + info.nbytes
+
+
+class _Placement(NamedTuple):
+    """What the layout and range checks need of a table, gathered in one pass over it in file order."""
+
+    end: int  # the largest end of any tensor, empty ones too (0 for no tensor)
+    misaligned: bool  # a tensor holding bytes starts off the 256-byte grid
+    overlap: bool  # two tensors holding bytes share some
+
+
+def _placement(placed: list[TensorInfo]) -> _Placement:
+    """`placed`: tensors sorted by offset then size, at offsets that are a multiple of the alignment apart from
+    their starts. One loop over them instead of a pass (with a generator) for each check: it runs per tensor.
+    In that order two tensors holding bytes overlap only if one overlaps the one before it that holds bytes."""
+    data_end = filled_to = 0
+    misaligned = overlap = False
+    for _, _, _, offset, nbytes, _, _ in placed:
+        end = offset + nbytes
+        if end > data_end:
+            data_end = end
+        if nbytes:
+            if offset < filled_to:
+                overlap = True
+            if offset % TENSOR_ALIGNMENT:
+                misaligned = True
+            filled_to = end
+    return _Placement(data_end, misaligned, overlap)
+
+
+def _back_to_back(tensors: list[TensorInfo], data_start: int) -> bool:
+    """Whether the tensors lie end to end from `data_start`, as Burn 0.19 packs them: the only layout a packed file can
     have. An aligned file cut short by exactly its metadata padding also ends where a packed one would, but
     its gaps before 256-aligned starts give it away (read as packed, every tensor would be the wrong bytes)."""
-    cursor = 0
-    for start, end in sorted((d.start, d.end) for d in descriptors if d.end > d.start):
+    cursor = data_start  # (`tensors` lie at offsets from data_start)
+    for start, end in sorted((t.offset, t.offset + t.nbytes) for t in tensors if t.nbytes):
         if start != cursor:
             return False
         cursor = end
@@ -379,10 +413,11 @@ _DESCRIPTOR_FIELDS_WITH_ID = _DESCRIPTOR_FIELDS | {"param_id"}
 _UNIT_ITEMSIZE = {dtype: ITEMSIZE[dtype] for dtype in UNIT_DTYPES}
 
 
-def parse_descriptors(tensors_doc: dict[str, Any], path: str) -> list[_Descriptor]:
-    """Every descriptor of the `tensors` map, in order. `_plain_descriptor`'s tests, inline: this loop runs
-    once per tensor (twice per conversion: the source, then the output re-read), and the calls were a sixth of
-    its cost. What the tests do not accept goes through `parse_descriptor`, which names what is wrong."""
+def parse_descriptors(tensors_doc: dict[str, Any], data_start: int, path: str) -> list[TensorInfo]:
+    """Every descriptor of the `tensors` map, in order, as a tensor whose data section starts at `data_start`.
+    `_plain_descriptor`'s tests, inline: this loop runs once per tensor (twice per conversion: the source, then
+    the output re-read), and the calls were a sixth of its cost. What the tests do not accept goes through
+    `parse_descriptor`, which names what is wrong."""
     fields, with_id, itemsizes, rank, dim_limit = (
         _DESCRIPTOR_FIELDS,
         _DESCRIPTOR_FIELDS_WITH_ID,
@@ -390,8 +425,9 @@ def parse_descriptors(tensors_doc: dict[str, Any], path: str) -> list[_Descripto
         PLAIN_RANK,
         PLAIN_DIM,
     )
-    descriptors: list[_Descriptor] = []
-    append = descriptors.append
+    info = tensor_info
+    tensors: list[TensorInfo] = []
+    append = tensors.append
     for name, desc in tensors_doc.items():
         if type(desc) is dict and (desc.keys() == fields or desc.keys() == with_id):
             raw, shape, offsets, param_id = desc["dtype"], desc["shape"], desc["data_offsets"], desc.get("param_id")
@@ -411,10 +447,11 @@ def parse_descriptors(tensors_doc: dict[str, Any], path: str) -> list[_Descripto
                     and (param_id is None or type(param_id) is int and 0 <= param_id < U64_LIMIT)
                     and has_module_path(name)
                 ):
-                    append(_descriptor((name, raw, tuple(shape), start, end, param_id, raw)))
+                    append(info((name, raw, tuple(shape), data_start + start, size, param_id, raw)))
                     continue
-        append(parse_descriptor(name, desc, path))
-    return descriptors
+        d = parse_descriptor(name, desc, path)
+        append(info((name, d.dtype, d.shape, data_start + d.start, d.end - d.start, d.param_id, d.raw_dtype)))
+    return tensors
 
 
 def parse_descriptor(name: str, desc: Any, path: str) -> _Descriptor:
@@ -490,14 +527,16 @@ def has_module_path(name: str) -> bool:
     return bool(name) and name[0] != "." and name[-1] != "." and ".." not in name
 
 
-def check_ranges(descriptors: Sequence[_Descriptor], path: str) -> None:
+def check_ranges(tensors: Sequence[TensorInfo], data_start: int, path: str) -> None:
     """Refuse overlapping data ranges; Burn does not check this (docs/burn-format.md#reader-limits), but two tensors
     sharing bytes are never what a writer meant."""
-    ordered = sorted((d for d in descriptors if d.end > d.start), key=attrgetter("start"))
+    ordered = sorted((t for t in tensors if t.nbytes), key=attrgetter("offset"))
     for before, after in zip(ordered, ordered[1:], strict=False):
-        if after.start < before.end:
+        if after.offset < before.offset + before.nbytes:
+            start, before_start = after.offset - data_start, before.offset - data_start
             raise FormatError(
-                f"data range {after.start}..{after.end} overlaps tensor '{before.name}' ({before.start}..{before.end})",
+                f"data range {start}..{start + after.nbytes} overlaps tensor '{before.name}' "
+                f"({before_start}..{before_start + before.nbytes})",
                 path,
                 after.name,
             )
