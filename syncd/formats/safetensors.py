@@ -16,6 +16,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from operator import attrgetter
 from typing import Any
 
@@ -353,6 +354,7 @@ def safetensors_dtype(dtype: str, name: str) -> str:
 def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> SafetensorsPlan:
     """Lay tensors out as the library does (dtype descending, then name) so our files match its own."""
     seen: set[str] = set()
+    plain = True  # every shape a list or tuple of plain ints (what _plain_header_json takes)
     for spec in specs:
         if spec.name in seen:
             raise FormatError(f"Duplicate tensor name '{spec.name}'")
@@ -361,6 +363,7 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
         seen.add(spec.name)
         if plain_byte_length(spec.dtype, spec.shape) == spec.nbytes and (spec.nbytes or not _overflows(spec.shape)):
             continue  # the common case, in a few cheap tests
+        plain = False
         if _overflows(spec.shape):
             raise FormatError(
                 f"its shape {list(spec.shape)} cannot be held in safetensors: {_OVERFLOW}", tensor=spec.name
@@ -379,22 +382,20 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
     st_dtypes = [DTYPE_TO_SAFETENSORS.get(spec.dtype) or safetensors_dtype(spec.dtype, spec.name) for spec in specs]
     keys = [(-SAFETENSORS_DTYPE_RANK[st_dtype], spec.name) for st_dtype, spec in zip(st_dtypes, specs, strict=True)]
     order = sorted(range(len(specs)), key=keys.__getitem__)
-    document: dict[str, Any] = {}
+    sorted_metadata: dict[str, str] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise FormatError("safetensors metadata must map text to text")
-        document["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+        sorted_metadata = {k: metadata[k] for k in sorted(metadata)}
     rel_starts = [0] * len(specs)
     cursor = 0
     for i in order:
         rel_starts[i] = cursor
-        document[specs[i].name] = {
-            "dtype": st_dtypes[i],
-            "shape": list(specs[i].shape),
-            "data_offsets": [cursor, cursor + specs[i].nbytes],
-        }
         cursor += specs[i].nbytes
-    text = json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    # (a name or size of another type, which json.dumps writes its own way or refuses, takes json.dumps)
+    plain = plain and {*map(type, seen)} <= {str} and {*map(type, map(_NBYTES, specs))} <= {int, bool}
+    header_json = _plain_header_json if plain else _header_json
+    text = header_json(specs, st_dtypes, order, rel_starts, sorted_metadata).encode("utf-8")
     text += b" " * (-len(text) % 8)
     if len(text) > MAX_HEADER_SIZE:  # refused before writing: no reader (this one included) would take it
         raise FormatError(
@@ -403,6 +404,40 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
     header = struct.pack("<Q", len(text)) + text
     starts = [len(header) + s for s in rel_starts]
     return SafetensorsPlan(header, order, starts, len(header) + cursor)
+
+
+_NBYTES = attrgetter("nbytes")
+
+
+def _header_json(
+    specs: Sequence[TensorSpec], st_dtypes: list[str], order: list[int], starts: list[int], metadata: dict[str, str]
+) -> str:
+    """The JSON header as the library writes it: `__metadata__` first (if any), then each tensor in data order."""
+    document: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    for i in order:
+        document[specs[i].name] = {
+            "dtype": st_dtypes[i],
+            "shape": list(specs[i].shape),
+            "data_offsets": [starts[i], starts[i] + specs[i].nbytes],
+        }
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False)
+
+
+def _plain_header_json(
+    specs: Sequence[TensorSpec], st_dtypes: list[str], order: list[int], starts: list[int], metadata: dict[str, str]
+) -> str:
+    """`_header_json`'s text, for tensors whose names are text, sizes ints and shapes plain ints: one f-string per
+    tensor, its name quoted by json's own encoder, where json.dumps walks a dict and two lists per tensor
+    (for 10,000 tensors, 7,000 instructions a tensor less). The dtypes are safetensors' names, which need no
+    escaping; an int's text is its repr, as json.dumps writes it."""
+    quote = encode_basestring
+    parts = [_header_json(specs, st_dtypes, [], starts, metadata)[1:-1]] if metadata else []
+    append = parts.append
+    for i in order:
+        spec, start = specs[i], starts[i]
+        shape, end = ",".join(map(str, spec.shape)), start + spec.nbytes
+        append(f'{quote(spec.name)}:{{"dtype":"{st_dtypes[i]}","shape":[{shape}],"data_offsets":[{start},{end}]}}')
+    return "{" + ",".join(parts) + "}"
 
 
 def write_safetensors(fd: int, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> SafetensorsPlan:
