@@ -54,9 +54,8 @@ class SafetensorsReader(TensorFileReader):
         document, size = read_document(self.fd, self.file_size, self.path)
         metadata = parse_metadata(document.pop("__metadata__", None), self.path)
         data_start = 8 + size
-        tensors = parse_entries(document, data_start, self.path)
-        check_coverage(tensors, self.file_size - data_start, data_start, self.path)
-        self._index(tensors)
+        self._index(parse_entries(document, data_start, self.path))
+        check_coverage(self.tensors, self.file_size - data_start, data_start, self.path)
         self.header = CheckpointHeader(
             format=NAME,
             path=self.path,
@@ -316,21 +315,23 @@ def _overflows(shape: Sequence[int]) -> bool:
     return False
 
 
-def check_coverage(tensors: list[TensorInfo], buffer_len: int, data_start: int, path: str) -> None:
-    """As the library requires: the tensors tile the data buffer exactly, without gaps or overlaps."""
-    cursor = 0
-    for info in sorted(tensors, key=attrgetter("offset", "nbytes")):
-        start = info.offset - data_start
-        if start != cursor:
-            what = "overlaps the previous tensor" if start < cursor else f"leaves a gap before it (at {cursor})"
-            raise FormatError(f"data range {start}..{start + info.nbytes} {what}", path, info.name)
-        cursor = start + info.nbytes
-    if cursor > buffer_len:
+def check_coverage(placed: list[TensorInfo], buffer_len: int, data_start: int, path: str) -> None:
+    """As the library requires: the tensors tile the data buffer exactly, without gaps or overlaps. `placed`:
+    the tensors in file order, by offset then size (the reader's `tensors`, sorted once for both)."""
+    cursor = data_start  # (offsets are absolute: compared as they are, once per tensor)
+    for name, _, _, offset, nbytes, _, _ in placed:
+        if offset != cursor:
+            start, at = offset - data_start, cursor - data_start
+            what = "overlaps the previous tensor" if start < at else f"leaves a gap before it (at {at})"
+            raise FormatError(f"data range {start}..{start + nbytes} {what}", path, name)
+        cursor = offset + nbytes
+    covered = cursor - data_start
+    if covered > buffer_len:
         raise IncompleteFileError(
-            f"tensor data covers {cursor} bytes but the file holds {buffer_len} after the header: truncated", path
+            f"tensor data covers {covered} bytes but the file holds {buffer_len} after the header: truncated", path
         )
-    if cursor != buffer_len:
-        raise FormatError(f"tensor data covers {cursor} bytes but the file holds {buffer_len} after the header", path)
+    if covered != buffer_len:
+        raise FormatError(f"tensor data covers {covered} bytes but the file holds {buffer_len} after the header", path)
 
 
 # ---------------------------------------------------------------------------------------------- writing
