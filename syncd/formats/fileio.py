@@ -13,7 +13,8 @@ import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import islice
+from operator import attrgetter, lt
 from typing import Any
 
 from syncd.errors import TRANSIENT_ERRNOS, FormatError, IncompleteFileError, SourceChangedError
@@ -242,6 +243,14 @@ def write_zeros(fd: int, offset: int, count: int) -> None:
 
 # file order: by offset, then end (the same order as by offset, then size); attrgetter builds the keys in C
 _BY_PLACE = attrgetter("offset", "nbytes")
+_OFFSET = attrgetter("offset")
+
+
+def _in_file_order(tensors: list[TensorInfo]) -> bool:
+    """Whether the offsets rise strictly from one tensor to the next: then sorting by place keeps the order as it
+    is (a writer's table usually lists its tensors in file order), and this is told in C without a key per tensor."""
+    offsets = list(map(_OFFSET, tensors))
+    return all(map(lt, offsets, islice(offsets, 1, None)))
 
 
 class TensorFileReader:
@@ -268,7 +277,7 @@ class TensorFileReader:
         raise TypeError(f"{type(self).__name__} must define _parse")
 
     def _index(self, tensors: list[TensorInfo]) -> None:
-        self.tensors = sorted(tensors, key=_BY_PLACE)
+        self.tensors = list(tensors) if _in_file_order(tensors) else sorted(tensors, key=_BY_PLACE)
         self._by_name = {t.name: t for t in tensors}
 
     def tensor(self, name: str) -> TensorInfo:
