@@ -418,19 +418,18 @@ def parse_descriptors(tensors_doc: dict[str, Any], data_start: int, path: str) -
     `_plain_descriptor`'s tests, inline: this loop runs once per tensor (twice per conversion: the source, then
     the output re-read), and the calls were a sixth of its cost. What the tests do not accept goes through
     `parse_descriptor`, which names what is wrong."""
-    fields, with_id, itemsizes, rank, dim_limit = (
-        _DESCRIPTOR_FIELDS,
-        _DESCRIPTOR_FIELDS_WITH_ID,
-        _UNIT_ITEMSIZE,
-        PLAIN_RANK,
-        PLAIN_DIM,
-    )
+    itemsizes, rank, dim_limit = _UNIT_ITEMSIZE, PLAIN_RANK, PLAIN_DIM
     info = tensor_info
     tensors: list[TensorInfo] = []
     append = tensors.append
     for name, desc in tensors_doc.items():
-        if type(desc) is dict and (desc.keys() == fields or desc.keys() == with_id):
-            raw, shape, offsets, param_id = desc["dtype"], desc["shape"], desc["data_offsets"], desc.get("param_id")
+        # the three fields, or four with param_id: `desc.keys() in (fields, with_id)`, in less
+        if type(desc) is dict and (len(desc) == 3 or len(desc) == 4 and "param_id" in desc):
+            try:
+                raw, shape, offsets = desc["dtype"], desc["shape"], desc["data_offsets"]
+            except KeyError:  # another field: parse_descriptor names what is wrong
+                raw = None
+            param_id = desc["param_id"] if len(desc) == 4 else None
             size = itemsizes.get(raw, -1) if type(raw) is str else -1
             if size >= 0 and type(shape) is list and len(shape) <= rank and type(offsets) is list and len(offsets) == 2:
                 for dim in shape:
