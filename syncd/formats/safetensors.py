@@ -395,7 +395,7 @@ def plan_safetensors(specs: Sequence[TensorSpec], metadata: dict[str, str] | Non
     cursor = 0
     for i in order:
         rel_starts[i] = cursor
-        cursor += specs[i].nbytes
+        cursor = cursor + specs[i].nbytes  # (as the entry's end was computed: a size of no number fails the same way)
     # (a name or size of another type, which json.dumps writes its own way or refuses, takes json.dumps)
     plain = plain and {*map(type, seen)} <= {str} and {*map(type, map(_NBYTES, specs))} <= {int, bool}
     header_json = _plain_header_json if plain else _header_json
