@@ -131,13 +131,13 @@ def plan_conversion(
     if not converting:
         decisions.append(f"nothing to adapt: identity plan ({_why_identity(source, to_layout)})")
     module_lines = []
-    module_steps: dict[str, _Step]
     for module, kind in classified:
-        if converting and to_layout == PYTORCH and module.path in context.gamma_beta and kind.kind in NORM_KINDS:
-            module_steps, action = {}, "unchanged: gamma/beta, as its PyTorch source named them (syncd.gamma_beta)"
+        if not converting:
+            action = "unchanged"
+        elif to_layout == PYTORCH and module.path in context.gamma_beta and kind.kind in NORM_KINDS:
+            action = "unchanged: gamma/beta, as its PyTorch source named them (syncd.gamma_beta)"
         else:
-            module_steps, action = _module_steps(module, kind, to_layout) if converting else ({}, "unchanged")
-        steps.update(module_steps)
+            action = _add_module_steps(steps, module, kind, to_layout)
         if module.params:
             module_lines.append((module.label, f"{_kind_label(kind)} ({kind.reason}) -> {action}"))
     decisions += collapse_by_index(module_lines)
@@ -645,18 +645,20 @@ def _ambiguity(
 # per-module steps when the layout really changes
 
 
-def _module_steps(module: Module, kind: ModuleKind, target: str) -> tuple[dict[str, _Step], str]:
+def _add_module_steps(steps: dict[str, _Step], module: Module, kind: ModuleKind, target: str) -> str:
+    """Add the steps of one module's tensors to `steps` (written in place: one module of thousands, no dict of
+    its own to merge) and return the decision's action."""
     if kind.kind == LINEAR:
-        return _linear_steps(module)
+        return _linear_steps(steps, module)
     if kind.kind == LINEAR_IN_OUT:
         # docs/burn-adapters.md#linear: Burn's Linear weight is [in, out], which is how Conv1D stores it already
-        return {}, "unchanged: weight stays [in, out] (Burn's Linear layout)"
+        return "unchanged: weight stays [in, out] (Burn's Linear layout)"
     if kind.kind in NORM_KINDS or kind.kind == PRELU:
-        return _rename_steps(module, kind.kind, target)
-    return {}, "unchanged"
+        return _rename_steps(steps, module, kind.kind, target)
+    return "unchanged"
 
 
-def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
+def _linear_steps(steps: dict[str, _Step], module: Module) -> str:
     # docs/burn-adapters.md#linear: Linear weight, rank 2 -> transpose [a, b] -> [b, a]; the bias is untouched.
     weight = module.params["weight"]
     if weight.dtype not in ITEMSIZE:
@@ -665,14 +667,17 @@ def _linear_steps(module: Module) -> tuple[dict[str, _Step], str]:
             "element size); convert with --layout keep"
         )
     rows, cols = weight.shape
-    return {weight.name: _Step(weight.name, transpose=True)}, f"transpose weight [{rows}, {cols}] -> [{cols}, {rows}]"
+    steps[weight.name] = _Step(weight.name, transpose=True)
+    return f"transpose weight [{rows}, {cols}] -> [{cols}, {rows}]"
 
 
-def _rename_steps(module: Module, kind: str, target: str) -> tuple[dict[str, _Step], str]:
-    changes, action = _leaf_changes(kind, target, frozenset(module.params))
+def _rename_steps(steps: dict[str, _Step], module: Module, kind: str, target: str) -> str:
+    params = module.params
+    changes, action = _leaf_changes(kind, target, frozenset(params))
     prefix = f"{module.path}." if module.path else ""  # _with_leaf, inline: once per norm of the model
-    steps = {module.params[leaf].name: _step((prefix + new, False)) if new else _DROPPED for leaf, new in changes}
-    return steps, action
+    for leaf, new in changes:
+        steps[params[leaf].name] = _step((prefix + new, False)) if new else _DROPPED
+    return action
 
 
 @functools.lru_cache(maxsize=256)
