@@ -28,7 +28,7 @@ from syncd.adapters import (
     apply_plan,
     plan_conversion,
 )
-from syncd.adapters.plan import collapse_by_index
+from syncd.adapters.plan import _index_template, _index_templates, collapse_by_index
 from syncd.errors import AmbiguousLayoutError, ConfigError, SyncdError, UnsupportedError, UsageError
 from syncd.formats.dtypes import SAFETENSORS_TO_DTYPE
 
@@ -373,6 +373,15 @@ def test_modules_differing_in_their_indices_and_decided_alike_share_one_decision
         f"c.{{x}}: {linear}",
     ]
     assert collapse_by_index([("a.0", "x"), ("a.1", "x")]) == ["a.{0,1}: x"]
+
+
+def test_index_templates_of_many_labels_read_as_each_label_alone() -> None:
+    # the segments of all labels are read at once; every label comes out as _index_template reads it alone
+    labels = ["a.0", "0", "", ".", "a..1", "b.01.2", "c.²", "d.10.e.3", "x.3y", "007", "0.0", "f.", ".9"]
+    assert _index_templates(labels) == [_index_template(label) for label in labels]
+    for odd in (["a.1", "b\n.2"], ["a.1", "b.{}.2"], ["a.}.1"], []):  # taken one by one
+        assert _index_templates(odd) == [_index_template(label) for label in odd]
+    assert collapse_by_index([("a.0\nb.1", "x"), ("a.0", "x"), ("a.1", "x")]) == ["a.0\nb.1: x", "a.{0,1}: x"]
 
 
 # ---------------------------------------------------------------------------------------------------------

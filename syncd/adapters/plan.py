@@ -171,8 +171,7 @@ def collapse_by_index(lines: list[tuple[str, str]]) -> list[str]:
     shown is one of the modules; where they do not all occur, each module keeps its line). A 32-layer model's
     300 lines are a dozen, in `-v` and in every sync log record."""
     groups: dict[tuple[str, str, bool], list[tuple[int, ...]]] = {}
-    for label, text in lines:
-        template, indices = _index_template(label)
+    for (_, text), (template, indices) in zip(lines, _index_templates([label for label, _ in lines]), strict=True):
         groups.setdefault((template, text, bool(indices)), []).append(indices)
     out = []
     for (template, text, indexed), members in groups.items():
@@ -184,6 +183,30 @@ def collapse_by_index(lines: list[tuple[str, str]]) -> list[str]:
             out.append(f"{_filled(template, [_index_set(values) for values in sets])}: {text}")
         else:
             out += [f"{_filled(template, [str(i) for i in member])}: {text}" for member in members]
+    return out
+
+
+def _index_templates(labels: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """`_index_template` of each label, over the segments of all of them at once (a model has thousands of
+    modules: a regex call per label cost more than the rest of its decision line). Labels that hold a
+    newline or a brace of their own are taken one by one."""
+    joined = ".\n.".join(labels)  # a newline: a segment of its own between two labels
+    if joined.count("\n") != len(labels) - 1 or "{" in joined or "}" in joined:
+        return [_index_template(label) for label in labels]
+    segments = joined.split(".")
+    # (as _INDEX_SEGMENT: ASCII digits without a leading zero)
+    indexed = [s.isdigit() and s.isascii() and (s[0] != "0" or len(s) == 1) for s in segments]
+    values = [int(s) for s, index in zip(segments, indexed, strict=True) if index]
+    shown = ".".join(["{}" if index else s for s, index in zip(segments, indexed, strict=True)]).split(".\n.")
+    out = []
+    taken = 0
+    for label, template in zip(labels, shown, strict=True):
+        count = template.count("{}")  # (no label holds braces of its own: each `{}` is an index)
+        if count:
+            out.append((template, tuple(values[taken : taken + count])))
+            taken += count
+        else:
+            out.append((label, ()))
     return out
 
 
