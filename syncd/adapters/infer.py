@@ -205,7 +205,7 @@ def _recorded_kind(module: Module, kind: str | None) -> ModuleKind | None:
     weight would otherwise reach the steps that transpose that weight)."""
     if kind is None or kind not in RECORDED_KINDS or not _fits_record(module, kind):
         return None
-    return ModuleKind(module.path, kind, "recorded in the file (syncd.kinds)", by=BY_RECORD)
+    return _module_kind((module.path, kind, "recorded in the file (syncd.kinds)", None, (), BY_RECORD, None))
 
 
 def _fits_record(module: Module, kind: str) -> bool:
@@ -213,7 +213,7 @@ def _fits_record(module: Module, kind: str) -> bool:
     (_check_mapped_shapes); Conv, which only inference names, as inference names it."""
     if kind == OTHER:
         return True
-    if not set(module.params) <= _ALLOWED_LEAVES.get(kind, frozenset()):
+    if not module.params.keys() <= _ALLOWED_LEAVES.get(kind, frozenset()):
         return False
     if kind == CONV:
         bias = module.shape("bias") if "bias" in module.params else (0,)
@@ -296,14 +296,14 @@ def order_vocab_options(
 
 
 def infer_kind(module: Module) -> ModuleKind:
-    leaves = set(module.params)
+    leaves = module.params.keys()  # (a view, not a set of its own: this runs once per module of the model)
     if not leaves:
         return ModuleKind(module.path, OTHER, "no layer parameters: unchanged")
-    if leaves & RUNNING_STATS:
+    if not leaves.isdisjoint(RUNNING_STATS):
         return _infer_batch_norm(module)
     if "alpha" in leaves:
         return _infer_prelu(module)
-    if leaves & BURN_AFFINE:
+    if not leaves.isdisjoint(BURN_AFFINE):
         return _infer_burn_norm(module)
     if "weight" in leaves:
         return _infer_from_weight(module)
@@ -332,12 +332,22 @@ def _infer_prelu(module: Module) -> ModuleKind:
 
 
 def _infer_burn_norm(module: Module) -> ModuleKind:
-    leaves = set(module.params)
-    if leaves == {"gamma"} and len(module.shape("gamma")) == 1:
+    params = module.params
+    leaves = params.keys()
+    if leaves == {"gamma"} and len(params["gamma"].shape) == 1:
         return _lone_vector(module, "gamma")
-    if "gamma" in leaves and leaves <= BURN_AFFINE and _all_rank(module, leaves, 1) and _same_shapes(module, leaves):
-        return ModuleKind(module.path, NORM, f"1-D {'/'.join(sorted(leaves, key=len))}: a norm")
+    if "gamma" in leaves and leaves <= BURN_AFFINE:
+        # 1-D, and a beta (if any) of the same shape (_all_rank and _same_shapes, spelled out for the two names)
+        gamma, beta = params["gamma"].shape, params.get("beta")
+        if len(gamma) == 1 and (beta is None or beta.shape == gamma):
+            return _module_kind((module.path, NORM, _burn_norm_reason(frozenset(leaves)), None, (), BY_SHAPE, None))
     return _unknown(module, f"unexpected tensors {_leaf_list(module)}")
+
+
+@functools.lru_cache(maxsize=4)
+def _burn_norm_reason(leaves: frozenset[str]) -> str:
+    """The same line for every gamma/beta norm (a model has hundreds of them): made once per set of names."""
+    return f"1-D {'/'.join(sorted(leaves, key=len))}: a norm"
 
 
 def _lone_vector(module: Module, leaf: str) -> ModuleKind:
@@ -364,10 +374,11 @@ def _lone_vector(module: Module, leaf: str) -> ModuleKind:
 
 
 def _infer_from_weight(module: Module) -> ModuleKind:
-    leaves = set(module.params)
-    weight = module.shape("weight")
-    bias = module.shape("bias") if "bias" in leaves else None
-    if not leaves <= PYTORCH_AFFINE or (bias is not None and len(bias) != 1):
+    params = module.params
+    weight = params["weight"].shape
+    bias_ref = params.get("bias")
+    bias = bias_ref.shape if bias_ref is not None else None
+    if not params.keys() <= PYTORCH_AFFINE or (bias is not None and len(bias) != 1):
         return _unknown(module, f"unexpected tensors {_leaf_list(module)}")
     if len(weight) >= 3:
         return ModuleKind(module.path, CONV, f"rank-{len(weight)} weight: a convolution, same in both layouts")
@@ -490,7 +501,11 @@ def _weight_lacks(module: Module, kind: str) -> str | None:
 
 
 def _all_vectors(module: Module) -> bool:
-    return _all_rank(module, set(module.params) - {"num_batches_tracked"}, 1)
+    """Every tensor but a BatchNorm's counter 1-D (a loop, not _all_rank's generator: it runs once per norm)."""
+    for leaf, tensor in module.params.items():  # noqa: SIM110 (all() of a generator: a frame per norm)
+        if len(tensor.shape) != 1 and leaf != "num_batches_tracked":
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
