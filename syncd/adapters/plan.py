@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -333,14 +334,20 @@ def _decide_layout(
     stated, origin = _stated_layout(source_layout, module_map, context)
     if stated is not None:
         # (in a .bpk, a module of one's own naming its parameters weight/bias says nothing against burn)
-        mine = [
-            e for e in evidence if context.container == BURNS_FORMAT and _shown_by_pytorch_too(e, kinds, BURNS_FORMAT)
-        ]
+        # (pytorch layout's only, as _shown_by_pytorch_too has it: told before the call, made per module)
+        mine = (
+            [e for e in evidence if e.layout == PYTORCH and _shown_by_pytorch_too(e, kinds, BURNS_FORMAT)]
+            if context.container == BURNS_FORMAT
+            else []
+        )
         against = [e for e in evidence if e.layout != stated and not _deducible(e, stated, kinds) and e not in mine]
         if against:
             raise _contradiction_error(stated, origin, against)
         return stated, f"{stated} ({origin})"
-    conventional = [e for e in evidence if _shown_by_pytorch_too(e, kinds, context.container)]
+    # (only evidence of the layout the file's format does not point to can be such: told before the call,
+    # which would otherwise be made for every module of the model)
+    suspect = PYTORCH if context.container == BURNS_FORMAT else BURN if context.container in FOREIGN_FORMATS else None
+    conventional = [e for e in evidence if e.layout == suspect and _shown_by_pytorch_too(e, kinds, context.container)]
     evidence = [e for e in evidence if e not in conventional]
     strong = [e for e in evidence if e.strong]
     if len({e.layout for e in strong}) > 1:
@@ -427,15 +434,19 @@ def _deducible(evidence: Evidence, layout: str, kinds: dict[str, ModuleKind]) ->
 
 def _shown_by(evidence: list[Evidence]) -> str:
     parts = []
-    if any(e.module == _METADATA for e in evidence):
+    if _METADATA in map(_MODULE, evidence):
         parts.append("format: pt metadata")
-    strong = [_label(e.module) for e in evidence if e.strong and e.module != _METADATA]
-    weak = [_label(e.module) for e in evidence if not e.strong]
+    # (every module of a model may show it: only the few listed are labelled)
+    strong = [e.module for e in evidence if e.strong and e.module != _METADATA]
+    weak = [e.module for e in evidence if not e.strong]
     if strong:
-        parts.append(f"names of {_short_list(strong)}")
+        parts.append(f"names of {_short_list_of_modules(strong)}")
     if weak:
-        parts.append(f"shapes of {_short_list(weak)}")
+        parts.append(f"shapes of {_short_list_of_modules(weak)}")
     return "shown by " + "; ".join(parts)
+
+
+_MODULE = operator.attrgetter("module")
 
 
 def _stated_layout(source_layout: str, module_map: ModuleMap | None, context: FileContext) -> tuple[str | None, str]:
@@ -796,6 +807,12 @@ def _label(path: str) -> str:
 def _short_list(items: list[str]) -> str:
     shown = ", ".join(items[:_LIST_LIMIT])
     return shown + (f" and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else "")
+
+
+def _short_list_of_modules(paths: list[str]) -> str:
+    """_short_list of the modules' labels, labelling only those shown."""
+    shown = ", ".join(map(_label, paths[:_LIST_LIMIT]))
+    return shown + (f" and {len(paths) - _LIST_LIMIT} more" if len(paths) > _LIST_LIMIT else "")
 
 
 def _clip(text: str, limit: int = 400) -> str:
