@@ -22,7 +22,7 @@ proves only what checks taken while writing prove too, at a second pass over eve
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from threading import Lock
 from typing import TYPE_CHECKING, Protocol
@@ -133,6 +133,10 @@ class WriteLedger:
 
     def expect(self, name: str, offset: int, nbytes: int) -> None:
         self.windows[name] = (offset, nbytes)
+
+    def expect_all(self, windows: Iterable[tuple[str, tuple[int, int]]]) -> None:
+        """`expect` of each (name, (offset, nbytes)), without a call per tensor."""
+        self.windows.update(windows)
 
     def record(self, name: str, entry: Entry) -> None:
         with self._lock:

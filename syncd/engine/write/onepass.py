@@ -336,14 +336,14 @@ _SRC_OFFSET = attrgetter("src_offset")  # (the key of every move, in C)
 def _runs(moves: list[Move]) -> Iterator[list[Move]]:
     """`moves` (in source order) in runs, each lying end to end in both the source and the output."""
     run: list[Move] = []
+    src_end = dst_end = -1  # where the run's last move ends, in the source and in the output
     for move in moves:
-        if run and (
-            move.src_offset != run[-1].src_offset + run[-1].nbytes
-            or move.dst_offset != run[-1].dst_offset + run[-1].nbytes
-        ):
+        _, src, nbytes, dst, _, _, _, _, _ = move
+        if run and (src != src_end or dst != dst_end):
             yield run
             run = []
         run.append(move)
+        src_end, dst_end = src + nbytes, dst + nbytes
     if run:
         yield run
 
@@ -415,9 +415,10 @@ class OnePass:
         return digest
 
     def _run(self) -> str:
-        for move in self.moves:
-            whole = move.nbytes if move.tensor_nbytes is None else move.tensor_nbytes
-            self.ledger.expect(move.name, move.dst_offset - move.piece_at, whole)
+        self.ledger.expect_all(
+            (name, (dst - at, nbytes if whole is None else whole))
+            for name, _, nbytes, dst, _, _, _, at, whole in self.moves
+        )
         if self._inline:
             # small files (the daemon's common case) and one core: no threads to start or hand work to
             for job in self._all_jobs():
@@ -449,24 +450,27 @@ class OnePass:
         cursor, end = self.window or (0, self.src_size)
         batch_start = self._hashed_to = cursor
         batch: list[Move] = []
+        block = self.block_bytes
         for move in sorted(self.moves, key=_SRC_OFFSET):
-            if not move.nbytes:  # an empty tensor takes no byte of the source, wherever its offsets put it
-                self.ledger.record(move.name, Entry(move.piece_at, 0))
+            name, offset, nbytes, _, _, matrix, _, piece_at, _ = move  # (one unpacking: a getter call per field)
+            if not nbytes:  # an empty tensor takes no byte of the source, wherever its offsets put it
+                self.ledger.record(name, Entry(piece_at, 0))
                 continue
-            if move.src_offset < cursor:
-                raise FormatError(f"tensor '{move.name}' overlaps another in the source", self.src_path)
-            small = move.matrix is None and 0 < move.nbytes < self.block_bytes
-            if batch and (not small or move.src_offset + move.nbytes - batch_start > self.block_bytes):
+            if offset < cursor:
+                raise FormatError(f"tensor '{name}' overlaps another in the source", self.src_path)
+            small = matrix is None and 0 < nbytes < block
+            if batch and (not small or offset + nbytes - batch_start > block):
                 yield self._copy_batch, self._free.get(), batch_start, cursor, batch
                 batch = []
-            if not batch and move.src_offset > cursor:
-                yield self._hash_only, self._free.get(), cursor, move.src_offset
+            if not batch and offset > cursor:
+                yield self._hash_only, self._free.get(), cursor, offset
             if small:
-                batch_start = batch_start if batch else move.src_offset
+                if not batch:
+                    batch_start = offset
                 batch.append(move)
             else:
                 yield from self._jobs(move)
-            cursor = move.src_offset + move.nbytes
+            cursor = offset + nbytes
         if batch:
             yield self._copy_batch, self._free.get(), batch_start, cursor, batch
         if end > cursor:

@@ -161,24 +161,33 @@ def _place(
 ) -> dict[str, list[Move]]:
     """Write the zero padding and the tensors that come from elsewhere; the moves of the rest, per source file."""
     moves: dict[str, list[Move]] = {}
+    # the source file of the last move and its list: runs of tensors come from one file
+    path: str | None = None
+    into: list[Move] = []
     for spec, start in sorted(placed, key=itemgetter(1)):
         if start > cursor:
             write_zeros(fd, cursor, start - cursor)  # padding is zero bytes on disk, not a hole
-        cursor = max(cursor, start + spec.nbytes)
+        nbytes = spec.nbytes
+        if start + nbytes > cursor:
+            cursor = start + nbytes
         fill = spec.fill
-        if isinstance(fill, FromSource):  # (most tensors: one piece, the whole tensor)
-            path = fill.reader.path
-            if path not in moves:
-                moves[path] = []
-            moves[path].append(_move(spec, start, fill, 0, False))
+        if isinstance(fill, FromSource) and fill.rows is None and not fill.transpose and spec.dtype not in BOOL_DTYPES:
+            # (most tensors: one whole source tensor copied as it is; _move's first case without its frames)
+            reader = fill.reader
+            info = reader.tensor(fill.name)
+            if info.nbytes != nbytes:
+                raise FormatError(
+                    f"tensor '{spec.name}' needs {nbytes} bytes, its source has {info.nbytes}", reader.path
+                )
+            if reader.path != path:
+                path = reader.path
+                into = moves.setdefault(path, [])
+            into.append(move((spec.name, info.offset, nbytes, start, 1, None, None, 0, None)))
             continue
         pieces = source_pieces(fill)
         if pieces:
             for piece, at in pieces:
-                path = piece.reader.path
-                if path not in moves:
-                    moves[path] = []
-                moves[path].append(_move(spec, start, piece, at, len(pieces) > 1))
+                moves.setdefault(piece.reader.path, []).append(_move(spec, start, piece, at, len(pieces) > 1))
         else:
             _write_small(fd, spec, start, ledger)
             if counted:
