@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
@@ -53,7 +54,7 @@ from syncd.engine.publish import (
 )
 from syncd.engine.sets import set_paths, write_set
 from syncd.engine.source import Source, open_source
-from syncd.engine.targets import TARGETS, Target
+from syncd.engine.targets import TARGETS, Fill, Target
 from syncd.engine.write.planned import (
     VERIFY_CHOICES,
     FromSource,
@@ -61,6 +62,7 @@ from syncd.engine.write.planned import (
     Written,
     check_digests,
     check_written,
+    from_source,
     source_pieces,
     verify_full,
     write_planned,
@@ -277,8 +279,8 @@ def plan(source: Source, request: ConvertRequest, target: Target, dest: Path) ->
     specs = (
         [_tensor_spec(source, carried, target, entry, casts.get(entry.target)) for entry in entries]
         if casts
-        else target.tensor_specs(source, carried, entries, _source_fills(source, entries))
-    )
+        else target.tensor_specs(source, carried, entries, typing.cast(list[Fill], _source_fills(source, entries)))
+    )  # (the casts: mypy does not see a named tuple's __call__, python/mypy#9858)
     taken = {spec.name for spec in specs}
     restored = target.extra_specs(source, carried, adapted.target_layout, taken, store.carried_names)
     specs += restored
@@ -430,7 +432,7 @@ def _tensor_spec(
     """An entry's spec: filled from the source in the one pass, or, when the precision option casts it, in its
     new dtype and filled by its cast."""
     if cast is None:
-        return target.tensor_spec(source, carried, entry, _source_fill(source, entry))
+        return target.tensor_spec(source, carried, entry, typing.cast(Fill, _source_fill(source, entry)))  # (mypy#9858)
     spec = target.tensor_spec(source, carried, entry, cast.fill)
     nbytes = _cast_nbytes(spec.nbytes, cast.from_dtype, cast.to_dtype)
     return replace(spec, dtype=cast.to_dtype, raw_dtype=None, nbytes=nbytes)
@@ -458,9 +460,9 @@ def _source_fills(source: Source, entries: list[PlanEntry]) -> list[FromSource |
     over the whole plan, once per tensor."""
     if not all(reader.all_windows() for reader in source.readers):
         return [_source_fill(source, entry) for entry in entries]
-    reader_of, fill = source.reader_of, FromSource
+    reader_of = source.reader_of
     return [
-        fill(reader_of(entry.source), entry.source, entry.transpose, entry.rows)
+        from_source((reader_of(entry.source), entry.source, entry.transpose, entry.rows))
         if not entry.parts
         else _source_fill(source, entry)
         for entry in entries

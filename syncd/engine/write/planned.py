@@ -22,8 +22,9 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from syncd.engine.hashing import DEFAULT_HASH, block_digest, new_hasher
 from syncd.engine.write.checks import Entry, WriteLedger
@@ -32,17 +33,15 @@ from syncd.errors import FormatError, VerificationError
 from syncd.formats.dtypes import BOOL_DTYPES, ITEMSIZE
 from syncd.formats.fileio import TensorFileReader, TensorSink, bool_checker, pwrite_all, write_zeros
 from syncd.formats.table import TensorSpec
-from syncd.records import cheap_init
 
 VERIFY_CHOICES = ("fast", "full")
 
 
-@cheap_init
-@dataclass(frozen=True)
-class FromSource:
+class FromSource(NamedTuple):
     """A TensorSpec fill naming the source tensor it comes from; `transpose`: written as its 2-D transpose;
     `rows`: only rows r0:r1 of its first dimension (a piece of a PyTorch packed tensor), which in a
-    C-contiguous tensor are one contiguous byte range."""
+    C-contiguous tensor are one contiguous byte range. A named tuple: a conversion makes one per tensor,
+    through `from_source` (tuple.__new__, no Python frame)."""
 
     reader: TensorFileReader
     name: str
@@ -62,6 +61,10 @@ class FromSource:
             raise FormatError(f"tensor '{self.name}' {list(info.shape)} has no rows {r0}:{r1}", self.reader.path)
         row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
         return info.offset + r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0, *info.shape[1:])
+
+
+# from_source((reader, name, transpose, rows)): all four
+from_source = partial(tuple.__new__, FromSource)
 
 
 @dataclass(frozen=True)
