@@ -85,6 +85,7 @@ class _Output:
 
     def engine(self, **kw: Any) -> OnePass:
         kw.setdefault("inline_bytes", 0)  # these sources are small: use the writer threads all the same
+        kw.setdefault("inline_small", False)  # and so are their tensors
         return OnePass(
             self.reader.fd, self.reader.file_size, self.reader.path, self.fd, str(self.dest), self.moves, **kw
         )
@@ -889,4 +890,18 @@ def test_a_small_tensor_written_twice_is_caught(tmp_path: Path) -> None:
     again.run()
     with pytest.raises(VerificationError, match="'t150.bias' was not written exactly once in full"):
         output.check(engine)
+    output.close()
+
+
+def test_a_pass_of_small_untransformed_tensors_only_runs_on_the_calling_thread(tmp_path: Path) -> None:
+    """Whatever the source's size: its jobs are batches of tensors, which threads would only take turns at.
+    One tensor to transpose, or one of a block or more, and the writer threads are used as before."""
+    output = _many_small(tmp_path)
+    assert output.engine(workers=2, inline_small=True)._inline
+    assert not output.engine(workers=2, inline_small=False)._inline
+    output.moves = [output.moves[0]._replace(nbytes=onepass.BLOCK_BYTES), *output.moves[1:]]
+    assert not output.engine(workers=2, inline_small=True)._inline
+    output.close()
+    output = _Output(_source(tmp_path), tmp_path / "out2.safetensors")
+    assert output.transposed and not output.engine(workers=2, inline_small=True)._inline
     output.close()
