@@ -491,20 +491,27 @@ def _conflict_error(
         f"conflicting layout evidence ({sides}); a file is in one layout: map the odd modules "
         "as Other to leave them unchanged"
     )
-    suggestion = _map_yaml([(_label(e.module), "Other", e.reason) for e in _fewest_odd(evidence, kinds)])
+    odd, layout = _fewest_odd(evidence, kinds)
+    if odd or layout is None:
+        suggestion = _map_yaml([(_label(e.module), "Other", e.reason) for e in odd])
+    else:
+        # nothing is odd in `layout` but shape-inferred Linears that read as Conv1D there, which only a stated
+        # layout lets through (_deducible): the map states it, and names them (an empty map settled nothing)
+        in_out = [(_label(e.module), LINEAR_IN_OUT, "or Other") for e in evidence if _deducible(e, layout, kinds)]
+        suggestion = _map_yaml(in_out, layout)
     details = [f"  {_label(e.module)}: {e.layout} ({e.reason})" for e in evidence]
     return _ambiguity(message, suggestion, [e.module for e in shown], details)
 
 
-def _fewest_odd(evidence: list[Evidence], kinds: dict[str, ModuleKind]) -> list[Evidence]:
-    """The modules to map as Other so that everything left agrees, for the layout that needs fewest (the
+def _fewest_odd(evidence: list[Evidence], kinds: dict[str, ModuleKind]) -> tuple[list[Evidence], str | None]:
+    """The modules to map as Other so that everything left agrees, and the layout that needs fewest (the
     metadata cannot be mapped away: its layout is the only choice when it speaks)."""
     choices = []
     for layout in LAYOUTS:
         odd = [e for e in evidence if e.layout != layout and not _deducible(e, layout, kinds)]
         if not any(e.module == _METADATA for e in odd):
-            choices.append(odd)
-    return min(choices, key=lambda odd: len({e.module for e in odd})) if choices else []
+            choices.append((odd, layout))
+    return min(choices, key=lambda choice: len({e.module for e in choice[0]})) if choices else ([], None)
 
 
 # ---------------------------------------------------------------------------------------------------------
