@@ -451,13 +451,16 @@ def test_a_second_daemon_on_the_same_tree_with_a_state_of_its_own_is_refused(
         other.start()
         other.write_config([{"path": "own"}, {"path": os.fspath(run.watch_dir())}])
         other.send(signal.SIGHUP)
+        # finished while the reload runs (its watcher stopped, then restarted): found all the same
+        during = other.watch_dir("own") / "during.safetensors"
+        write_file(during, _small_checkpoint())
         other.wait_for("error")
         (error,) = other.statuses("error")
         assert "reload failed, keeping the running configuration" in error["reason"], error
         assert "another syncd watches this tree" in error["reason"], error
-        source = other.watch_dir("own") / "model.safetensors"
+        source = other.watch_dir("own") / "model.safetensors"  # the line said: the tree is watched again
         write_file(source, _small_checkpoint())
-        other.wait_for("converted", [source])
+        other.wait_for("converted", [during, source])
         stop_cleanly(other)
         assert "Traceback" not in other.stderr(), other.stderr()  # the refusal is said in one line
     write_file(run.watch_dir() / "model.safetensors", _small_checkpoint())

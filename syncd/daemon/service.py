@@ -431,12 +431,15 @@ class Daemon:
         except Exception as exc:
             if not isinstance(exc, SyncdError):  # a bug of ours: its traceback for the journal
                 log.exception("reload failed")
+            # watched again before the line is said, and scanned: a checkpoint finished while no watcher ran
+            # (the running one is stopped before the new one fails) sent its event to none
+            self._apply(running)
+            self._scan_all()
             self.synclog.log(
                 Status.ERROR,
-                config=str(self.config.path),
+                config=str(running.path),
                 reason=f"reload failed, keeping the running configuration: {one_line(exc)}",
             )
-            self._apply(running)
             notify.ready(self._status())
             return
         # refusals a setting decides (ambiguous layout, missing module map, on_exists) are looked at again
