@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import statistics
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gen
+import numpy as np
 from cases import COMMANDS, FLOOR, Case, MiB, command_argv
 from undertest import WORK, SyncdUnderTest
 
@@ -89,6 +91,26 @@ def run_once(argv: list[str], dst: Path, stderr_path: Path) -> Run:
     return Run(seconds, maxrss, code, cpu)
 
 
+def touch_memory(nbytes: int) -> None:
+    """Write one byte in every page of `nbytes` of fresh anonymous memory, then give it back.
+
+    This VM reports freed memory to its host (virtio-balloon free page reporting, about 2 s after it is freed),
+    and the first touch of a reported page faults it back in on the host: writing 1 GiB of new page cache took
+    0.3 s of system time right after a 1 GiB file was deleted and 0.9-2.2 s when the freed memory had been
+    left alone for 6 s. Which run of a round drew reported pages was luck, and it moved whole rows (cp of
+    the .bpk 0.38-1.60 s within one case). Touching as much memory as the next run will need just before it
+    makes those pages the most recently freed ones, which the next allocations get back unreported, for cp,
+    torch and syncd alike.
+    """
+    if nbytes <= 0:
+        return
+    region = mmap.mmap(-1, nbytes)
+    pages = np.frombuffer(region, dtype=np.uint8)
+    pages[:: mmap.PAGESIZE] = 1
+    del pages
+    region.close()
+
+
 def _failure(stderr_path: Path, status: int) -> str:
     text = stderr_path.read_text(errors="replace").strip().splitlines() if stderr_path.exists() else []
     return f"exit {status}: {text[-1] if text else 'no output written'}"
@@ -103,9 +125,12 @@ def measure_case(
     syncd: SyncdUnderTest,
     log: Log,
     commands: list[tuple[str, str, str, str]] = COMMANDS,
+    prefault: bool = True,
 ) -> list[Measurement]:
     """Every command of one case, interleaved: a warm-up round, then `reps` rounds each running every command
-    once, so slow phases of a shared machine hit the floor and the conversions alike."""
+    once, so slow phases of a shared machine hit the floor and the conversions alike. With `prefault`, each
+    run is preceded by `touch_memory` of its source's size (its output) plus the command's peak RSS in its
+    last run (twice the source's size before any run)."""
     jobs = []
     for key, label, kind, suffix in commands:
         src = sources[kind]
@@ -114,12 +139,17 @@ def measure_case(
             m.error = f"no source {src.name}"
         dst = workdir / f"out-{key}{suffix}"
         jobs.append((m, command_argv(key, src, dst, syncd), dst, workdir / f"out-{key}.stderr"))
+    last_rss: dict[str, int] = {}
     for round_ in range(0 if warmup else 1, reps + 1):  # round 0 is the warm-up
         for m, argv, dst, stderr_path in jobs:
             if m.error:
                 continue
+            if prefault and round_:
+                source_bytes = m.source_bytes
+                touch_memory(source_bytes + (last_rss.get(m.command, 0) * 1024 or source_bytes))
             load = os.getloadavg()[0]
             run = run_once(argv, dst, stderr_path)
+            last_rss[m.command] = run.maxrss_kib
             if run.status != 0:
                 m.error = _failure(stderr_path, run.status)
                 log(f"    {m.label}: FAILED {m.error}")
@@ -179,6 +209,7 @@ def run_case(
     syncd: SyncdUnderTest,
     log: Log,
     commands: list[tuple[str, str, str, str]] = COMMANDS,
+    prefault: bool = True,
 ) -> tuple[dict, list[Measurement]]:
     workdir = WORK / case.name
     shutil.rmtree(workdir, ignore_errors=True)
@@ -199,7 +230,7 @@ def run_case(
         f"  {case.name}: {info['tensors']} tensors, {info['safetensors_bytes'] / MiB:.0f} MiB, largest tensor "
         f"{info['largest_tensor_bytes'] / MiB:.2f} MiB; generated in {time.perf_counter() - t0:.1f} s"
     )
-    results = measure_case(case, {"st": src, "bpk": bpk}, workdir, reps, warmup, syncd, log, commands)
+    results = measure_case(case, {"st": src, "bpk": bpk}, workdir, reps, warmup, syncd, log, commands, prefault)
     by_key = {m.command: m for m in results}
     floor = floors(by_key)
     info["floors_s"] = floor

@@ -253,7 +253,12 @@ def report(
         f"# syncd benchmark ({'quick' if args.quick else 'full'})",
         "",
         f"Command: `{shlex.join([_shown_python(), 'bench/run.py', *sys.argv[1:]])}` "
-        f"— {mode}; warm page cache; outputs deleted and `sync` run before every run.",
+        f"— {mode}; warm page cache; outputs deleted and `sync` run before every run"
+        + (
+            "."
+            if getattr(args, "no_prefault", False)
+            else "; before every run, as much memory as it will need touched and freed (bench/README.md)."
+        ),
         "",
         f"Machine: {env['cpu']}, {env['cores']} cores ({env['cores_allowed']} allowed), {env['memory_gib']} GiB RAM, "
         f"kernel {env['kernel']}, "

@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-warmup", action="store_true", help="no warm-up round (the sources were just written: in the cache)"
     )
+    parser.add_argument(
+        "--no-prefault",
+        action="store_true",
+        help="do not touch the memory a run will need just before it (see measure.touch_memory)",
+    )
     parser.add_argument("--no-daemon-1g", action="store_true", help="skip the daemon's 1 GiB case")
     parser.add_argument(
         "--name", help="file stem of the results under bench/results/ (default results, or results-quick)"
@@ -127,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             warmup = not (args.quick or args.no_warmup)
             info, results = run_case(
-                case, args.reps, warmup, args.keep, syncd, log, commands(args.core_counts, args.naive)
+                case,
+                args.reps,
+                warmup,
+                args.keep,
+                syncd,
+                log,
+                commands(args.core_counts, args.naive),
+                prefault=not args.no_prefault,
             )
             infos.append(info)
             measurements += results
