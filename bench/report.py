@@ -109,6 +109,7 @@ def evaluate_targets(cases: list[Case], measurements: list[Measurement], daemon:
                         f">= 2.5x faster than torch, {what}",
                         f"{speedup:.2f}x (torch {torch.median_s:.2f} s)",
                         speedup >= 2.5,
+                        _durable_ceiling_note(torch.median_s, m),
                     )
                 if case.target == "small":
                     ok = None if m.median_s is None else m.median_s <= 0.35
@@ -135,6 +136,18 @@ def evaluate_targets(cases: list[Case], measurements: list[Measurement], daemon:
         for t in targets:
             t["note"] = (t["note"] + "; " if t["note"] else "") + "quick mode: smaller files than the targets name"
     return targets
+
+
+def _durable_ceiling_note(torch_s: float, m: Measurement) -> str:
+    """torch's pipeline does not fsync; syncd does, so `cp` + fsync of the same bytes bounds how much faster
+    than torch it can be. Where that bound is under the target, the note says so."""
+    if not m.x_cp_fsync or not m.median_s:
+        return ""
+    cp_fsync_s = m.median_s / m.x_cp_fsync
+    ceiling = torch_s / cp_fsync_s
+    if ceiling >= 2.5:
+        return ""
+    return f"no durable writer can reach it here: torch took {ceiling:.2f}x cp+fsync ({cp_fsync_s:.2f} s)"
 
 
 def environment() -> dict:
@@ -219,7 +232,9 @@ def report(
     env = environment()
     rows = table_rows(infos, measurements)
     targets = evaluate_targets(cases, measurements, daemon, args.quick)
-    target_rows = [[t["target"], t["measured"], t["status"]] for t in targets]
+    target_rows = [
+        [t["target"], t["measured"], t["status"] + (f" ({t['note']})" if t["note"] else "")] for t in targets
+    ]
     daemon_rows = []
     if daemon.get("available"):
         daemon_rows.append(
