@@ -122,6 +122,9 @@ def text_width(raw: bytes, start: int = 0, end: int | None = None) -> int:
     """Bytes per character of the str that `raw[start:end]`, UTF-8, decodes to: CPython stores a whole str at the
     width of its widest character, so one emoji in 100 MB of ASCII makes 400 MB of text."""
     stop = len(raw) if end is None else end
+    # isascii scans a word at a time; the regex engine a byte at a time (4-5 ms per MiB of header)
+    if (raw if start == 0 and stop == len(raw) else raw[start:stop]).isascii():
+        return 1
     if _FOUR_BYTE_CHARS.search(raw, start, stop) is not None:
         return 4
     return 2 if _TWO_BYTE_CHARS.search(raw, start, stop) is not None else 1
