@@ -633,14 +633,15 @@ def test_syncd_log_command(daemon: DaemonRun) -> None:
     table = syncd_log()
     header = ["TIME", "(UTC)", "STATUS", "SOURCE", "->", "DEST", "TENSORS", "SIZE", "DURATION", "REASON"]
     assert table[0].split() == header
-    rows = table[1:]
+    assert table[2] == f"watch {runs}:"  # after the daemon's start line, which names no watch
+    rows = [line for line in table[1:] if not line.startswith("watch ")]
     assert [row.split()[2] for row in rows] == [r["status"] for r in daemon.records()]
     (converted,) = [row for row in rows if " converted " in row]
     assert "  fine.safetensors -> fine.bpk  " in converted  # relative to the watch
 
     refused = syncd_log("--status", "refused")
-    assert len(refused) == 2 and refused[0].split() == header
-    assert refused[1].split()[2] == "refused" and "broken.safetensors -> broken.bpk" in refused[1]
+    assert len(refused) == 3 and refused[0].split() == header and refused[1] == f"watch {runs}:"
+    assert refused[2].split()[2] == "refused" and "broken.safetensors -> broken.bpk" in refused[2]
 
     as_json = syncd_log("--json")
     assert [json.loads(line) for line in as_json] == daemon.records()

@@ -304,10 +304,65 @@ def test_table_is_aligned_and_human_readable(sample_log: Path) -> None:
     assert "4 ms" in next(line for line in lines if "in_sync" in line)
     # columns line up: statuses start under STATUS, sizes end under the end of SIZE
     status_start = lines[0].index("STATUS")
-    for line, status in zip(lines[1:], ["started", "converted", "error", "in_sync", "conflict"], strict=True):
+    assert lines[1] == "watch /runs:"  # what the rows' paths are relative to, before the first row of a watch
+    for line, status in zip(lines[2:], ["started", "converted", "error", "in_sync", "conflict"], strict=True):
         assert line[status_start:].startswith(status + " ")
     size_end = lines[0].index("SIZE") + len("SIZE")
     assert converted[:size_end].endswith("5.0 MiB")
+
+
+def test_a_line_names_the_watch_whenever_the_rows_paths_change_tree(tmp_path: Path) -> None:
+    """With several watches, `run1/a.bpk` alone would not say which tree it is in: a `watch DIR:` line comes
+    before the first row of each run of rows from one watch, as `tail` names each file it follows."""
+    log_path = tmp_path / "sync.jsonl"
+
+    def converted(watch: str, name: str, minutes_ago: float) -> dict:
+        source, dest = f"{watch}/run1/{name}.safetensors", f"{watch}/run1/{name}.bpk"
+        return record("converted", minutes_ago, watch=watch, source=source, dest=dest)
+
+    write_records(
+        log_path,
+        [
+            record("started", 9, config="/etc/syncd/syncd.yaml"),
+            converted("/data/team-a", "a", 8),
+            converted("/data/team-a", "b", 7),
+            converted("/data/team-b", "a", 6),
+            record("reload", 5, config="/etc/syncd/syncd.yaml"),
+            converted("/data/team-b", "c", 4),
+            converted("/data/team-a", "c", 3),
+        ],
+    )
+    code, out, _ = run_show(log_path)
+    assert code == 0
+    shown = [line.split()[2] if not line.startswith("watch ") else line for line in out.splitlines()[1:]]
+    assert shown == [
+        "started",
+        "watch /data/team-a:",
+        "converted",
+        "converted",
+        "watch /data/team-b:",
+        "converted",
+        "reload",
+        "converted",
+        "watch /data/team-a:",
+        "converted",
+    ]
+    assert "run1/a.safetensors -> run1/a.bpk" in out and "/data/team-a/run1" not in out
+    # following: a row read later from the watch of the last row printed is not preceded by its name again
+    followed = io.StringIO()
+    appended: list[bool] = []
+
+    def append_once_then_stop() -> bool:  # called after each read of the file
+        if not appended:
+            with open(log_path, "a") as log:
+                log.write(json.dumps(converted("/data/team-a", "d", 2)) + "\n")
+            appended.append(True)
+            return False
+        return True
+
+    assert show_log(log_path, follow=True, out=followed, stop=append_once_then_stop, poll_interval=0.01) == 0
+    assert "run1/d.safetensors -> run1/d.bpk" in followed.getvalue()
+    assert followed.getvalue().count("watch /data/team-a:") == 2
 
 
 def test_filter_by_status_repeatable_and_comma_separated(sample_log: Path) -> None:

@@ -228,6 +228,7 @@ class _Printer:
         self.as_json = as_json
         self.filter = log_filter
         self.table = TableFormatter()
+        self.watch: str | None = None  # the watch the paths of the rows printed last are relative to
 
     CHUNK = 1000  # records rendered and written at once: a whole log (100,000 lines) took 4.6 s and 450 MB first
 
@@ -249,20 +250,26 @@ class _Printer:
         else:
             lines = self.table.render([table_row(entry) for entry in matching])
             if lines and len(lines) > len(matching):  # the header came first
-                lines = lines[:1] + _with_extra_lines(lines[1:], matching)
+                lines = lines[:1] + self._with_extra_lines(lines[1:], matching)
             else:
-                lines = _with_extra_lines(lines, matching)
+                lines = self._with_extra_lines(lines, matching)
         for line in lines:
             self.out.write(line + "\n")
         self.out.flush()
 
-
-def _with_extra_lines(rows: list[str], entries: list[Entry]) -> list[str]:
-    out = []
-    for row, entry in zip(rows, entries, strict=True):
-        out.append(row)
-        out.extend(reason_text(entry.record)[1:])
-    return out
+    def _with_extra_lines(self, rows: list[str], entries: list[Entry]) -> list[str]:
+        """Each row with the lines under it, and a `watch DIR:` line before a row whose paths are relative to
+        another watch than the row before (as `tail` names each file it follows): with several watches, a
+        relative `run1/ckpt.bpk` alone would not say which tree it is in."""
+        out = []
+        for row, entry in zip(rows, entries, strict=True):
+            watch = entry.record.get("watch")
+            if isinstance(watch, str) and watch and watch != self.watch:
+                out.append(f"watch {printable(watch)}:")
+                self.watch = watch
+            out.append(row)
+            out.extend(reason_text(entry.record)[1:])
+        return out
 
 
 def _follow(
