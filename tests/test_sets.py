@@ -374,6 +374,30 @@ def test_remap_to_a_burn_port_and_back(saves: dict[str, Path], tmp_path: Path) -
         assert (back / name).read_bytes() == (index.parent / name).read_bytes()
 
 
+def test_a_bpk_of_a_set_remapped_on_its_way_back_is_written_as_that_set_under_the_new_names(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """The .bpk carries its set's layout, which names the tensors as the set did; rules applied on the way back
+    rename them. The layout is written under the new names, each tensor in its shard (it was an internal
+    error: the layout named none of the tensors written)."""
+    index = fresh_set(saves, tmp_path / "set")
+    syncd("convert", index, "--modules", saves["modules"])
+    back = tmp_path / "back"
+    back.mkdir()
+    rule = r"^model\.layers\.(\d+)\.=model.blocks.$1."
+    syncd("convert", index.parent / "model.bpk", "-o", back, "--modules", saves["modules"], "--remap", rule)
+    assert sorted(p.name for p in back.iterdir()) == ORIGINAL_FILES
+    original = json.loads(index.read_text())["weight_map"]
+    renamed = {name.replace("model.layers.", "model.blocks.", 1): shard for name, shard in original.items()}
+    assert json.loads((back / "model.safetensors.index.json").read_text())["weight_map"] == renamed
+    for shard in ORIGINAL_FILES[:-1]:
+        before, after = load_file(index.parent / shard), load_file(back / shard)
+        assert {name.replace("model.layers.", "model.blocks.", 1) for name in before} == set(after)
+        assert all(
+            torch.equal(after[name.replace("model.layers.", "model.blocks.", 1)], t) for name, t in before.items()
+        )
+
+
 @pytest.mark.slow
 def test_remap_collision_and_bad_rules_are_refused_in_one_line_with_nothing_written(
     saves: dict[str, Path], tmp_path: Path

@@ -577,7 +577,18 @@ def _output_shards(
         return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index or named_index)
     if carried.shards is None:
         return None
-    layout = carried.shards.restricted_to({name for name, _ in sizes}, dict(sizes))
+    # the carried set names tensors as they were before this conversion's remap rules (store.renames: final
+    # name -> name before the rules)
+    layout = carried.shards.with_names({before: final for final, before in store.renames.items()})
+    unlisted = sorted({name for name, _ in sizes} - set(layout.weight_map()))
+    if unlisted:
+        raise UsageError(
+            f"the sharded set {source.path} records does not name {len(unlisted)} of the tensors written (e.g. "
+            f"'{unlisted[0]}'), so it cannot be written as that set: give --shard-size SIZE to split anew, or "
+            "--shard-size none for one file",
+            str(dest),
+        )
+    layout = layout.restricted_to({name for name, _ in sizes}, dict(sizes))
     if named_index:  # `-o NAME.safetensors.index.json`: that name, and shards named after it
         layout = layout.named_after(dest.name)
     if store.casts or carried.precision is not None:  # the dtypes, so the sizes, are no longer the set's

@@ -403,6 +403,12 @@ class ShardLayout:
             common_metadata=dict(self.common_metadata),
         )
 
+    def with_names(self, new_names: dict[str, str]) -> ShardLayout:
+        """The layout with tensors renamed (old name -> new; names not in `new_names` kept), each in its shard."""
+        if not new_names:
+            return self
+        return replace(self, files=[(file, [new_names.get(n, n) for n in names]) for file, names in self.files])
+
     def indexed(self) -> ShardLayout:
         """The layout written with its index even when it holds one shard (`model-00001-of-00001.safetensors`
         rather than `model.safetensors` alone): where the index's name was asked for."""
