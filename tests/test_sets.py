@@ -19,6 +19,7 @@ import torch
 import yaml
 from convcheck import run_cli
 from daemonutil import REPO, DaemonRun, scratch_files, wait_until
+from formatgen import specs_from_reader, write_bpk
 from hfsets import LLAMA_MODULES, save_llama
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
@@ -396,6 +397,28 @@ def test_a_bpk_of_a_set_remapped_on_its_way_back_is_written_as_that_set_under_th
         assert all(
             torch.equal(after[name.replace("model.layers.", "model.blocks.", 1)], t) for name, t in before.items()
         )
+
+
+def test_a_carried_set_that_does_not_name_every_tensor_is_refused_in_one_line(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A .bpk whose carried layout leaves a tensor out (edited, or written by another tool) is not written as
+    that set with a tensor in no shard: the line says how to write it instead, and nothing is written."""
+    index = fresh_set(saves, tmp_path / "set")
+    syncd("convert", index, "--modules", saves["modules"])
+    with BurnpackReader(index.parent / "model.bpk") as reader:
+        metadata, scalars = dict(reader.header.metadata), reader.header.scalars
+        layout = json.loads(metadata["syncd.shards"])
+        left_out = layout["files"][0][1].pop(0)
+        metadata["syncd.shards"] = json.dumps(layout)
+        write_bpk(tmp_path / "edited.bpk", specs_from_reader(reader), metadata=metadata, scalars=scalars)
+    back = tmp_path / "back"
+    back.mkdir()
+    refused = syncd("convert", tmp_path / "edited.bpk", "-o", back, "--modules", saves["modules"], ok=False)
+    assert f"does not name 1 of the tensors written (e.g. '{left_out}')" in refused.stderr
+    assert "--shard-size" in refused.stderr and list(back.iterdir()) == []
+    syncd("convert", tmp_path / "edited.bpk", "-o", back, "--modules", saves["modules"], "--shard-size", "none")
+    assert left_out in load_file(back / "edited.safetensors")
 
 
 @pytest.mark.slow
