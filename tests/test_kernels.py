@@ -286,6 +286,21 @@ def test_pieces_read_or_copied_into_bands_land_where_each_band_is_a_matrix_of_it
         os.close(fd)
 
 
+@pytest.mark.parametrize(("chunk", "segment"), [(8, 40), (16, 96), (32, 200), (64, 64 * 5), (24, 100), (32, 32 * 3)])
+@pytest.mark.parametrize("count", [1, 15, 16, 17, 50])
+def test_many_pieces_copied_into_bands_land_as_one_by_one(
+    compiled_kernel: Library, chunk: int, segment: int, count: int
+) -> None:
+    """Pieces copied into bands go a few rows at a time, band by band, each band width its own copy: every
+    count around that tile, the common widths and others, a last band narrower than the rest, rows after 3."""
+    stride, first_row, rows = segment + 13, 3, count + 5
+    src = bytes((k * 7 + k // 251) % 256 for k in range(count * stride))
+    pieces = [src[k * stride : k * stride + segment] for k in range(count)]
+    copied = bytearray(rows * segment)
+    compiled_kernel.copy_pieces(src, copied, count, segment, stride, first_row, rows, chunk)
+    assert bytes(copied) == _in_bands(pieces, first_row, rows, chunk, rows * segment)
+
+
 def test_pieces_longer_than_the_staging_buffer_land_in_bands(compiled_kernel: Library, tmp_path: Path) -> None:
     """A piece placed in bands is read through 64 KiB of staging at a time: one of 70,000 bytes in two reads."""
     segment, chunk, stride = 70_000, 4_000, 80_000

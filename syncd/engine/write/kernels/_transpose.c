@@ -320,12 +320,42 @@ EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segmen
     return total;
 }
 
+/* Band j of pieces k0..k1 (as place() lays them out): n bytes of each, from byte at of the piece. A fixed n lets
+ * the compiler turn each copy into a load and a store; the common band widths get one. */
+#define COPY_BAND_ROWS(N)                                                                          \
+    for (isize k = k0; k < k1; k++) memcpy(out + (k - k0) * (N), src + k * stride + at, (size_t)(N))
+static void copy_band_rows(const char *src, char *out, isize k0, isize k1, isize stride, isize at, isize n) {
+    switch (n) {
+    case 8: COPY_BAND_ROWS(8); break;
+    case 16: COPY_BAND_ROWS(16); break;
+    case 32: COPY_BAND_ROWS(32); break;
+    case 64: COPY_BAND_ROWS(64); break;
+    default: COPY_BAND_ROWS(n); break;
+    }
+}
+
+#define TILE_ROWS 16 /* pieces moved together: their bands' parts land as runs of TILE_ROWS * chunk bytes */
+
 /* pread_pieces from memory: piece k from src + k * stride, placed in dst as place() says. The caller has checked
- * the geometry against both buffers. */
+ * the geometry against both buffers. In bands, the pieces go a tile of TILE_ROWS at a time, band by band: piece
+ * after piece, each cut into every band, scattered a few bytes to each of up to a hundred places a band apart (a
+ * Llama lm_head's column group: 3 KiB pieces in bands of 32 bytes), which cost 0.1 s a group of 94 MiB in calls
+ * and cache misses; by tiles, each band receives runs of TILE_ROWS pieces' parts, end to end. */
 EXPORT void syncd_copy_pieces(const void *src, void *dst, isize count, isize segment, isize stride,
                               isize first_row, isize total_rows, isize chunk) {
-    for (isize k = 0; k < count; k++)
-        place((char *)dst, (const char *)src + k * stride, 0, segment, segment, chunk, first_row + k, total_rows);
+    if (chunk >= segment) {
+        for (isize k = 0; k < count; k++)
+            memcpy((char *)dst + (first_row + k) * segment, (const char *)src + k * stride, (size_t)segment);
+        return;
+    }
+    for (isize k0 = 0; k0 < count; k0 += TILE_ROWS) {
+        isize k1 = k0 + TILE_ROWS < count ? k0 + TILE_ROWS : count;
+        for (isize at = 0; at < segment; at += chunk) {
+            isize n = segment - at < chunk ? segment - at : chunk; /* the last band: what is left of the row */
+            char *out = (char *)dst + at * total_rows + (first_row + k0) * n;
+            copy_band_rows((const char *)src, out, k0, k1, stride, at, n);
+        }
+    }
 }
 
 /* With first_word > 0 the pieces are parts of longer ones, from their word first_word on; with add, each sum is
