@@ -288,17 +288,49 @@ def test_pieces_read_or_copied_into_bands_land_where_each_band_is_a_matrix_of_it
 
 @pytest.mark.parametrize(("chunk", "segment"), [(8, 40), (16, 96), (32, 200), (64, 64 * 5), (24, 100), (32, 32 * 3)])
 @pytest.mark.parametrize("count", [1, 15, 16, 17, 50])
-def test_many_pieces_copied_into_bands_land_as_one_by_one(
-    compiled_kernel: Library, chunk: int, segment: int, count: int
+def test_many_pieces_read_or_copied_into_bands_land_as_one_by_one(
+    compiled_kernel: Library, tmp_path: Path, chunk: int, segment: int, count: int
 ) -> None:
-    """Pieces copied into bands go a few rows at a time, band by band, each band width its own copy: every
-    count around that tile, the common widths and others, a last band narrower than the rest, rows after 3."""
+    """Pieces placed in bands go a few rows at a time, band by band, each band width its own copy: every count
+    around that tile, the common widths and others, a last band narrower than the rest, rows after 3."""
     stride, first_row, rows = segment + 13, 3, count + 5
     src = bytes((k * 7 + k // 251) % 256 for k in range(count * stride))
     pieces = [src[k * stride : k * stride + segment] for k in range(count)]
+    expected = _in_bands(pieces, first_row, rows, chunk, rows * segment)
     copied = bytearray(rows * segment)
     compiled_kernel.copy_pieces(src, copied, count, segment, stride, first_row, rows, chunk)
-    assert bytes(copied) == _in_bands(pieces, first_row, rows, chunk, rows * segment)
+    assert bytes(copied) == expected
+    path = tmp_path / "src"
+    path.write_bytes(src)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read = bytearray(rows * segment)
+        assert (
+            compiled_kernel.pread_pieces(fd, read, count, segment, 0, stride, first_row, rows, chunk) == count * segment
+        )
+        assert bytes(read) == expected
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("segment", [96, 40_000, 70_000])  # many to the staging buffer, one, part of one
+def test_pieces_read_into_bands_stop_where_the_file_ends(
+    compiled_kernel: Library, tmp_path: Path, segment: int
+) -> None:
+    """The bytes read up to the end of the file, whole pieces and the part of one, however many the staging
+    buffer holds at once: the caller refuses a short count (the source changed)."""
+    stride, count = segment + 8, 20
+    path = tmp_path / "src"
+    path.write_bytes(bytes(k % 253 for k in range(11 * stride + segment // 2)))  # ends halfway through piece 11
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read = bytearray(count * segment)
+        assert (
+            compiled_kernel.pread_pieces(fd, read, count, segment, 0, stride, 0, count, 16)
+            == 11 * segment + segment // 2
+        )
+    finally:
+        os.close(fd)
 
 
 def test_pieces_longer_than_the_staging_buffer_land_in_bands(compiled_kernel: Library, tmp_path: Path) -> None:

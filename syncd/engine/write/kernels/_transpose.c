@@ -283,43 +283,6 @@ static void place(char *buf, const char *bytes, isize at, isize len, isize segme
 
 #define STAGING_BYTES (64 << 10) /* a piece placed in bands is read through this much at a time, in cache */
 
-/* Every piece whole, or as much as the file holds (a short count means end of file): the bytes read, or -errno.
- * Pieces are placed as place() says: read straight into place when they lie end to end, else through a staging
- * buffer of at most STAGING_BYTES. Their checksums are taken afterwards, over the bands as placed (onepass.py):
- * what is summed is what is transposed, so a piece placed wrong is caught as well as one read wrong. */
-EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segment, long long offset,
-                                    long long stride, isize first_row, isize total_rows, isize chunk) {
-    int direct = chunk >= segment;
-    isize step = direct ? segment : (segment < STAGING_BYTES ? segment : STAGING_BYTES);
-    char *staging = direct ? NULL : malloc((size_t)step);
-    if (!direct && !staging) return -(long long)ENOMEM;
-    long long total = 0;
-    for (isize k = 0; k < count; k++) {
-        for (isize at = 0; at < segment; at += step) {
-            isize len = segment - at < step ? segment - at : step, done = 0;
-            char *part = direct ? (char *)buf + (first_row + k) * segment : staging;
-            while (done < len) {
-                ssize_t n = pread(fd, part + done, (size_t)(len - done), (off_t)(offset + k * stride + at + done));
-                if (n < 0 && errno == EINTR) continue;
-                if (n < 0) {
-                    int error = errno;
-                    free(staging);
-                    return -(long long)error;
-                }
-                if (n == 0) { /* the end of the file: a short count, which the caller refuses */
-                    free(staging);
-                    return total + at + done;
-                }
-                done += n;
-            }
-            if (!direct) place((char *)buf, part, at, len, segment, chunk, first_row + k, total_rows);
-        }
-        total += segment;
-    }
-    free(staging);
-    return total;
-}
-
 /* Band j of pieces k0..k1 (as place() lays them out): n bytes of each, from byte at of the piece. A fixed n lets
  * the compiler turn each copy into a load and a store; the common band widths get one. */
 #define COPY_BAND_ROWS(N)                                                                          \
@@ -334,28 +297,91 @@ static void copy_band_rows(const char *src, char *out, isize k0, isize k1, isize
     }
 }
 
-#define TILE_ROWS 16 /* pieces moved together: their bands' parts land as runs of TILE_ROWS * chunk bytes */
+#define TILE_ROWS 16 /* pieces placed together: their bands' parts land as runs of TILE_ROWS * chunk bytes */
 
-/* pread_pieces from memory: piece k from src + k * stride, placed in dst as place() says. The caller has checked
- * the geometry against both buffers. In bands, the pieces go a tile of TILE_ROWS at a time, band by band: piece
- * after piece, each cut into every band, scattered a few bytes to each of up to a hundred places a band apart (a
- * Llama lm_head's column group: 3 KiB pieces in bands of 32 bytes), which cost 0.1 s a group of 94 MiB in calls
- * and cache misses; by tiles, each band receives runs of TILE_ROWS pieces' parts, end to end. */
-EXPORT void syncd_copy_pieces(const void *src, void *dst, isize count, isize segment, isize stride,
-                              isize first_row, isize total_rows, isize chunk) {
+/* Piece k from src + k * stride, placed as row first_row + k as place() says. In bands, the pieces go a tile of
+ * TILE_ROWS at a time, band by band: piece after piece, each cut into every band, scattered a few bytes to each
+ * of up to a hundred places a band apart (a Llama lm_head's column group: 3 KiB pieces in bands of 32 bytes),
+ * which cost 0.1 s a group of 94 MiB in calls and cache misses; by tiles, each band receives runs of
+ * TILE_ROWS pieces' parts, end to end. */
+static void place_pieces(const char *src, char *dst, isize count, isize segment, isize stride, isize first_row,
+                         isize total_rows, isize chunk) {
     if (chunk >= segment) {
-        for (isize k = 0; k < count; k++)
-            memcpy((char *)dst + (first_row + k) * segment, (const char *)src + k * stride, (size_t)segment);
+        for (isize k = 0; k < count; k++) memcpy(dst + (first_row + k) * segment, src + k * stride, (size_t)segment);
         return;
     }
     for (isize k0 = 0; k0 < count; k0 += TILE_ROWS) {
         isize k1 = k0 + TILE_ROWS < count ? k0 + TILE_ROWS : count;
         for (isize at = 0; at < segment; at += chunk) {
             isize n = segment - at < chunk ? segment - at : chunk; /* the last band: what is left of the row */
-            char *out = (char *)dst + at * total_rows + (first_row + k0) * n;
-            copy_band_rows((const char *)src, out, k0, k1, stride, at, n);
+            copy_band_rows(src, dst + at * total_rows + (first_row + k0) * n, k0, k1, stride, at, n);
         }
     }
+}
+
+/* len bytes at off into part, EINTR and short reads retried: the bytes read (fewer only at the end of the
+ * file), or -errno. */
+static long long read_fully(int fd, char *part, isize len, long long off) {
+    isize done = 0;
+    while (done < len) {
+        ssize_t n = pread(fd, part + done, (size_t)(len - done), (off_t)(off + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return -(long long)errno;
+        if (n == 0) break;
+        done += n;
+    }
+    return done;
+}
+
+/* Every piece whole, or as much as the file holds (a short count means end of file): the bytes read, or -errno.
+ * Pieces are placed as place() says: read straight into place when they lie end to end; in bands, through a
+ * staging buffer of at most STAGING_BYTES, as many pieces at a time as it holds (up to a tile, then placed as
+ * place_pieces does), or a part of one piece at a time when a piece is longer. Their checksums are taken
+ * afterwards, over the bands as placed (onepass.py): what is summed is what is transposed, so a piece placed
+ * wrong is caught as well as one read wrong. */
+EXPORT long long syncd_pread_pieces(int fd, void *buf, isize count, isize segment, long long offset,
+                                    long long stride, isize first_row, isize total_rows, isize chunk) {
+    char *out = (char *)buf;
+    long long total = 0, n;
+    if (chunk >= segment) {
+        for (isize k = 0; k < count; k++) {
+            if ((n = read_fully(fd, out + (first_row + k) * segment, segment, offset + k * stride)) < 0) return n;
+            if ((total += n) < (k + 1) * (long long)segment) break; /* the end of the file */
+        }
+        return total;
+    }
+    isize batch = segment <= STAGING_BYTES ? STAGING_BYTES / segment : 1;
+    batch = batch < TILE_ROWS ? batch : TILE_ROWS;
+    isize step = segment < STAGING_BYTES ? segment : STAGING_BYTES;
+    char *staging = malloc((size_t)(batch * step));
+    if (!staging) return -(long long)ENOMEM;
+    for (isize k0 = 0; k0 < count; k0 += batch) {
+        isize k1 = k0 + batch < count ? k0 + batch : count;
+        for (isize k = k0; k < k1; k++)
+            for (isize at = 0; at < segment; at += step) {
+                isize len = segment - at < step ? segment - at : step;
+                char *part = staging + (batch > 1 ? (k - k0) * segment : 0);
+                if ((n = read_fully(fd, part, len, offset + k * stride + at)) < 0) {
+                    free(staging);
+                    return n;
+                }
+                if ((total += n) < k * (long long)segment + at + len) { /* the end of the file */
+                    free(staging);
+                    return total;
+                }
+                if (batch == 1) place(out, part, at, len, segment, chunk, first_row + k, total_rows);
+            }
+        if (batch > 1) place_pieces(staging, out, k1 - k0, segment, segment, first_row + k0, total_rows, chunk);
+    }
+    free(staging);
+    return total;
+}
+
+/* pread_pieces from memory: piece k from src + k * stride, placed in dst as place() says. The caller has checked
+ * the geometry against both buffers. */
+EXPORT void syncd_copy_pieces(const void *src, void *dst, isize count, isize segment, isize stride,
+                              isize first_row, isize total_rows, isize chunk) {
+    place_pieces((const char *)src, (char *)dst, count, segment, stride, first_row, total_rows, chunk);
 }
 
 /* With first_word > 0 the pieces are parts of longer ones, from their word first_word on; with add, each sum is
