@@ -747,8 +747,9 @@ class OnePass:
     def _read_rows(self, slot: _Slot, group: _Strip, lo: int, hi: int, start: int, row_bytes: int) -> None:
         """`_read_pieces` by whole rows (rows lo:hi from `start` on), a block of them per read, each row's piece
         of the group copied into its bands. A piece of a Llama lm_head's three column groups ([32000, 4096]
-        BF16, 3 KiB of each 8 KiB row): a pread per piece took 59 ms a group, whole rows 42 ms; at a sixth of
-        the row ([16384, 8192] F32, six groups) pieces were faster, 46 ms against 77 ms."""
+        BF16, 3 KiB of each 8 KiB row): a pread per piece took 59 ms a group, whole rows 42 ms (both 45-49 ms
+        once pieces were placed by tiles); at a sixth of the row ([16384, 8192] F32, six groups) pieces are
+        faster, 36 ms against 76 ms."""
         from syncd.engine.write import kernels
 
         rows, item = group.move.matrix[0], group.move.itemsize  # type: ignore[index]
