@@ -27,6 +27,7 @@ class Run:
     maxrss_kib: int
     status: int
     cpu_s: float | None = None  # user + system, from /usr/bin/time
+    user_s: float | None = None  # user alone: what this VM's host faults (system time) do not inflate
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Measurement:
     max_s: float | None = None
     peak_rss_mib: float | None = None
     cpu_s: float | None = None  # median user + system CPU seconds
+    user_s: float | None = None  # median user CPU seconds
     loads: list[float] = field(default_factory=list)  # 1-minute load average before each timed run
     x_cp: float | None = None
     x_cp_fsync: float | None = None
@@ -55,6 +57,8 @@ class Measurement:
             self.peak_rss_mib = max(r.maxrss_kib for r in ok) / 1024
             cpu = [r.cpu_s for r in ok if r.cpu_s is not None]
             self.cpu_s = statistics.median(cpu) if cpu else None
+            user = [r.user_s for r in ok if r.user_s is not None]
+            self.user_s = statistics.median(user) if user else None
 
 
 TIME = "/usr/bin/time"  # GNU time: forks the command from its own small process, reports the child's ru_maxrss
@@ -82,13 +86,13 @@ def run_once(argv: list[str], dst: Path, stderr_path: Path) -> Run:
     code = os.waitstatus_to_exitcode(status)
     if code == 0 and not dst.exists():
         code = -1000
-    maxrss, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
+    maxrss, cpu, user = usage.ru_maxrss, usage.ru_utime + usage.ru_stime, usage.ru_utime
     if wrapped is not argv:
         last = rss_path.read_text().splitlines()[-1:] if rss_path.exists() else []
         fields = last[0].split() if last else []
         with contextlib.suppress(ValueError, IndexError):
-            maxrss, cpu = int(fields[0]), float(fields[1]) + float(fields[2])
-    return Run(seconds, maxrss, code, cpu)
+            maxrss, cpu, user = int(fields[0]), float(fields[1]) + float(fields[2]), float(fields[1])
+    return Run(seconds, maxrss, code, cpu, user)
 
 
 def touch_memory(nbytes: int) -> None:
