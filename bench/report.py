@@ -121,7 +121,7 @@ def evaluate_targets(cases: list[Case], measurements: list[Measurement], daemon:
                         f">= 2.5x faster than torch, {what}",
                         f"{speedup:.2f}x (torch {torch.median_s:.2f} s)",
                         speedup >= 2.5,
-                        _durable_ceiling_note(torch.median_s, m),
+                        "" if speedup >= 2.5 else _durable_ceiling_note(torch.median_s, m),
                     )
                 if case.target == "small":
                     ok = None if m.median_s is None else m.median_s <= 0.35
@@ -153,7 +153,9 @@ def evaluate_targets(cases: list[Case], measurements: list[Measurement], daemon:
 def _durable_ceiling_note(torch_s: float, m: Measurement) -> str:
     """torch's pipeline does not fsync; syncd does. The disk's own time for the bytes, `cp` + fsync less `cp`
     (what the flush alone took), bounds how much faster than torch a writer that fsyncs can be, even one that
-    overlaps all of its work with the flush. Where that bound is under the target, the note says so."""
+    overlaps all of its work with the flush. Where a missed target is beyond that bound, the note says so. The
+    bound is only as good as the run's medians (a `cp` + fsync slowed by the host's page faults makes it look
+    lower than the disk's), so it is given for a missed target only, as what the run measured."""
     if not m.x_cp_fsync or not m.x_cp or not m.median_s:
         return ""
     cp_fsync_s, cp_s = m.median_s / m.x_cp_fsync, m.median_s / m.x_cp
@@ -161,8 +163,8 @@ def _durable_ceiling_note(torch_s: float, m: Measurement) -> str:
     if flush_s <= 0 or torch_s / flush_s >= 2.5:
         return ""
     return (
-        f"out of reach of any writer that fsyncs here: the flush alone (cp + fsync less cp) took {flush_s:.2f} s, "
-        f"torch {torch_s / flush_s:.2f}x that"
+        f"beyond a writer that fsyncs, as measured in this run: the flush alone (cp + fsync less cp) took "
+        f"{flush_s:.2f} s, torch {torch_s / flush_s:.2f}x that"
     )
 
 
