@@ -200,6 +200,40 @@ def test_an_index_named_by_o_is_written_for_one_shard_too(saves: dict[str, Path]
     assert {k: v.tolist() for k, v in tensors.items()} == {k: v.tolist() for k, v in load_file(one_file).items()}
 
 
+def test_a_safetensors_set_converted_to_safetensors_is_written_as_the_same_set(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A set written as safetensors (to cast it, rename or filter its tensors) keeps its shards, as a .bpk made
+    from it carries them back: it was written as one shard under whatever name -o gave, or one plain file."""
+    index = fresh_set(saves, tmp_path / "set")
+    same, named, cast = tmp_path / "same", tmp_path / "named", tmp_path / "cast"
+    for directory in (same, named, cast):
+        directory.mkdir()
+    modules = ("--modules", saves["modules"])
+    syncd("convert", index, "--to", "safetensors", "-o", same, *modules)
+    assert sorted(p.name for p in same.iterdir()) == ORIGINAL_FILES
+    for name in ORIGINAL_FILES:  # what save_pretrained wrote, byte for byte
+        assert (same / name).read_bytes() == (index.parent / name).read_bytes(), name
+
+    syncd("convert", index, "-o", named / "foo.safetensors.index.json", *modules)
+    original = json.loads(index.read_text())["weight_map"]
+    renamed = json.loads((named / "foo.safetensors.index.json").read_text())["weight_map"]
+    assert renamed == {name: shard.replace("model-", "foo-") for name, shard in original.items()}
+
+    syncd("convert", index, "--to", "safetensors", "-o", cast, "--precision", "bf16", *modules)
+    cast_index = json.loads((cast / "model.safetensors.index.json").read_text())
+    assert cast_index["weight_map"] == original
+    tensors = {name: load_file(cast / shard)[name] for name, shard in cast_index["weight_map"].items()}
+    originals = {name: load_file(index.parent / shard)[name] for name, shard in original.items()}
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert all(torch.equal(tensors[k], originals[k].to(torch.bfloat16)) for k in originals)
+    assert cast_index["metadata"]["total_size"] == sum(t.numel() * 2 for t in tensors.values())
+
+    one = tmp_path / "one.safetensors"  # one file, still, when -o names one
+    syncd("convert", index, "-o", one, *modules)
+    assert load_file(one).keys() == originals.keys()
+
+
 def test_an_index_named_by_o_makes_a_set_of_a_file_that_carries_none(tmp_path: Path) -> None:
     """`-o NAME.safetensors.index.json` of a checkpoint that carries no set, without --shard-size, is that index
     and one shard named after it: it wrote one safetensors file (or, from a .pt, a .bpk) under the index's

@@ -544,9 +544,9 @@ def _output_shards(
     specs: list[TensorSpec],
 ) -> ShardLayout | None:
     """The set a safetensors output is written as, or None for one file: `--shard-size` splits anew; a layout
-    carried from the original set is reproduced, unless one file is asked for (`--shard-size none`, or an
-    explicit `-o X.safetensors`). `-o NAME.safetensors.index.json` gets that index, a set of one shard too
-    (it got one plain file, named after the set)."""
+    carried from the original set, or the source's own when it is a safetensors set, is reproduced, unless one
+    file is asked for (`--shard-size none`, or an explicit `-o X.safetensors`). `-o NAME.safetensors.index.json`
+    gets that index, a set of one shard too (it got one plain file, named after the set)."""
     named_one_file = request.dest is not None and dest.name.endswith(".safetensors")
     named_index = request.dest is not None and is_index_name(dest)
     if named_one_file and request.shard_size is not None and target.format.name == SAFETENSORS:
@@ -566,7 +566,12 @@ def _output_shards(
     sizes = [(spec.name, spec.nbytes) for spec in specs]
     if not sizes and (request.shard_size is not None or named_index):
         _refuse_a_set_of_no_tensor(source)
-    if named_index and request.shard_size is None and carried.shards is None:
+    set_layout = carried.shards
+    if set_layout is None and source.sharded is not None and is_index_name(source.path):
+        # a safetensors set written as safetensors (a cast, remap rules, a filter): the same set, as a .bpk made
+        # from it would carry it back (it was written as one shard under the index's name)
+        set_layout = ShardLayout.of(source.sharded)
+    if named_index and request.shard_size is None and set_layout is None:
         # a file that carries no set, asked for as one: a set of one shard and its index, as the daemon writes
         # it with a watch's shard_size (it wrote one safetensors file under the index's name)
         return layout_by_size(sizes, None, dest.name, always_index=True)
@@ -575,11 +580,11 @@ def _output_shards(
         stem = set_stem(source.path) if is_set_index(source.path) else checkpoint_stem(source.path)
         index_name = dest.name if is_index_name(dest) else f"{stem}{INDEX_SUFFIX}"
         return layout_by_size(sizes, request.shard_size, index_name, always_index=request.always_index or named_index)
-    if carried.shards is None:
+    if set_layout is None:
         return None
     # the carried set names tensors as they were before this conversion's remap rules (store.renames: final
     # name -> name before the rules)
-    layout = carried.shards.with_names({before: final for final, before in store.renames.items()})
+    layout = set_layout.with_names({before: final for final, before in store.renames.items()})
     unlisted = sorted({name for name, _ in sizes} - set(layout.weight_map()))
     if unlisted:
         raise UsageError(
