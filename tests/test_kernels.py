@@ -286,13 +286,16 @@ def test_pieces_read_or_copied_into_bands_land_where_each_band_is_a_matrix_of_it
         os.close(fd)
 
 
-@pytest.mark.parametrize(("chunk", "segment"), [(8, 40), (16, 96), (32, 200), (64, 64 * 5), (24, 100), (32, 32 * 3)])
+@pytest.mark.parametrize(
+    ("chunk", "segment"), [(8, 40), (16, 96), (32, 200), (64, 64 * 5), (24, 100), (32, 32 * 3), (4096, 40_000)]
+)
 @pytest.mark.parametrize("count", [1, 15, 16, 17, 50])
 def test_many_pieces_read_or_copied_into_bands_land_as_one_by_one(
     compiled_kernel: Library, tmp_path: Path, chunk: int, segment: int, count: int
 ) -> None:
     """Pieces placed in bands go a few rows at a time, band by band, each band width its own copy: every count
-    around that tile, the common widths and others, a last band narrower than the rest, rows after 3."""
+    around that tile, the common widths and others, a last band narrower than the rest, rows after 3; read, as
+    many pieces as the staging buffer holds at a time (one, for pieces of 40,000 bytes)."""
     stride, first_row, rows = segment + 13, 3, count + 5
     src = bytes((k * 7 + k // 251) % 256 for k in range(count * stride))
     pieces = [src[k * stride : k * stride + segment] for k in range(count)]
