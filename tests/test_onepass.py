@@ -290,13 +290,13 @@ WHOLE: dict[str, int] = {}
 STRIPS = {"slot_bytes": 8192, "strip_bytes": 16384, "workers": 3}
 COLUMNS = {**STRIPS, "min_column_piece": 8}
 BANDS = {**COLUMNS, "band_bytes": 300 * 4 * 5}
-# groups of a third of a row or more (a.weight: 60, 60 and 50 columns of 170) are read by whole rows, 6 a block;
-# b.weight's ([64, 1000]: 280 columns a group) still a piece at a time
+# wide groups (a.weight: 60, 60 and 50 columns of 170, a third of a row or more, once read by whole rows) and
+# b.weight's ([64, 1000]: 280 columns a group), a piece at a time like the others, a block of 4 KiB
 WIDE = {**COLUMNS, "strip_bytes": 300 * 4 * 60, "block_bytes": 4096}
 GEOMETRIES = pytest.mark.parametrize(
     "geometry",
     [WHOLE, STRIPS, COLUMNS, BANDS, WIDE],
-    ids=["whole", "strips", "columns", "columns in bands", "columns by whole rows"],
+    ids=["whole", "strips", "columns", "columns in bands", "wide column groups"],
 )
 
 
@@ -503,7 +503,7 @@ def test_a_first_column_group_taken_wrong_from_the_read_for_the_hash_is_caught(
     assert_pass_fails(source, tmp_path, SourceChangedError, "changed while it was being converted", **COLUMNS)
 
 
-@pytest.mark.parametrize("layout", [COLUMNS, BANDS, WIDE], ids=["one band", "bands", "whole rows"])
+@pytest.mark.parametrize("layout", [COLUMNS, BANDS, WIDE], ids=["one band", "bands", "wide groups"])
 @pytest.mark.parametrize("placer", ["pread_pieces", "copy_pieces"])
 def test_a_piece_placed_wrong_in_the_strip_buffer_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: dict[str, int], placer: str

@@ -706,7 +706,7 @@ class OnePass:
             item = move.itemsize
             lo, hi = group.share(part, rows)
             if hi > lo and not group.hashed:
-                self._read_pieces(slot, group, lo, hi, move.src_offset + (lo * cols + group.first) * item, cols * item)
+                self._read_pieces(group, lo, hi, move.src_offset + (lo * cols + group.first) * item, cols * item)
             self._wait_for_parts(group)
             b0, b1 = group.share(part, -(-group.count // group.band))
             for first in range(b0 * group.band, min(b1 * group.band, group.count), group.band):
@@ -719,18 +719,21 @@ class OnePass:
             group.leave(self._strips)
         bound.done(self.src_path)
 
-    def _read_pieces(self, slot: _Slot, group: _Strip, lo: int, hi: int, offset: int, stride: int) -> None:
+    def _read_pieces(self, group: _Strip, lo: int, hi: int, offset: int, stride: int) -> None:
         """Rows lo:hi's pieces of the group, from `offset` on, `stride` apart, into its bands (not hashed:
-        _hash_rows hashes these bytes). Pieces of a third of a row or more: whole rows read a block at a time
-        and the pieces copied out (`_read_rows`). Else one call of the compiled kernel, a pread per piece,
-        unless a test stands in the seam's reads (each piece then read through it, placed by copy_pieces)."""
+        _hash_rows hashes these bytes): one call of the compiled kernel, a pread per piece, unless a test stands
+        in the seam's reads (each piece then read through it, placed by copy_pieces).
+
+        Wide groups were read by whole rows, a block at a time, and their pieces copied out, while placing a
+        piece in its bands cost a copy per band: a Llama lm_head's group ([32000, 4096] BF16, 3 KiB of each 8 KiB
+        row) took 59 ms by pieces against 42 ms by rows. Once pieces were placed by tiles, pieces took 45 ms
+        against 49 ms, and 36 ms against 76 ms at a sixth of the row ([16384, 8192] F32), and whole rows read
+        the whole tensor again for every group: 2.25 GiB read for 1 GiB of [8192, 8192] F32 Linears, 1.63 GiB
+        by pieces."""
         from syncd.engine.write import kernels
 
         rows, count, item = group.move.matrix[0], hi - lo, group.move.itemsize  # type: ignore[index]
         segment, chunk = group.count * item, group.band * item
-        if 3 * segment >= stride and stride <= self.block_bytes:
-            self._read_rows(slot, group, lo, hi, offset - group.first * item, stride)
-            return
         if self.seam.read is not _preadv:
             piece = memoryview(bytearray(segment))
             for k in range(count):
@@ -743,23 +746,6 @@ class OnePass:
             raise FormatError(f"cannot read: {exc.strerror}", self.src_path) from None
         if done < count * segment:
             raise source_changed(self.src_path, "truncated")  # it held these bytes when opened
-
-    def _read_rows(self, slot: _Slot, group: _Strip, lo: int, hi: int, start: int, row_bytes: int) -> None:
-        """`_read_pieces` by whole rows (rows lo:hi from `start` on), a block of them per read, each row's piece
-        of the group copied into its bands. A piece of a Llama lm_head's three column groups ([32000, 4096]
-        BF16, 3 KiB of each 8 KiB row): a pread per piece took 59 ms a group, whole rows 42 ms (both 45-49 ms
-        once pieces were placed by tiles); at a sixth of the row ([16384, 8192] F32, six groups) pieces are
-        faster, 36 ms against 76 ms."""
-        from syncd.engine.write import kernels
-
-        rows, item = group.move.matrix[0], group.move.itemsize  # type: ignore[index]
-        at, segment, chunk = group.first * item, group.count * item, group.band * item
-        per = self.block_bytes // row_bytes
-        for r0 in range(lo, hi, per):
-            n = min(per, hi - r0)
-            data = slot.src(n * row_bytes)
-            self._pread(data, start + (r0 - lo) * row_bytes)
-            kernels.copy_pieces(data[at:], group.buffer, n, segment, row_bytes, r0, rows, chunk)
 
     def _filled(self, strip: _Strip) -> None:
         """A job's rows are in the strip buffer."""
