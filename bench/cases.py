@@ -49,6 +49,7 @@ NAIVE = ("naive", "naive (load, .T, save)", "st", ".safetensors")
 COMMANDS = [
     ("cp", "cp", "st", ".safetensors"),
     ("cp_fsync", "cp + fsync", "st", ".safetensors"),
+    ("disk", "disk write (O_DIRECT)", "st", ".safetensors"),
     ("torch", "torch (load, .t(), save)", "st", ".safetensors"),
     ("syncd_to_bpk", "syncd pytorch->burn", "st", ".bpk"),
     ("syncd_to_bpk" + NUMPY, "syncd pytorch->burn, numpy kernel", "st", ".bpk"),
@@ -83,6 +84,8 @@ def command_argv(key: str, src: Path, dst: Path, syncd: SyncdUnderTest) -> list[
         return ["sh", "-c", 'cp --reflink=never -- "$1" "$2" && sync -- "$2"', "sh", str(src), str(dst)]
     if key.startswith("cp"):
         return ["cp", "--reflink=never", "--", str(src), str(dst)]
+    if key == "disk":
+        return [PYTHON, str(BENCH / "diskwrite.py"), str(src), str(dst)]
     if key == "naive":
         return [PYTHON, str(BENCH / "naive.py"), str(src), str(dst)]
     if key == "torch":

@@ -10,6 +10,7 @@ For every synthetic checkpoint (see gen.py) it measures, each as a subprocess:
   in-kernel copy, and does not fsync.)
 - `cp --reflink=never SRC DST && sync DST`: the same plus an fsync of the copy, because `syncd convert`
   fsyncs its output (and the directory) before publishing. Reported as a second floor.
+- diskwrite.py: as many bytes as the source written with O_DIRECT, then fsync: the disk's own time for them.
 - the naive pipeline (naive.py): safetensors load_file, np.ascontiguousarray(w.T), save_file (BF16 through
   safetensors.torch, since numpy has no bfloat16).
 - the torch pipeline (naive.py --torch): the same three steps with safetensors.torch and `w.t().contiguous()`,
