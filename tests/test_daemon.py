@@ -159,6 +159,34 @@ def test_ready_and_status_on_notify_socket_then_sigterm_exits_0(make_daemon: Cal
     assert [r["status"] for r in run.records()] == ["started", "stopped"]
 
 
+def test_start_up_and_reloads_ask_systemd_for_more_time_until_ready(make_daemon: Callable[..., DaemonRun]) -> None:
+    """A start-up scan of a large tree can outlast TimeoutStartSec, and a unit killed for it restarts into the
+    same scan: until READY=1, the daemon extends the start timeout first thing and at every beat of its walks
+    (here the first file of each: the stale-scratch sweep and the scan); after it, never but in a reload."""
+    run = make_daemon()
+    write_file(run.watch_dir("runs") / "old.safetensors", Linear(1).bytes())
+    run.start()
+    firsts = [lines[0] for lines in run.receive()]
+    until_ready = firsts[: firsts.index("READY=1")]
+    extension = f"EXTEND_TIMEOUT_USEC={30 * 1_000_000}"
+    assert until_ready[0] == extension
+    assert until_ready.count(extension) >= 3  # at the start, and as each of the two walks begins
+    run.wait_for("converted", [run.root / "runs" / "old.safetensors"])
+    wait_until(lambda: len([n for n in run.receive() if n[0].startswith("STATUS=")]) >= 4, 30, "STATUS= updates")
+    before = len(run.receive())
+    serving = [lines[0] for lines in run.receive()][firsts.index("READY=1") :]
+    assert not [note for note in serving if note.startswith("EXTEND_TIMEOUT_USEC=")]
+    run.send(signal.SIGHUP)
+
+    def reloaded() -> list[str] | None:
+        after = [lines[0] for lines in run.receive()[before:]]
+        return after if "RELOADING=1" in after and "READY=1" in after[after.index("RELOADING=1") :] else None
+
+    after = wait_until(reloaded, 30, "RELOADING=1 then READY=1")
+    assert extension in after[after.index("RELOADING=1") : after.index("READY=1")]  # the reload's scan
+    stop_cleanly(run)
+
+
 def test_sighup_with_a_new_watch_serves_it(daemon: DaemonRun) -> None:
     runs, more = daemon.watch_dir("runs"), daemon.watch_dir("more")
     daemon.write_config([{"path": "runs"}, {"path": "more"}])

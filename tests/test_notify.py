@@ -41,6 +41,8 @@ def test_each_message(listener: socket.socket) -> None:
     assert received(listener) == ["WATCHDOG=1"]
     assert notify.stopping()
     assert received(listener) == ["STOPPING=1"]
+    assert notify.extend_timeout(2.5)
+    assert received(listener) == ["EXTEND_TIMEOUT_USEC=2500000"]  # microseconds, as sd_notify(3) wants
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     assert notify.reloading()
     reloading, monotonic = received(listener)

@@ -58,6 +58,13 @@ def ready(status_text: str | None = None) -> bool:
     return notify("READY=1", f"MAINPID={os.getpid()}", *extra)
 
 
+def extend_timeout(seconds: float) -> bool:
+    """Still starting (or reloading): systemd's start timeout (TimeoutStartSec, 90 s by default) is pushed to
+    `seconds` from now. A start-up scan of a large tree may take longer than the timeout, and a unit killed
+    for it is restarted into the same scan, again and again; one that stops scanning stops extending."""
+    return notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
+
 def status(text: str) -> bool:
     """A one-line status shown by `systemctl status`."""
     return notify(f"STATUS={one_line(text)}")

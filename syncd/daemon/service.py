@@ -18,7 +18,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from syncd.daemon import claims, notify
@@ -49,6 +49,8 @@ log = logging.getLogger("syncd")
 
 STOP_GRACE_SECONDS = 3.0  # systemd's TimeoutStopSec is larger; tests expect an exit within 5 s
 TICK_SECONDS = 1.0
+# until READY=1, every tick asks systemd for this much more time to start (notify.extend_timeout)
+START_EXTENSION_SECONDS = 30.0
 # an empty scratch file younger than this may be between its creation and its lock: a scan leaves it alone
 
 
@@ -72,6 +74,7 @@ class Daemon:
         self.shared: dict[Path, str] = {}  # watches other nodes write to -> their filesystem's name
         self._wake = Wakeup()
         self._stop = False
+        self._until_ready = True  # starting, or reloading: READY=1 not yet sent
         self._reload = False
         self._retry = False
         self._stuck_reported: set[tuple[str, Path]] = set()
@@ -148,6 +151,7 @@ class Daemon:
     # -- life cycle
 
     def start(self) -> None:
+        notify.extend_timeout(START_EXTENSION_SECONDS)
         self._clean_stale_scratch()
         self._start_watcher()
         self.queue.start()
@@ -159,7 +163,7 @@ class Daemon:
             host=claims.this_node(),  # (which node this log is of, where several share a tree; pids repeat in
             pid=os.getpid(),  # containers)
         )
-        notify.ready(self._status())
+        self._ready()
 
     def _start_watcher(self) -> None:
         """Watch every tree of the current configuration (at start-up and after a reload)."""
@@ -208,7 +212,8 @@ class Daemon:
         directories: set[Path] = set()
         for watch in self.config.watches:
             for root in filter(os.path.isdir, filter(None, (watch.path, watch.mirror))):
-                directories.update(p.parent for p in walk_files(root, watch.recursive) if is_scratch_name(p.name))
+                walk = self._beating(walk_files(root, watch.recursive))
+                directories.update(p.parent for p in walk if is_scratch_name(p.name))
         for directory in directories:
             for removed in remove_stale_scratch(directory):
                 self.synclog.log(
@@ -227,13 +232,7 @@ class Daemon:
         queued = 0
         if root != watch.path and not os.path.isdir(root):
             return queued  # a directory made and removed again before its scan (a trainer's rotation): nothing
-        beat = time.monotonic() + TICK_SECONDS
-        for path in walk_files(root, watch.recursive, on_limit=self._walk_limit):
-            if time.monotonic() >= beat:
-                if self._stop:
-                    break  # the rest is for the next start's scan
-                self._beat()
-                beat = time.monotonic() + TICK_SECONDS
+        for path in self._beating(walk_files(root, watch.recursive, on_limit=self._walk_limit)):
             if not is_candidate(watch, path):
                 self._remove_if_left_over(path)
                 continue
@@ -283,10 +282,28 @@ class Daemon:
 
     def _beat(self) -> None:
         """What the main loop does every tick besides its work: the watchdog ping while the workers are well,
-        and the status."""
+        and the status; before READY=1 (a start-up or reload scanning a large tree), more time to get there."""
+        if self._until_ready:
+            notify.extend_timeout(START_EXTENSION_SECONDS)
         if self._workers_healthy():
             notify.watchdog()
         notify.status(self._status())
+
+    def _ready(self) -> None:
+        self._until_ready = False
+        notify.ready(self._status())
+
+    def _beating(self, paths: Iterable[Path]) -> Iterator[Path]:
+        """`paths` (a walk of a tree: many seconds on a large one), with the loop's own duties done at its start
+        and every tick meanwhile (_beat); ends early for SIGTERM (the rest is for the next start's scan)."""
+        beat = time.monotonic()
+        for path in paths:
+            if time.monotonic() >= beat:
+                if self._stop:
+                    return
+                self._beat()
+                beat = time.monotonic() + TICK_SECONDS
+            yield path
 
     def _workers_healthy(self) -> bool:
         """False while a worker has been on one file for `stuck_worker_seconds` without progress: the watchdog
@@ -409,6 +426,7 @@ class Daemon:
         """Apply a changed configuration. Nothing in it can end the daemon: any failure is one line and the
         running configuration stays. Settings only a restart applies are named in the `reloaded` line."""
         notify.reloading()
+        self._until_ready = True
         self._config_stamp = _file_stamp(self.config.path)
         try:
             new = load_config(self.config.path)
@@ -421,7 +439,7 @@ class Daemon:
                 config=where or str(self.config.path),
                 reason=f"reload refused, keeping the running configuration: {what}",
             )
-            notify.ready(self._status())
+            self._ready()
             return
         pending = self.config.restart_settings_changed(new)
         new = new.keeping_restart_settings(self.config)
@@ -440,7 +458,7 @@ class Daemon:
                 config=str(running.path),
                 reason=f"reload failed, keeping the running configuration: {one_line(exc)}",
             )
-            notify.ready(self._status())
+            self._ready()
             return
         # refusals a setting decides (ambiguous layout, missing module map, on_exists) are looked at again
         self._retry_config_failures()
@@ -449,7 +467,7 @@ class Daemon:
         if pending:
             reason += f"; {', '.join(pending)} changed but take effect only after a restart"
         self.synclog.log(Status.RELOADED, reason=reason, config=str(new.path))
-        notify.ready(self._status())
+        self._ready()
 
     def _apply(self, new: Config) -> None:
         if self.watcher is not None:
