@@ -339,6 +339,9 @@ def test_an_unprivileged_daemon_skips_what_it_cannot_read_and_serves_the_rest(tm
                 f"syncd retry -c {run.config_path}" in skipped["reason"] and "syncd@root.service" in skipped["reason"]
             )
             assert any("cannot list" in r.get("reason", "") for r in run.statuses("skipped", closed_dir))
+            # one line in the journal for it, not one per walk of the start-up (stale-scratch sweep, scan)
+            (said,) = [line for line in run.stderr().splitlines() if str(closed_dir) in line]
+            assert said.endswith(f"skipped {closed_dir}: not scanned: cannot list the directory (Permission denied)")
             assert os.stat(runs / "readable.bpk").st_uid == NOBODY
             assert not (runs / "unreadable.bpk").exists()
             os.chmod(unreadable, 0o644)  # the fix a person makes: the attribute change alone brings it back

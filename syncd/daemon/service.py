@@ -54,6 +54,10 @@ START_EXTENSION_SECONDS = 30.0
 # an empty scratch file younger than this may be between its creation and its lock: a scan leaves it alone
 
 
+def _say_nothing(path: Path, reason: str) -> None:
+    """An `on_limit` for a walk whose limits another walk reports."""
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -212,7 +216,9 @@ class Daemon:
         directories: set[Path] = set()
         for watch in self.config.watches:
             for root in filter(os.path.isdir, filter(None, (watch.path, watch.mirror))):
-                walk = self._beating(walk_files(root, watch.recursive))
+                # a directory of the tree it cannot list is said once, by the scan that follows
+                quiet = _say_nothing if root == watch.path else None
+                walk = self._beating(walk_files(root, watch.recursive, on_limit=quiet))
                 directories.update(p.parent for p in walk if is_scratch_name(p.name))
         for directory in directories:
             for removed in remove_stale_scratch(directory):

@@ -371,24 +371,21 @@ def walk_files(
 ) -> Iterator[Path]:
     """Every entry below `root` that is not a directory (symlinks, FIFOs and the like included, so the
     caller can report them), iteratively (deep trees cannot exhaust the stack), never following a symlink,
-    never descending past `max_depth` levels (reported through `on_limit`)."""
+    never descending past `max_depth` levels. What is not walked (too deep, a directory it cannot list) goes
+    to `on_limit`, which says it; without one, a directory it cannot list is a warning here."""
     stack = [(root, 0)]
     while stack:
         directory, depth = stack.pop()
         try:
             entries = list(os.scandir(directory))
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            if directory != root:
+        except OSError as exc:
+            if directory != root and isinstance(exc, FileNotFoundError | NotADirectoryError):
                 # removed since it was seen (a trainer rotating its checkpoint directories): nothing to scan
                 log.debug("%s is gone: not scanned", directory)
                 continue
-            log.warning("cannot list %s: %s", directory, exc.strerror)  # the watched tree itself: said
-            if on_limit is not None:
-                on_limit(directory, f"not scanned: cannot list the directory ({exc.strerror})")
-            continue
-        except OSError as exc:
-            log.warning("cannot list %s: %s", directory, exc.strerror)
-            if on_limit is not None:
+            if on_limit is None:
+                log.warning("cannot list %s: %s", directory, exc.strerror)
+            else:  # one line for one directory: the caller's (a scan's `skipped` record)
                 on_limit(directory, f"not scanned: cannot list the directory ({exc.strerror})")
             continue
         for entry in entries:
