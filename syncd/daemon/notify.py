@@ -27,8 +27,15 @@ def _address(value: str) -> str | bytes | None:
     return None  # e.g. vsock: addresses of newer systemd, for VMs; syncd does not run there
 
 
-def notify(*assignments: str) -> bool:
-    """Send `KEY=value` assignments in one datagram; True if it was sent."""
+# How long a message systemd must not miss (READY=1, RELOADING=1, STOPPING=1) waits for room on a full socket.
+# A socket holds only so many datagrams (net.unix.max_dgram_qlen: 10 by default, 512 under systemd's sysctl.d);
+# dropped, READY=1 would leave the unit "activating" until its start timeout killed it.
+STATE_CHANGE_WAIT_SECONDS = 5.0
+
+
+def notify(*assignments: str, wait: float = 0.0) -> bool:
+    """Send `KEY=value` assignments in one datagram; True if it was sent. On a full socket the message is
+    dropped, unless `wait` > 0: then it waits that long for room."""
     target = os.environ.get("NOTIFY_SOCKET")
     if not target:
         return False
@@ -40,11 +47,20 @@ def notify(*assignments: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.connect(address)
-            # never block the main thread (it is the one that pings): a reader that stopped reading loses
-            # a status line, not the daemon
-            sock.send(message, socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        log.debug("systemd's notify socket %s is full; a notification was dropped", target)
+            if wait > 0:
+                sock.settimeout(wait)
+                sock.send(message)
+            else:
+                # never block the main thread (it is the one that pings): a reader that stopped reading loses
+                # a status line, not the daemon
+                sock.send(message, socket.MSG_DONTWAIT)
+    except (BlockingIOError, TimeoutError):
+        log.log(
+            logging.WARNING if wait > 0 else logging.DEBUG,
+            "systemd's notify socket %s is full; %s dropped",
+            target,
+            assignments[0],
+        )
         return False
     except OSError as exc:
         log.warning("could not notify systemd at %s: %s", target, exc)
@@ -55,39 +71,37 @@ def notify(*assignments: str) -> bool:
 def ready(status_text: str | None = None) -> bool:
     """Startup is complete: systemd considers the service started (Type=notify)."""
     extra = [f"STATUS={one_line(status_text)}"] if status_text else []
-    return notify("READY=1", f"MAINPID={os.getpid()}", *extra)
+    return notify("READY=1", f"MAINPID={os.getpid()}", *extra, wait=STATE_CHANGE_WAIT_SECONDS)
 
 
-def extend_timeout(seconds: float) -> bool:
-    """Still starting (or reloading): systemd's start timeout (TimeoutStartSec, 90 s by default) is pushed to
-    `seconds` from now. A start-up scan of a large tree may take longer than the timeout, and a unit killed
-    for it is restarted into the same scan, again and again; one that stops scanning stops extending."""
-    return notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
-
-
-def status(text: str) -> bool:
-    """A one-line status shown by `systemctl status`."""
-    return notify(f"STATUS={one_line(text)}")
-
-
-def watchdog() -> bool:
-    """Still alive; must be sent more often than WatchdogSec (see watchdog_interval)."""
-    return notify("WATCHDOG=1")
+def beat(status_text: str, alive: bool, starting: float | None = None) -> bool:
+    """The main loop's tick, one datagram: a one-line status for `systemctl status`; WATCHDOG=1 when `alive`
+    (to be sent more often than WatchdogSec, see watchdog_interval); and with `starting`, before READY=1,
+    systemd's start timeout (TimeoutStartSec, 90 s by default) pushed to that many seconds from now: a
+    start-up scan of a large tree may take longer than the timeout, and a unit killed for it is restarted into
+    the same scan, again and again; one that stops scanning stops extending."""
+    assignments = [f"STATUS={one_line(status_text)}"]
+    if alive:
+        assignments.append("WATCHDOG=1")
+    if starting is not None:
+        assignments.append(f"EXTEND_TIMEOUT_USEC={int(starting * 1_000_000)}")
+    return notify(*assignments)
 
 
 def reloading() -> bool:
     """A configuration reload has begun; send ready() when it is done. MONOTONIC_USEC lets systemd >= 253
     tell this reload from an earlier one."""
-    return notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+    monotonic = f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"
+    return notify("RELOADING=1", monotonic, wait=STATE_CHANGE_WAIT_SECONDS)
 
 
 def stopping() -> bool:
     """Shutdown has begun."""
-    return notify("STOPPING=1")
+    return notify("STOPPING=1", wait=STATE_CHANGE_WAIT_SECONDS)
 
 
 def watchdog_interval() -> float | None:
-    """Seconds between watchdog() calls: half of $WATCHDOG_USEC, as sd_watchdog_enabled(3) advises; None when
+    """Seconds between watchdog pings (beat): half of $WATCHDOG_USEC, as sd_watchdog_enabled(3) advises; None when
     the watchdog is off or is meant for another process ($WATCHDOG_PID)."""
     usec_text = os.environ.get("WATCHDOG_USEC")
     if not usec_text:

@@ -49,7 +49,7 @@ log = logging.getLogger("syncd")
 
 STOP_GRACE_SECONDS = 3.0  # systemd's TimeoutStopSec is larger; tests expect an exit within 5 s
 TICK_SECONDS = 1.0
-# until READY=1, every tick asks systemd for this much more time to start (notify.extend_timeout)
+# until READY=1, every tick asks systemd for this much more time to start (notify.beat)
 START_EXTENSION_SECONDS = 30.0
 # an empty scratch file younger than this may be between its creation and its lock: a scan leaves it alone
 
@@ -155,7 +155,7 @@ class Daemon:
     # -- life cycle
 
     def start(self) -> None:
-        notify.extend_timeout(START_EXTENSION_SECONDS)
+        self._beat()  # (before READY=1: more time to start, first of all)
         self._clean_stale_scratch()
         self._start_watcher()
         self.queue.start()
@@ -289,11 +289,8 @@ class Daemon:
     def _beat(self) -> None:
         """What the main loop does every tick besides its work: the watchdog ping while the workers are well,
         and the status; before READY=1 (a start-up or reload scanning a large tree), more time to get there."""
-        if self._until_ready:
-            notify.extend_timeout(START_EXTENSION_SECONDS)
-        if self._workers_healthy():
-            notify.watchdog()
-        notify.status(self._status())
+        starting = START_EXTENSION_SECONDS if self._until_ready else None
+        notify.beat(self._status(), alive=self._workers_healthy(), starting=starting)
 
     def _ready(self) -> None:
         self._until_ready = False
